@@ -1,0 +1,40 @@
+"""Pallas-Flash: fused attention for TPU, one API over pluggable backends.
+
+Quick start::
+
+    import pallas_flash as pf
+
+    out = pf.attention(q, k, v, causal=True)            # [batch, heads, seq, head_dim]
+    out = pf.attention(q, k, v, backend="xla")          # pick a backend by name
+    tok = pf.decode(q1, k_cache, v_cache, lengths)      # one token against a KV cache
+    [info.name for info in pf.list_backends()]
+"""
+
+from pallas_flash.api import attention, decode
+from pallas_flash.backend import Backend, BackendInfo
+from pallas_flash.capabilities import Capability
+from pallas_flash.dot_product_attention import dot_product_attention
+from pallas_flash.errors import BackendNotFoundError, InvalidInputError, UnsupportedFeatureError
+from pallas_flash.hookspecs import hookimpl
+from pallas_flash.registry import get_backend, list_backends, register_plugin, unregister_plugin
+from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
+
+__all__ = [
+    "AttentionSpec",
+    "Backend",
+    "BackendInfo",
+    "BackendNotFoundError",
+    "Capability",
+    "DecodeSpec",
+    "InvalidInputError",
+    "SegmentIds",
+    "UnsupportedFeatureError",
+    "attention",
+    "decode",
+    "dot_product_attention",
+    "get_backend",
+    "hookimpl",
+    "list_backends",
+    "register_plugin",
+    "unregister_plugin",
+]

@@ -1,0 +1,179 @@
+"""``pf.attention`` and ``pf.decode``: validate once, pick a backend, call it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash import validation
+from pallas_flash.capabilities import Capability, as_capabilities
+from pallas_flash.errors import UnsupportedFeatureError
+from pallas_flash.registry import select_backend
+from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
+from pallas_flash.validation import AttentionDims
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    segment_ids: SegmentIds | None = None,
+    sliding_window: int | tuple[int, int] | None = None,
+    softcap: float | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention, ``softmax(q @ k^T * sm_scale) @ v``.
+
+    Args:
+      q: ``[batch, q_heads, q_len, head_dim]``.
+      k: ``[batch, kv_heads, kv_len, head_dim]``, same floating dtype as q;
+        ``q_heads % kv_heads == 0`` (GQA; ``kv_heads == 1`` is MQA).
+      v: ``[batch, kv_heads, kv_len, head_dim]``, same dtype as q.
+      causal: query ``i`` sees key ``j`` iff ``j <= i + (kv_len - q_len)`` (queries aligned
+        to the end of the keys).
+      sm_scale: score scale; default ``1 / sqrt(head_dim)``.
+      segment_ids: a query sees only keys with the same segment id.
+      sliding_window: ``w`` or ``(left, right)``: the query at aligned position
+        ``p = i + kv_len - q_len`` sees keys ``p - left <= j <= p + right``; with causal,
+        ``right = 0``.
+      softcap: if set, ``scores = softcap * tanh(scores / softcap)`` before masking.
+      backend: backend name; default: ``$PALLAS_FLASH_BACKEND``, else the best installed
+        backend for the current platform.
+
+    Returns:
+      ``[batch, q_heads, q_len, head_dim]`` in the dtype of q. A query that sees no key gives
+      zeros. Differentiable with respect to q, k and v where the backend declares ``grad``.
+
+    Raises:
+      InvalidInputError: a malformed argument (the message names it).
+      UnsupportedFeatureError: the backend lacks a feature the call uses.
+      BackendNotFoundError: the backend is not installed.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    dims = validation.check_qkv(q, k, v)
+    causal = validation.check_causal(causal)
+    spec = AttentionSpec(
+        sm_scale=validation.check_sm_scale(sm_scale, dims.head_dim),
+        causal=causal,
+        q_offset=dims.kv_len - dims.q_len,
+        window=validation.check_window(sliding_window, causal=causal),
+        softcap=validation.check_softcap(softcap),
+    )
+    if segment_ids is not None:
+        segment_ids = validation.check_segment_ids(segment_ids, dims)
+    return run_attention(q, k, v, spec, dims, backend=backend, segment_ids=segment_ids)
+
+
+def attention_features(
+    spec: AttentionSpec,
+    dims: AttentionDims,
+    *,
+    segment_ids: Any = None,
+    bias: Any = None,
+    mask: Any = None,
+) -> frozenset[Capability]:
+    """The capabilities one attention call needs (``grad`` is checked when differentiating)."""
+    used = {
+        Capability.ATTENTION: True,
+        Capability.CAUSAL: spec.causal,
+        Capability.GQA: dims.q_heads != dims.kv_heads,
+        Capability.SEGMENT_IDS: segment_ids is not None,
+        Capability.SLIDING_WINDOW: spec.window is not None,
+        Capability.SOFTCAP: spec.softcap is not None,
+        Capability.BIAS: bias is not None,
+        Capability.MASK: mask is not None,
+    }
+    return frozenset(feature for feature, needed in used.items() if needed)
+
+
+def run_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    spec: AttentionSpec,
+    dims: AttentionDims,
+    *,
+    backend: str | None,
+    segment_ids: SegmentIds | None = None,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """Selects the backend for validated inputs (``[batch, heads, seq, head_dim]``) and calls it."""
+    features = attention_features(spec, dims, segment_ids=segment_ids, bias=bias, mask=mask)
+    impl = select_backend(backend, features)
+
+    def call(q, k, v, segment_ids, bias, mask):
+        return impl.attention(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask)
+
+    if Capability.GRAD not in as_capabilities(impl.capabilities):
+        call = _gradient_raises(call, impl.name)
+    return call(q, k, v, segment_ids, bias, mask)
+
+
+def _gradient_raises(fn, backend_name: str):
+    """Wraps ``fn`` so that differentiating it raises UnsupportedFeatureError."""
+
+    @jax.custom_vjp
+    def wrapped(*args):
+        return fn(*args)
+
+    def forward(*args):
+        return fn(*args), None
+
+    def backward(_, cotangent):
+        raise UnsupportedFeatureError(
+            f"backend {backend_name!r} does not support grad (differentiating attention); "
+            "choose a backend that declares the 'grad' capability"
+        )
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
+
+
+def decode(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    softcap: float | None = None,
+    backend: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> jax.Array:
+    """Attention of one new query token per sequence against a KV cache.
+
+    Args:
+      q: ``[batch, q_heads, head_dim]``.
+      k_cache: ``[batch, kv_heads, max_len, head_dim]``, same dtype as q.
+      v_cache: ``[batch, kv_heads, max_len, head_dim]``, same dtype as q.
+      lengths: ``[batch]`` int32 in ``[0, max_len]``; sequence ``b`` attends to cache
+        positions ``< lengths[b]``.
+      sm_scale: score scale; default ``1 / sqrt(head_dim)``.
+      softcap: if set, ``scores = softcap * tanh(scores / softcap)``.
+      backend: backend name (see `attention`).
+      mesh: devices to split the cache's sequence axis over, for backends that declare
+        ``multi_device``; other backends ignore it.
+
+    Returns:
+      ``[batch, q_heads, head_dim]`` in the dtype of q; zeros where ``lengths[b] == 0``.
+    """
+    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    lengths = jnp.asarray(lengths)
+    dims = validation.check_decode(q, k_cache, v_cache, lengths)
+    spec = DecodeSpec(
+        sm_scale=validation.check_sm_scale(sm_scale, dims.head_dim),
+        softcap=validation.check_softcap(softcap),
+    )
+    used = {
+        Capability.DECODE: True,
+        Capability.GQA: dims.q_heads != dims.kv_heads,
+        Capability.SOFTCAP: spec.softcap is not None,
+    }
+    impl = select_backend(backend, frozenset(f for f, needed in used.items() if needed))
+    return impl.decode(q, k_cache, v_cache, lengths.astype(jnp.int32), spec, mesh=mesh)

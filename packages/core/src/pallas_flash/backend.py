@@ -1,0 +1,102 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import jax
+
+from pallas_flash.capabilities import Capability
+from pallas_flash.errors import UnsupportedFeatureError
+from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
+
+
+class Backend:
+    """Base class of an attention backend.
+
+    A subclass sets the class attributes and implements `attention` and/or `decode`
+    for the capabilities it declares. Core validates every call and checks its features
+    against `capabilities` before calling the backend, so a backend sees only valid
+    inputs and only features it declared.
+
+    Attributes:
+      name: the name users select the backend by (``backend="xla"``).
+      capabilities: the `Capability` values (or their names) the backend implements.
+      platforms: the ``jax.default_backend()`` platforms the backend is built for
+        (``"cpu"``, ``"gpu"``, ``"tpu"``); automatic selection only considers these, while a
+        backend selected by name may still run elsewhere (e.g. a Pallas kernel in interpret
+        mode on CPU).
+      priority: automatic selection prefers the highest priority among capable backends.
+    """
+
+    name: str = ""
+    capabilities: Iterable[Capability | str] = frozenset()
+    platforms: Iterable[str] = frozenset()
+    priority: int = 0
+
+    def attention(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        spec: AttentionSpec,
+        *,
+        segment_ids: SegmentIds | None = None,
+        bias: jax.Array | None = None,
+        mask: jax.Array | None = None,
+    ) -> jax.Array:
+        """Attention output ``[batch, q_heads, q_len, head_dim]`` in the dtype of q.
+
+        Args:
+          q: ``[batch, q_heads, q_len, head_dim]``.
+          k: ``[batch, kv_heads, kv_len, head_dim]``, same dtype as q.
+          v: ``[batch, kv_heads, kv_len, head_dim]``, same dtype as q.
+          spec: the call's static settings.
+          segment_ids: int32 ids ``q: [batch, q_len]``, ``kv: [batch, kv_len]``, or None.
+          bias: additive, broadcastable to ``[batch, q_heads, q_len, kv_len]``, or None.
+          mask: boolean (True = visible), broadcastable like ``bias``, or None.
+        """
+        raise UnsupportedFeatureError(f"backend {self.name!r} does not implement attention")
+
+    def decode(
+        self,
+        q: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        lengths: jax.Array,
+        spec: DecodeSpec,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> jax.Array:
+        """Decode output ``[batch, q_heads, head_dim]`` in the dtype of q.
+
+        Args:
+          q: ``[batch, q_heads, head_dim]``, one new token per sequence.
+          k_cache: ``[batch, kv_heads, max_len, head_dim]``.
+          v_cache: ``[batch, kv_heads, max_len, head_dim]``.
+          lengths: ``[batch]`` int32; sequence ``b`` sees cache positions ``< lengths[b]``.
+          spec: the call's static settings.
+          mesh: devices to split the cache over; single-device backends ignore it.
+        """
+        raise UnsupportedFeatureError(f"backend {self.name!r} does not implement decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    """What `pallas_flash.list_backends` reports about one installed backend.
+
+    Attributes:
+      name: the backend's name.
+      capabilities: the features it implements.
+      platforms: the platforms it is built for.
+      priority: its rank in automatic selection.
+      distribution: the installed distribution that provides it (None when registered
+        directly with `pallas_flash.register_plugin`).
+    """
+
+    name: str
+    capabilities: frozenset[Capability]
+    platforms: frozenset[str]
+    priority: int
+    distribution: str | None
