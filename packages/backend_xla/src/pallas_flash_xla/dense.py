@@ -1,0 +1,143 @@
+"""Dense attention: the whole ``[batch, heads, q_len, kv_len]`` score matrix in HBM.
+
+GQA is computed without repeating K/V: queries are viewed as
+``[batch, kv_heads, group, q_len, head_dim]`` so each kv head serves its group by broadcasting.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas_flash as pf
+from pallas_flash.masking import apply_softcap, positional_mask
+
+_F32 = jnp.float32
+
+
+def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a & b
+
+
+def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
+    """``[batch, heads, ...]`` to ``[batch, kv_heads, group, ...]``; a size-1 head axis stays 1."""
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
+
+
+def _softmax_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    sm_scale: float,
+    softcap: float | None,
+    bias: jax.Array | None,
+    visible: jax.Array | None,
+) -> jax.Array:
+    """``softmax(softcap(q k^T * sm_scale) + bias, masked) @ v`` in float32.
+
+    Args:
+      q: ``[batch, kv_heads, group, q_len, head_dim]``.
+      k: ``[batch, kv_heads, kv_len, head_dim]``.
+      v: ``[batch, kv_heads, kv_len, head_dim]``.
+      sm_scale: score scale.
+      softcap: soft-cap of the scores, or None.
+      bias: added to the scores, broadcastable to ``[batch, kv_heads, group, q_len, kv_len]``,
+        or None.
+      visible: boolean, True where a key is visible, broadcastable like bias, or None.
+
+    Returns:
+      ``[batch, kv_heads, group, q_len, head_dim]`` in the dtype of q; rows that see no key
+      are zero.
+    """
+    scores = jnp.einsum(
+        "bkgtd,bksd->bkgts", q, k, preferred_element_type=_F32, precision=lax.Precision.HIGHEST
+    )
+    scores = apply_softcap(scores * sm_scale, softcap)
+    if bias is not None:
+        scores = scores + bias.astype(_F32)
+    if visible is not None:
+        scores = jnp.where(visible, scores, -jnp.inf)
+    # Softmax is shift-invariant, so the row max only guards exp() and carries no gradient.
+    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)
+    row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(row_sum == 0.0, 1.0, row_sum)
+    out = jnp.einsum(
+        "bkgts,bksd->bkgtd",
+        probs.astype(v.dtype),
+        v,
+        preferred_element_type=_F32,
+        precision=lax.Precision.HIGHEST,
+    )
+    return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    spec: pf.AttentionSpec,
+    segment_ids: pf.SegmentIds | None,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+) -> jax.Array:
+    """Dense attention; arguments as ``pf.Backend.attention``.
+
+    Returns ``[batch, q_heads, q_len, head_dim]`` in the dtype of q.
+    """
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    visible = positional_mask(
+        jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :], spec
+    )  # [q_len, kv_len]
+    if segment_ids is not None:
+        same = segment_ids.q[:, :, None] == segment_ids.kv[:, None, :]  # [batch, q_len, kv_len]
+        visible = _and(visible, same[:, None, None])
+    if mask is not None:
+        visible = _and(visible, _grouped(mask, kv_heads))
+    out = _softmax_attention(
+        _grouped(q, kv_heads),
+        k,
+        v,
+        sm_scale=spec.sm_scale,
+        softcap=spec.softcap,
+        bias=None if bias is None else _grouped(bias, kv_heads),
+        visible=visible,
+    )
+    return out.reshape(batch, q_heads, q_len, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def decode(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    spec: pf.DecodeSpec,
+) -> jax.Array:
+    """Dense decode; arguments as ``pf.Backend.decode``, output ``[batch, q_heads, head_dim]``."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    visible = jnp.arange(max_len)[None, :] < lengths[:, None]  # [batch, max_len]
+    out = _softmax_attention(
+        q.reshape(batch, kv_heads, q_heads // kv_heads, 1, head_dim),
+        k_cache,
+        v_cache,
+        sm_scale=spec.sm_scale,
+        softcap=spec.softcap,
+        bias=None,
+        visible=visible[:, None, None, None, :],
+    )
+    return out.reshape(batch, q_heads, head_dim)
