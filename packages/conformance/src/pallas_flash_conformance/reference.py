@@ -1,0 +1,209 @@
+"""Float64 NumPy reference for scaled dot-product attention, its gradient and decode.
+
+Every backend is compared against these functions, so they favour clarity over speed and
+share no code with any backend. All arithmetic happens in float64 and all results are
+float64 NumPy arrays, whatever the input dtype (bfloat16 and JAX arrays included).
+
+Layouts: ``q`` is ``[batch, q_heads, q_len, head_dim]``; ``k`` and ``v`` are
+``[batch, kv_heads, kv_len, head_dim]``; ``q_heads`` must be a multiple of ``kv_heads`` and
+query head ``h`` reads kv head ``h // (q_heads // kv_heads)`` (grouped-query attention;
+``kv_heads == 1`` is multi-query attention).
+
+Visibility: query row ``i`` sits at key position ``p = i + q_offset``. Each option that is
+given restricts which keys ``j`` the row sees, and all of them must agree:
+
+- ``causal``: ``j <= p``;
+- ``window=(left, right)``: ``p - left <= j <= p + right``;
+- ``segment_ids=(q_ids [batch, q_len], kv_ids [batch, kv_len])``: equal ids;
+- ``mask``: boolean, broadcastable to ``[batch, q_heads, q_len, kv_len]``, True = visible.
+
+A query row that sees no key outputs zeros and passes back zero gradients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+
+def _f64(x: ArrayLike) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _expand_kv(x: np.ndarray, q_heads: int) -> np.ndarray:
+    """Repeat each kv head so that head ``h`` of the result is the one query head ``h`` uses."""
+    kv_heads = x.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+    return np.repeat(x, q_heads // kv_heads, axis=1)
+
+
+def _sum_groups(x: np.ndarray, kv_heads: int) -> np.ndarray:
+    """Inverse of ``_expand_kv`` for gradients: sum the query heads of each kv group."""
+    batch, q_heads, length, dim = x.shape
+    return x.reshape(batch, kv_heads, q_heads // kv_heads, length, dim).sum(axis=2)
+
+
+def _visible(
+    shape: tuple[int, int, int, int],
+    *,
+    causal: bool,
+    q_offset: int,
+    window: tuple[int, int] | None,
+    segment_ids: tuple[ArrayLike, ArrayLike] | None,
+    mask: ArrayLike | None,
+) -> np.ndarray:
+    """Boolean ``[batch, q_heads, q_len, kv_len]``: True where query row i sees key j."""
+    _, _, q_len, kv_len = shape
+    pos = np.arange(q_len)[:, None] + q_offset
+    key = np.arange(kv_len)[None, :]
+    visible = np.ones(shape, dtype=bool)
+    if causal:
+        visible &= key <= pos
+    if window is not None:
+        left, right = window
+        visible &= (pos - left <= key) & (key <= pos + right)
+    if segment_ids is not None:
+        q_ids, kv_ids = (np.asarray(ids) for ids in segment_ids)
+        visible &= q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+    if mask is not None:
+        visible &= np.asarray(mask, dtype=bool)
+    return visible
+
+
+def _probabilities(
+    q: np.ndarray,
+    k: np.ndarray,
+    visible: np.ndarray,
+    *,
+    sm_scale: float,
+    softcap: float | None,
+    bias: ArrayLike | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over the visible keys, and the raw scores ``q @ k^T * sm_scale``.
+
+    ``k`` is already expanded to the query heads. Both results are
+    ``[batch, q_heads, q_len, kv_len]``; rows without a visible key are all zeros.
+    """
+    raw = q @ k.swapaxes(-1, -2) * sm_scale
+    scores = raw if softcap is None else softcap * np.tanh(raw / softcap)
+    if bias is not None:
+        scores = scores + _f64(bias)
+    scores = np.where(visible, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    probs = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+    return probs, raw
+
+
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    sm_scale: float,
+    causal: bool = False,
+    q_offset: int = 0,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    segment_ids: tuple[ArrayLike, ArrayLike] | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> np.ndarray:
+    """Attention output ``[batch, q_heads, q_len, head_dim]`` (layouts in the module doc).
+
+    ``scores = q @ k^T * sm_scale``, then ``softcap * tanh(scores / softcap)`` when
+    ``softcap`` is given, then ``+ bias`` (broadcastable to
+    ``[batch, q_heads, q_len, kv_len]``); softmax over the visible keys; ``@ v``.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    q_heads = q.shape[1]
+    k = _expand_kv(k, q_heads)
+    visible = _visible(
+        (q.shape[0], q_heads, q.shape[2], k.shape[2]),
+        causal=causal,
+        q_offset=q_offset,
+        window=window,
+        segment_ids=segment_ids,
+        mask=mask,
+    )
+    probs, _ = _probabilities(q, k, visible, sm_scale=sm_scale, softcap=softcap, bias=bias)
+    return probs @ _expand_kv(v, q_heads)
+
+
+def attention_vjp(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    d_out: ArrayLike,
+    *,
+    sm_scale: float,
+    causal: bool = False,
+    q_offset: int = 0,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    segment_ids: tuple[ArrayLike, ArrayLike] | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * d_out)``.
+
+    ``d_out`` has the layout of the output; ``dq`` that of ``q``; ``dk`` and ``dv`` that of
+    ``k`` and ``v`` (summed over the query heads of each kv group). Keyword arguments are
+    those of `attention`; ``bias`` and ``mask`` receive no gradient.
+    """
+    q, k, v, d_out = _f64(q), _f64(k), _f64(v), _f64(d_out)
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = _expand_kv(k, q_heads), _expand_kv(v, q_heads)
+    visible = _visible(
+        (q.shape[0], q_heads, q.shape[2], k.shape[2]),
+        causal=causal,
+        q_offset=q_offset,
+        window=window,
+        segment_ids=segment_ids,
+        mask=mask,
+    )
+    probs, raw = _probabilities(q, k, visible, sm_scale=sm_scale, softcap=softcap, bias=bias)
+    out = probs @ v
+
+    dv = probs.swapaxes(-1, -2) @ d_out
+    dp = d_out @ v.swapaxes(-1, -2)
+    ds = probs * (dp - np.sum(d_out * out, axis=-1, keepdims=True))
+    if softcap is not None:
+        ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+    dq = ds @ k * sm_scale
+    dk = ds.swapaxes(-1, -2) @ q * sm_scale
+    return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+
+
+def decode(
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
+    lengths: ArrayLike,
+    *,
+    sm_scale: float,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """Single-token attention over a ragged kv cache; returns ``[batch, q_heads, head_dim]``.
+
+    ``q`` is ``[batch, q_heads, head_dim]``; ``k_cache`` and ``v_cache`` are
+    ``[batch, kv_heads, max_len, head_dim]``; sequence ``b`` sees the cache positions below
+    ``lengths[b]`` (ints in ``[0, max_len]``; 0 gives zeros).
+    """
+    q = _f64(q)
+    lengths = np.asarray(lengths)
+    max_len = np.shape(k_cache)[2]
+    if np.any(lengths < 0) or np.any(lengths > max_len):
+        raise ValueError(f"lengths must lie in [0, {max_len}], got {lengths}")
+    mask = np.arange(max_len)[None, :] < lengths[:, None]
+    out = attention(
+        q[:, :, None, :],
+        k_cache,
+        v_cache,
+        sm_scale=sm_scale,
+        softcap=softcap,
+        mask=mask[:, None, None, :],
+    )
+    return out[:, :, 0, :]

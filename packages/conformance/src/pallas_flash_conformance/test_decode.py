@@ -1,0 +1,98 @@
+"""Decode parity of ``pf.decode`` against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash_conformance import inputs, reference
+from pallas_flash_conformance.parity import FORWARD_TOLERANCE, LARGE_LOGIT_TOLERANCE, assert_close
+
+pytestmark = pytest.mark.requires("decode")
+
+# name: (batch, q_heads, kv_heads, max_len, head_dim, lengths)
+SHAPES = {
+    "ragged-0-1-max": (4, 4, 4, 130, 64, [0, 1, 130, 77]),
+    "len1-cache1": (1, 2, 2, 1, 64, [1]),
+    "d96": (2, 2, 2, 64, 96, [64, 1]),
+    "d256": (2, 2, 2, 64, 256, [33, 64]),
+    "gqa4": (2, 8, 2, 256, 128, [256, 100]),
+    "gqa8": (2, 16, 2, 96, 64, [5, 96]),
+    "mqa-1000": (3, 8, 1, 1000, 128, [1000, 0, 999]),
+}
+
+
+def _params() -> list:
+    return [
+        pytest.param(
+            shape, id=name, marks=[pytest.mark.requires("gqa")] if shape[1] != shape[2] else []
+        )
+        for name, shape in SHAPES.items()
+    ]
+
+
+def _check(
+    backend: str,
+    shape,
+    dtype: str,
+    *,
+    softcap=None,
+    q_scale=1.0,
+    jit=False,
+    tolerance=FORWARD_TOLERANCE,
+) -> np.ndarray:
+    batch, q_heads, kv_heads, max_len, head_dim, lengths = shape
+    q = inputs.normal(0, (batch, q_heads, head_dim), dtype, scale=q_scale)
+    k_cache = inputs.normal(1, (batch, kv_heads, max_len, head_dim), dtype)
+    v_cache = inputs.normal(2, (batch, kv_heads, max_len, head_dim), dtype)
+    lengths = np.asarray(lengths, dtype=np.int32)
+
+    def call(q, k_cache, v_cache, lengths):
+        return pf.decode(q, k_cache, v_cache, lengths, softcap=softcap, backend=backend)
+
+    out = (jax.jit(call) if jit else call)(q, k_cache, v_cache, lengths)
+    expected = reference.decode(
+        q, k_cache, v_cache, lengths, sm_scale=1 / math.sqrt(head_dim), softcap=softcap
+    )
+    assert out.dtype == q.dtype
+    assert_close(out, expected, tolerance[dtype])
+    return np.asarray(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", _params())
+def test_decode(backend, shape, dtype: str) -> None:
+    out = _check(backend.name, shape, dtype)
+    for b, length in enumerate(shape[-1]):
+        if length == 0:
+            assert (out[b] == 0).all(), "a sequence with no cached token must give zeros"
+
+
+def test_lengths_traced_under_jit(backend) -> None:
+    _check(backend.name, SHAPES["ragged-0-1-max"], "float32", jit=True)
+
+
+def test_all_lengths_zero(backend) -> None:
+    out = _check(backend.name, (2, 2, 2, 64, 64, [0, 0]), "float32")
+    assert (out == 0).all()
+
+
+@pytest.mark.requires("softcap")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_softcap(backend, dtype: str) -> None:
+    _check(backend.name, SHAPES["ragged-0-1-max"], dtype, softcap=1.5, q_scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_logits(backend, dtype: str) -> None:
+    _check(
+        backend.name,
+        SHAPES["ragged-0-1-max"],
+        dtype,
+        q_scale=100.0,
+        tolerance=LARGE_LOGIT_TOLERANCE,
+    )
