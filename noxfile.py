@@ -1,0 +1,94 @@
+"""Developer tasks: `nox` runs lint, tests, conformance and docs; `nox -s bench` the benchmarks.
+
+Every session installs from the local packages with the pinned versions of constraints.txt,
+through uv, whose cache shares jax and its wheels between sessions instead of downloading
+them again for each.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "tests", "conformance", "docs"]
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = ROOT / "packages"
+CONSTRAINTS = ("--constraint", str(ROOT / "constraints.txt"))
+CORE = str(PACKAGES / "core")
+CONFORMANCE = str(PACKAGES / "conformance")
+BACKENDS = {
+    path.name.removeprefix("backend_"): str(path)
+    for path in sorted(PACKAGES.glob("backend_*"))
+    if (path / "pyproject.toml").exists()
+}
+"""Backend name -> package folder, for every backend package that exists."""
+
+
+def _install(session: nox.Session, *requirements: str) -> None:
+    session.install(*CONSTRAINTS, *requirements)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repository."""
+    _install(session, "ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Each package's own unit tests, with every package installed."""
+    _install(session, CORE, CONFORMANCE, *BACKENDS.values())
+    test_dirs = [str(path) for path in sorted(PACKAGES.glob("*/tests"))]
+    session.run("pytest", *test_dirs, *session.posargs)
+
+
+@nox.session
+@nox.parametrize("backend", list(BACKENDS))
+def conformance(session: nox.Session, backend: str) -> None:
+    """The conformance suite against one backend, installed alone with core."""
+    _install(session, CORE, CONFORMANCE, BACKENDS[backend])
+    session.chdir(session.create_tmp())  # import the installed packages, not the source tree
+    session.run(
+        "pytest", "--pyargs", "pallas_flash_conformance", "--backend", backend, *session.posargs
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The conformance benchmarks of every backend on this machine; JSON in bench-results/."""
+    _install(session, CORE, CONFORMANCE, *BACKENDS.values())
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    session.chdir(session.create_tmp())
+    for backend in BACKENDS:
+        session.run(
+            "pytest",
+            "--pyargs",
+            "pallas_flash_conformance",
+            "--backend",
+            backend,
+            "--benchmark-enable",
+            "--benchmark-only",
+            f"--benchmark-json={out / backend}.json",
+            *session.posargs,
+        )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Builds the mkdocs-material site with --strict into site/."""
+    _install(session, "mkdocs-material", "mkdocstrings-python")
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(ROOT / "site"),
+        env={"NO_MKDOCS_2_WARNING": "1"},
+    )
