@@ -26,7 +26,8 @@ SHAPES = {
     "mqa": (2, 8, 1, 40, 72, 128),
 }
 
-# Features on three alignments: square, fewer queries than keys, more queries than keys.
+# Features on three alignments (square, fewer queries than keys, more queries than keys),
+# with as many query heads as kv heads and with two query heads per kv head.
 FEATURES = {
     "causal": dict(causal=True),
     "window-int": dict(sliding_window=9),
@@ -55,9 +56,10 @@ def test_shapes(backend, case: Case, dtype: str) -> None:
 @pytest.mark.parametrize(
     "case",
     [
-        Case(2, 4, 2, q_len, kv_len, 64, **kwargs).param(f"{name}-{alignment}")
+        Case(2, q_heads, 2, q_len, kv_len, 64, **kwargs).param(f"{name}{heads}-{alignment}")
         for name, kwargs in FEATURES.items()
         for alignment, (q_len, kv_len) in ALIGNMENTS.items()
+        for heads, q_heads in (("", 2), ("-gqa", 4))
     ],
 )
 def test_features(backend, case: Case, dtype: str) -> None:

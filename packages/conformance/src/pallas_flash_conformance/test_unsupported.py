@@ -15,8 +15,8 @@ from pallas_flash_conformance import inputs
 _Q, _K, _V = inputs.qkv(1, 2, 2, 16, 16, 64)
 
 
-def _attention(backend: str, **kwargs):
-    return pf.attention(_Q, _K, _V, backend=backend, **kwargs)
+def _attention(backend: str, q=_Q, **kwargs):
+    return pf.attention(q, _K, _V, backend=backend, **kwargs)
 
 
 def _decode(backend: str, q_heads: int = 2, **kwargs):
