@@ -22,6 +22,8 @@ A query row that sees no key outputs zeros and passes back zero gradients.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -72,23 +74,36 @@ def _visible(
 
 
 def _probabilities(
-    q: np.ndarray,
-    k: np.ndarray,
-    visible: np.ndarray,
+    q: ArrayLike,
+    k: ArrayLike,
     *,
     sm_scale: float,
-    softcap: float | None,
-    bias: ArrayLike | None,
+    causal: bool = False,
+    q_offset: int = 0,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    segment_ids: tuple[ArrayLike, ArrayLike] | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over the visible keys, and the raw scores ``q @ k^T * sm_scale``.
 
-    ``k`` is already expanded to the query heads. Both results are
-    ``[batch, q_heads, q_len, kv_len]``; rows without a visible key are all zeros.
+    Both are ``[batch, q_heads, q_len, kv_len]`` float64; rows without a visible key are all
+    zeros. The keyword arguments are those of `attention`.
     """
+    q, k = _f64(q), _expand_kv(_f64(k), np.shape(q)[1])
     raw = q @ k.swapaxes(-1, -2) * sm_scale
     scores = raw if softcap is None else softcap * np.tanh(raw / softcap)
     if bias is not None:
         scores = scores + _f64(bias)
+    visible = _visible(
+        raw.shape,
+        causal=causal,
+        q_offset=q_offset,
+        window=window,
+        segment_ids=segment_ids,
+        mask=mask,
+    )
     scores = np.where(visible, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0))
@@ -97,74 +112,35 @@ def _probabilities(
     return probs, raw
 
 
-def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    sm_scale: float,
-    causal: bool = False,
-    q_offset: int = 0,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
-    segment_ids: tuple[ArrayLike, ArrayLike] | None = None,
-    bias: ArrayLike | None = None,
-    mask: ArrayLike | None = None,
-) -> np.ndarray:
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> np.ndarray:
     """Attention output ``[batch, q_heads, q_len, head_dim]`` (layouts in the module doc).
 
     ``scores = q @ k^T * sm_scale``, then ``softcap * tanh(scores / softcap)`` when
     ``softcap`` is given, then ``+ bias`` (broadcastable to
     ``[batch, q_heads, q_len, kv_len]``); softmax over the visible keys; ``@ v``.
+
+    Keyword arguments (those of `_probabilities`): ``sm_scale`` (required), ``causal``,
+    ``q_offset`` (key position of query row 0), ``window`` ``(left, right)``, ``softcap``,
+    ``segment_ids`` ``(q_ids, kv_ids)``, ``bias``, ``mask`` (True = visible).
     """
-    q, k, v = _f64(q), _f64(k), _f64(v)
-    q_heads = q.shape[1]
-    k = _expand_kv(k, q_heads)
-    visible = _visible(
-        (q.shape[0], q_heads, q.shape[2], k.shape[2]),
-        causal=causal,
-        q_offset=q_offset,
-        window=window,
-        segment_ids=segment_ids,
-        mask=mask,
-    )
-    probs, _ = _probabilities(q, k, visible, sm_scale=sm_scale, softcap=softcap, bias=bias)
-    return probs @ _expand_kv(v, q_heads)
+    probs, _ = _probabilities(q, k, **options)
+    return probs @ _expand_kv(_f64(v), np.shape(q)[1])
 
 
 def attention_vjp(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    d_out: ArrayLike,
-    *,
-    sm_scale: float,
-    causal: bool = False,
-    q_offset: int = 0,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
-    segment_ids: tuple[ArrayLike, ArrayLike] | None = None,
-    bias: ArrayLike | None = None,
-    mask: ArrayLike | None = None,
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, d_out: ArrayLike, **options: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * d_out)``.
+    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, **options) * d_out)``.
 
     ``d_out`` has the layout of the output; ``dq`` that of ``q``; ``dk`` and ``dv`` that of
-    ``k`` and ``v`` (summed over the query heads of each kv group). Keyword arguments are
-    those of `attention`; ``bias`` and ``mask`` receive no gradient.
+    ``k`` and ``v`` (summed over the query heads of each kv group). ``bias`` and ``mask``
+    receive no gradient.
     """
-    q, k, v, d_out = _f64(q), _f64(k), _f64(v), _f64(d_out)
-    q_heads, kv_heads = q.shape[1], k.shape[1]
-    k, v = _expand_kv(k, q_heads), _expand_kv(v, q_heads)
-    visible = _visible(
-        (q.shape[0], q_heads, q.shape[2], k.shape[2]),
-        causal=causal,
-        q_offset=q_offset,
-        window=window,
-        segment_ids=segment_ids,
-        mask=mask,
-    )
-    probs, raw = _probabilities(q, k, visible, sm_scale=sm_scale, softcap=softcap, bias=bias)
+    sm_scale, softcap = options["sm_scale"], options.get("softcap")
+    q, d_out = _f64(q), _f64(d_out)
+    q_heads, kv_heads = q.shape[1], np.shape(k)[1]
+    k, v = _expand_kv(_f64(k), q_heads), _expand_kv(_f64(v), q_heads)
+    probs, raw = _probabilities(q, k, **options)
     out = probs @ v
 
     dv = probs.swapaxes(-1, -2) @ d_out
