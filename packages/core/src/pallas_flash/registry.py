@@ -62,6 +62,8 @@ class Registry:
 
     def unregister(self, plugin: object) -> None:
         """Removes a plugin registered with `register`."""
+        if not self._plugins.is_registered(plugin):
+            raise ValueError(f"{plugin!r} is not a registered pallas_flash plugin")
         self._plugins.unregister(plugin)
         self._entries = None
 
@@ -83,7 +85,17 @@ class Registry:
                 )
                 continue
             dist = entry_point.dist.name if entry_point.dist is not None else None
-            self.register(plugin, name=entry_point.name, distribution=dist)
+            if self._plugins.is_registered(plugin):  # already registered at runtime
+                self._distributions[self._plugins.get_name(plugin)] = dist
+                continue
+            try:
+                self.register(plugin, name=entry_point.name, distribution=dist)
+            except ValueError as exc:
+                warnings.warn(
+                    f"pallas_flash: skipping backend plugin {entry_point.name!r}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def entries(self) -> dict[str, _Entry]:
         """All registered backends by name, loading entry points on first use."""
@@ -111,6 +123,9 @@ class Registry:
     def _add(self, backend: Backend, distribution: str | None) -> None:
         assert self._entries is not None
         try:
+            for field in ("capabilities", "platforms"):
+                if isinstance(getattr(backend, field), str):
+                    raise TypeError(f"{field} must be a collection of names, not a string")
             info = BackendInfo(
                 name=backend.name,
                 capabilities=as_capabilities(backend.capabilities),
@@ -132,8 +147,8 @@ class Registry:
         elif info.name in self._entries:
             other = self._entries[info.name].info.distribution
             warnings.warn(
-                f"pallas_flash: backend name {info.name!r} from {distribution} is already taken "
-                f"by {other}; keeping the first",
+                f"pallas_flash: backend name {info.name!r} from {distribution or 'a plugin'} is "
+                f"already taken by {other or 'a plugin registered earlier'}; keeping the first",
                 RuntimeWarning,
                 stacklevel=5,
             )
@@ -169,8 +184,12 @@ def _describe_installed() -> str:
     )
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, *, source: str = "backend argument") -> Backend:
     """The installed backend called ``name``.
+
+    Args:
+      name: the backend's name.
+      source: where the name came from, for the error message.
 
     Raises:
       BackendNotFoundError: no installed backend has that name; the message lists the
@@ -179,7 +198,7 @@ def get_backend(name: str) -> Backend:
     entries = _REGISTRY.entries()
     if name in entries:
         return entries[name].backend
-    message = f"unknown attention backend {name!r}; {_describe_installed()}"
+    message = f"unknown attention backend {name!r} (from the {source}); {_describe_installed()}"
     if name in KNOWN_DISTRIBUTIONS:
         dist = KNOWN_DISTRIBUTIONS[name]
         message += f". {name!r} is provided by {dist}: pip install {dist}"
@@ -208,7 +227,7 @@ def select_backend(name: str | None, features: frozenset[Capability]) -> Backend
     if name is None and os.environ.get(BACKEND_ENV_VAR):
         name, source = os.environ[BACKEND_ENV_VAR], f"{BACKEND_ENV_VAR} environment variable"
     if name is not None:
-        backend = get_backend(name)
+        backend = get_backend(name, source=source)
         missing = features - _REGISTRY.entries()[name].info.capabilities
         if missing:
             raise UnsupportedFeatureError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -159,6 +160,9 @@ def check_window(
 def _check_python_float(name: str, value: Any) -> float:
     if isinstance(value, (bool, jax.core.Tracer)):
         raise _fail(name, repr(value), "a Python float known at trace time")
+    scalar_array = hasattr(value, "dtype") and jnp.ndim(value) == 0
+    if not (isinstance(value, numbers.Real) or scalar_array):
+        raise _fail(name, repr(value), "a real number")
     try:
         result = float(value)
     except (TypeError, ValueError):
