@@ -131,6 +131,9 @@ def decode(
     batch, q_heads, head_dim = q.shape
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     visible = jnp.arange(max_len)[None, :] < lengths[:, None]  # [batch, max_len]
+    # Slots past a sequence's length may hold stale values, even NaN: a zero probability
+    # times NaN is NaN, so they are zeroed, not just given zero weight.
+    v_cache = jnp.where(visible[:, None, :, None], v_cache, 0)
     out = _softmax_attention(
         q.reshape(batch, kv_heads, q_heads // kv_heads, 1, head_dim),
         k_cache,

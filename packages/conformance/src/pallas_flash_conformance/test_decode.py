@@ -96,3 +96,16 @@ def test_large_logits(backend, dtype: str) -> None:
         q_scale=100.0,
         tolerance=LARGE_LOGIT_TOLERANCE,
     )
+
+
+def test_stale_cache_slots_past_lengths_are_ignored(backend) -> None:
+    """Cache slots at and past ``lengths[b]`` may hold anything, NaN included."""
+    q = inputs.normal(0, (2, 2, 64))
+    lengths = np.array([70, 1], np.int32)
+    k_cache, v_cache = (np.array(inputs.normal(seed, (2, 2, 130, 64))) for seed in (1, 2))
+    expected = reference.decode(q, k_cache, v_cache, lengths, sm_scale=1 / math.sqrt(64))
+    for b, length in enumerate(lengths):
+        k_cache[b, :, length:] = np.nan
+        v_cache[b, :, length:] = np.nan
+    out = pf.decode(q, k_cache, v_cache, lengths, backend=backend.name)
+    assert_close(out, expected, FORWARD_TOLERANCE["float32"])
