@@ -1,0 +1,171 @@
+"""Tests of the optimized-HLO reader on real ``compiled.as_text()`` samples (tests/samples/hlo,
+Mosaic kernel bodies trimmed) and small hand-written modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pallas_flash_bench import hlo
+
+SAMPLES = Path(__file__).parent / "samples" / "hlo"
+FLASH = (SAMPLES / "flash_noncausal.txt").read_text()
+SPLASH = (SAMPLES / "splash_causal_fwd_bwd.txt").read_text()
+DENSE = (SAMPLES / "xla_dense_transpose.txt").read_text()
+
+MiB = 1 << 20
+
+
+def test_shape_bytes():
+    assert hlo.shape_bytes("bf16[1,16,4096,128]{3,2,1,0:T(8,128)(2,1)}") == 16 * MiB
+    assert hlo.shape_bytes("f32[]{:T(128)}") == 4
+    assert hlo.shape_bytes("pred[2048,2048]{0,1:T(8,128)(4,1)S(1)}") == 4 * MiB
+    assert hlo.shape_bytes("(s8[1,4,4]{2,1,0:T(4,128)(4,1)S(1)}, u32[]{:S(2)})") == 16 + 4
+    assert hlo.shape_bytes("((f32[2,3]), s64[5], f64[], s4[3])") == 24 + 40 + 8 + 2
+    assert hlo.shape_bytes("token[]") == 0
+
+
+def test_parse_entry_flash():
+    ops = hlo.parse_entry(FLASH)
+    assert [(op.name, op.opcode) for op in ops] == [
+        ("v.1", "parameter"),
+        ("k.1", "parameter"),
+        ("q.1", "parameter"),
+        ("flash_attention.1", "custom-call"),
+    ]
+    kernel = ops[-1]
+    assert kernel.bytes == 16 * MiB and kernel.operands == ("q.1", "k.1", "v.1")
+    assert kernel.shape == "bf16[1,16,4096,128]{3,2,1,0:T(8,128)(2,1)}"
+    assert kernel.detail == "tpu_custom_call" and kernel.computation == "main.2"
+    assert hlo.find_copy_trap(FLASH) == []
+    assert [op.name for op in hlo.kernel_calls(FLASH)] == ["flash_attention.1"]
+    assert hlo.cost_estimate(kernel) == {
+        "flops": 137975824384,
+        "transcendentals": 268435456,
+        "bytes_accessed": 67108864,
+        "remote_bytes_transferred": 0,
+    }
+
+
+def test_splash_entry_multiline_instructions_and_kernels():
+    comps = hlo.parse_computations(SPLASH)
+    assert list(comps) == [
+        "fused_computation.3",
+        "scalar_add_computation",
+        "fused_computation",
+        "fused_computation.1",
+        "main.3",
+    ]
+    ops = hlo.parse_entry(SPLASH)
+    assert len(ops) == 61 and ops[-1].opcode == "tuple"
+    by_name = {op.name: op for op in ops}
+    # spans three lines (frontend attributes with a multi-line string); tuple: sum of elements
+    fwd = by_name["splash_mha_fwd_residuals.1"]
+    assert fwd.bytes == 3 * 512 * 128 * 4 + 4 * 2048 * 128 * 2 + 4 * 2048 * 128 * 4
+    assert fwd.operands == ("constant.6", "constant.7", "q.1", "k.1", "v.1", "iota.1")
+    assert by_name["constant.6"].operands == ()
+    assert by_name["custom-call"].detail == "ConcatBitcast"
+    assert by_name["fusion"].detail == "kind=kLoop calls=%fused_computation.3"
+    kernels = hlo.kernel_calls(SPLASH)
+    assert [k.name for k in kernels] == [
+        "splash_mha_fwd_residuals.1",
+        "splash_mha_dkv_no_residuals.1",
+        "splash_mha_dq_no_residuals.1",
+    ]
+    assert hlo.cost_estimate(kernels[0]) is None  # splash declares none
+
+
+def test_splash_copy_trap():
+    trap = hlo.find_copy_trap(SPLASH)
+    got = [(op.name, op.opcode, op.bytes, op.relayout) for op in trap]
+    assert got == [
+        ("copy", "copy", 4 * 2048 * 128 * 4, True),
+        ("copy_bitcast_fusion", "fusion", 4 * 2048 * 4, True),
+        ("copy-start.1", "copy-start", 16, False),
+        ("copy-start.2", "copy-start", 16, False),
+        ("copy-start", "copy-start", 16, False),
+    ]
+    assert (
+        trap[0].detail == "relayout {2,1,0:T(8,128)} -> {1,2,0:T(8,128)}"  # both in VMEM, S(1)
+    )
+    assert trap[1].detail.startswith(
+        "kind=kLoop calls=%fused_computation.1: copy %copy.2 (relayout"
+    )
+    # a copy-start is counted once with its copy-done, by the copied data (not the tuple)
+    assert trap[2].shape == "s8[1,4,4]{2,1,0:T(4,128)(4,1)S(1)}"
+    assert trap[2].detail == "memory space S(0) -> S(1); async pair with %copy-done.1"
+    assert not [op for op in trap if op.opcode == "copy-done"]
+
+
+def test_dense_transposed_layout_copy_trap():
+    trap = hlo.find_copy_trap(DENSE)
+    got = [(op.name, op.opcode, op.bytes, op.relayout) for op in trap]
+    assert got == [
+        ("copy-start", "copy-start", 2 * MiB, False),
+        ("copy-start.1", "copy-start", 2 * MiB, False),
+        ("copy-start.2", "copy-start", 2 * MiB, False),
+        ("copy.2", "copy", 2 * MiB, True),
+    ]
+    assert trap[0].detail.endswith("cross-program prefetch")
+    assert trap[3].detail == (
+        "relayout {2,3,1,0:T(8,128)(2,1)} -> {3,2,1,0:T(8,128)(2,1)}, memory space S(1) -> S(0)"
+    )
+    assert sum(op.bytes for op in trap if op.relayout) == 2 * MiB
+    assert hlo.kernel_calls(DENSE) == []
+    entry = hlo.parse_entry(DENSE)
+    assert entry[-1].name == "copy.2" and entry[-1].operands == ("fusion.9",)
+
+
+TOY = """\
+HloModule toy, entry_computation_layout={(f32[8,128]{1,0})->f32[128,16]{1,0}}
+
+%inner (p.0: f32[8,128]) -> f32[128,8] {
+  %p.0 = f32[8,128]{1,0} parameter(0)
+  ROOT %t.0 = f32[128,8]{1,0} transpose(%p.0), dimensions={1,0}
+}
+
+%outer (p.1: f32[8,128]) -> f32[128,8] {
+  %p.1 = f32[8,128]{1,0} parameter(0)
+  ROOT %f.0 = f32[128,8]{1,0} fusion(%p.1), kind=kLoop, calls=%inner
+}
+
+%body (p.2: f32[8,128]) -> f32[8,128] {
+  %p.2 = f32[8,128]{1,0} parameter(0)
+  ROOT %k.0 = f32[8,128]{1,0} custom-call(%p.2), custom_call_target="tpu_custom_call"
+}
+
+ENTRY %main (x: f32[8,128]) -> f32[128,16] {
+  %x = f32[8,128]{1,0} parameter(0)
+  %c = f32[8,128]{0,1} copy(%x)
+  %t = f32[128,8]{1,0} transpose(%x), dimensions={1,0}
+  %z = f32[] constant(0)
+  %p = f32[128,16]{1,0} pad(%t, %z), padding=0_0x0_8
+  %f = f32[128,8]{1,0} fusion(%x), kind=kLoop, calls=%outer
+  %d = f32[8,128]{1,0} copy-done(%x)
+  %k = f32[8,128]{1,0} custom-call(%c), custom_call_target="tpu_custom_call"
+  ROOT %w = f32[8,128]{1,0} call(%k), to_apply=%body
+}
+"""
+
+
+def test_toy_module_every_kind_of_copy():
+    trap = hlo.find_copy_trap(TOY)
+    got = [(op.name, op.opcode, op.bytes, op.relayout, op.detail) for op in trap]
+    assert got == [
+        ("c", "copy", 4096, True, "relayout {1,0} -> {0,1}"),
+        ("t", "transpose", 4096, True, "dimensions={1,0}"),
+        ("p", "pad", 8192, True, "padding=0_0x0_8"),
+        ("f", "fusion", 4096, True, "kind=kLoop calls=%outer: transpose %t.0"),
+        ("d", "copy-done", 4096, False, "same layout and memory space"),
+    ]
+    # kernels of the entry first, then those in other computations (here a called body)
+    assert [(k.name, k.computation) for k in hlo.kernel_calls(TOY)] == [
+        ("k", "main"),
+        ("k.0", "body"),
+    ]
+
+
+def test_no_entry_computation():
+    with pytest.raises(ValueError, match="ENTRY"):
+        hlo.parse_entry("HloModule empty\n")

@@ -1,0 +1,378 @@
+"""Tests of the LLO dump parser on trimmed real dumps (tests/samples/llo) and, when present, on
+the full dumps under /tmp/llo_samples and /tmp/llo."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pallas_flash_bench import llo
+
+SAMPLES = Path(__file__).parent / "samples" / "llo"
+FLASH = SAMPLES / "flash_causal"
+FLASH_BUNDLES = FLASH / "1795237185551748033-flash_attention.1-72-final_bundles.txt"
+FLASH_UTIL = (
+    FLASH / "1795237185551748033-flash_attention.1-70-final_hlo-static-per-bundle-utilization.txt"
+)
+FLASH_ANALYSIS = (
+    FLASH / "1795237185551748033-flash_attention.1-71-schedule-analysis_final_bundles.txt"
+)
+SPLASH = SAMPLES / "splash_fwd_and_copy"
+
+UNITS = (
+    "MXU",
+    "XLU",
+    "VALU",
+    "VPOP",
+    "EUP",
+    "VLOAD",
+    "VLOAD:FILL",
+    "VSTORE",
+    "VSTORE:SPILL",
+    "SALU",
+)
+
+
+@pytest.fixture(scope="module")
+def flash() -> llo.KernelSchedule:
+    return llo.load_kernel(FLASH_BUNDLES, FLASH_UTIL)
+
+
+@pytest.fixture(scope="module")
+def splash_dump() -> dict[str, llo.KernelSchedule]:
+    return llo.load_dump(SPLASH)
+
+
+# --------------------------------------------------------------------------------------------
+# Bundle listing
+
+
+def test_bundles_markers_depth_and_multiline_comments():
+    listing = llo.parse_bundles(FLASH_BUNDLES.read_text(), "flash_attention.1")
+    b = listing.bundles
+    assert len(b) == 80
+    assert [x.address for x in b] == list(range(80))
+    assert [x.index for x in b if x.markers] == [5, 33, 57, 65, 67]
+    assert b[5].markers == ("LB",) and all(b[i].markers == ("PF",) for i in (33, 57, 65, 67))
+    # '>' marks non-control bundles of the loop; empty and back-edge bundles print none
+    assert b[5].nest == 1 and b[0].nest == 0
+    assert b[76].empty and b[76].nest == 0
+    assert b[74].branch() == ("!%p16605_p11", 113) and b[74].nest == 0
+    # a DMA descriptor spans ten lines: one bundle, its comment kept in the text
+    dma = b[18]
+    assert dma.instructions[0].opcode == "dma.hbm_to_vmem"
+    assert dma.instructions[0].note.endswith("second_minor_factor: 1")
+    assert "iteration_bounds: (1, 4, 4, 4)" in dma.text
+    assert listing.grid == (1, 4, 4, 4)
+    assert listing.hlo == "%flash_attention.1 = custom-call(%q.1, %k.1, %v.1)"
+    assert listing.hlo_opcode == "custom-call"
+    assert listing.warnings == ()
+
+
+def test_instruction_forms():
+    listing = llo.parse_bundles(FLASH_BUNDLES.read_text(), "flash_attention.1")
+    ins = {i.dest: i for x in listing.bundles for i in x.instructions if i.dest}
+    # predicated instruction: the guard is split from the operands
+    assert ins["%s9711_s1"].guard == "!%p9652_p4"
+    assert ins["%s9711_s1"].args == "1, %s9441_s16"
+    # conditional move keeps its (predicate, old value) operand
+    assert ins["%s18591_s25"].opcode == "smov" and ins["%s18591_s25"].guard is None
+    assert ins["%s18591_s25"].args == "(%p38_p0, %s37_s25), 0"
+    assert ins["%s9473_s24"].note.startswith("phi copy :: iteration index, stage = 0")
+    assert ins["%p16605_p11"].note == "loop exit test"
+
+
+def test_flash_loop_regions_and_trip_count(flash):
+    (loop,) = flash.loops
+    assert (loop.start, loop.end, loop.branch, loop.depth) == (5, 78, 74, 1)
+    assert loop.bundles == 74 and flash.grid_loop == loop
+    # 64 grid steps + the pipeline's fill and drain iterations
+    assert loop.trip_count == 66 == flash.grid_steps + 2 == flash.trip_count
+    spans = [
+        (r.branch, r.start, r.end, r.level, r.guard, r.executed_iterations) for r in loop.regions
+    ]
+    assert spans == [
+        (19, 24, 66, 0, True, 64),  # pipeline guard: compute runs in the 64 grid steps
+        (26, 31, 32, 1, False, 16),  # accumulator init: first kv block of each (head, q block)
+        (38, 43, 56, 1, False, 40),  # causal skip: kv block <= q block, 10 of 16 per head
+        (58, 63, 64, 1, False, 16),  # write-back: last kv block
+    ]
+    assert loop.regions[0].predicate == "%p9652_p4"
+    assert loop.guarded_bundles == 43
+    assert loop.predicated_bundles == 2 + 14 + 2 == flash.predicated_bundles
+    # 66 x 74 minus what the skipped regions spare
+    assert loop.executed_bundles == 66 * 74 - 2 * 43 - 48 * 2 - 24 * 14 - 48 * 2 == 4270
+    assert flash.executed_bundles == 4270 + (80 - 74)
+
+
+def test_grid_not_fitting_the_loop_leaves_grid_predicates_undecided():
+    text = FLASH_BUNDLES.read_text().replace(
+        "iteration_bounds: (1, 4, 4, 4)", "iteration_bounds: (1, 4, 4, 8)"
+    )
+    (loop,) = llo.parse_bundles(text, "flash_attention.1").loops
+    # 128 grid steps cannot run in 66 iterations: grid indices are not trusted
+    assert [r.executed_iterations for r in loop.regions] == [64, None, None, None]
+    assert loop.executed_bundles is None
+    assert loop.executed_bundles_max == 66 * 74 - 2 * 43
+    assert loop.executed_bundles_min == 66 * 74 - 2 * 43 - 64 * 18
+
+
+def test_flash_counts_and_utilization(flash):
+    assert flash.name == "flash_attention.1"
+    assert flash.bundles == 80 and flash.bundles_per_step == 74
+    assert flash.units == UNITS
+    assert flash.capacity == dict(zip(UNITS, (4, 3, 4, 2, 1, 3, 3, 1, 1, 2), strict=True))
+    assert flash.used == dict(zip(UNITS, (38, 3, 19, 1, 1, 12, 3, 9, 6, 64), strict=True))
+    assert flash.utilization("MXU") == pytest.approx(38 / (4 * 74))
+    assert flash.utilization("SALU") == pytest.approx(64 / (2 * 74))
+    assert flash.mxu_ops == 10 and flash.opcodes["vmatmul"] == 10
+    assert (flash.spill_stores, flash.fill_loads) == (6, 3)
+    assert (flash.scalar_spill_stores, flash.scalar_fill_loads) == (8, 9)
+    assert flash.warnings == ()
+    assert flash.hlo_opcode == "custom-call" and flash.custom_call_target is None
+    assert llo.is_pallas_kernel(flash)  # from the exit bundle comment
+
+
+def test_schedule_analysis_and_bundle_count_check():
+    analysis = llo.parse_schedule_analysis(FLASH_ANALYSIS.read_text())
+    assert (analysis.total, analysis.empty) == (1669, 15)
+    assert analysis.custom_call_target == "tpu_custom_call"
+    sched = llo.load_kernel(FLASH_BUNDLES, FLASH_UTIL, FLASH_ANALYSIS)
+    assert sched.custom_call_target == "tpu_custom_call" and llo.is_pallas_kernel(sched)
+    # the sample is an excerpt of the 1669-bundle schedule: the mismatch is reported, not raised
+    assert sched.warnings == ("schedule analysis reports 1669 bundles, parsed 80",)
+
+
+def test_utilization_rows_mismatch_and_unit_header(tmp_path):
+    text = FLASH_UTIL.read_text().rstrip("\n").split("\n")
+    short = tmp_path / "util.txt"
+    short.write_text("\n".join(text[:-1]) + "\n")
+    sched = llo.load_kernel(FLASH_BUNDLES, short)
+    assert sched.warnings == ("utilization has 79 rows for 80 bundles",)
+    assert sched.used["MXU"] == 38
+    other = llo.parse_utilization("== CAPACTIY:\nMXU, VPU\n 2 8\n== UTILIZATION:\n1 8\n0 3\n")
+    assert other.units == ("MXU", "VPU") and other.capacity == {"MXU": 2, "VPU": 8}
+    assert other.summed() == {"MXU": 1, "VPU": 11}
+    with pytest.raises(ValueError):
+        llo.parse_utilization("not a utilization file")
+
+
+def test_without_utilization_file():
+    sched = llo.load_kernel(FLASH_BUNDLES)
+    assert sched.units == () and sched.used == {}
+    assert sched.warnings == ("no utilization file",)
+    assert sched.bundles_per_step == 74
+
+
+# --------------------------------------------------------------------------------------------
+# Dump folders
+
+
+def test_splash_kernel_with_data_dependent_region(splash_dump):
+    assert sorted(splash_dump) == ["copy", "splash_mha_fwd_residuals.1"]
+    fwd = splash_dump["splash_mha_fwd_residuals.1"]
+    assert llo.is_pallas_kernel(fwd) and fwd.custom_call_target == "tpu_custom_call"
+    assert fwd.grid == (4, 4, 4) and fwd.trip_count == 66
+    (loop,) = fwd.loops
+    assert (loop.start, loop.end, loop.bundles) == (5, 83, 79)
+    ran = [(r.start, r.end, r.guard, r.executed_iterations) for r in loop.regions]
+    # the block-mask skip reads splash's mask tables from memory: undecidable statically
+    assert ran == [
+        (26, 71, True, 64),
+        (34, 35, False, 16),
+        (55, 60, False, None),
+        (68, 69, False, 16),
+    ]
+    assert loop.predicated_bundles == 10
+    assert loop.executed_bundles_max == 66 * 79 - 2 * 46 - 48 * 2 - 48 * 2 == 4930
+    assert loop.executed_bundles_min == 4930 - 64 * 6
+    assert loop.executed_bundles is None
+    assert (fwd.executed_bundles_min, fwd.executed_bundles_max) == (4546 + 6, 4930 + 6)
+    assert fwd.mxu_ops == 2 and (fwd.spill_stores, fwd.fill_loads) == (2, 1)
+    assert fwd.warnings == ("schedule analysis reports 2110 bundles, parsed 85",)
+
+
+def test_xla_copy_with_nested_loops(splash_dump):
+    copy = splash_dump["copy"]
+    assert not llo.is_pallas_kernel(copy)
+    assert copy.hlo_opcode == "copy" and copy.custom_call_target is None
+    assert copy.grid is None and copy.mxu_ops == 0
+    loops = [(lp.start, lp.end, lp.depth, lp.trip_count) for lp in copy.loops]
+    assert loops == [
+        (2, 112, 1, 5),
+        (19, 27, 2, None),
+        (33, 39, 2, None),
+        (72, 78, 2, None),
+        (89, 95, 2, None),
+    ]
+    listing = llo.parse_bundles(
+        (SPLASH / "1795237188305336597-copy-66-final_bundles.txt").read_text(), "copy"
+    )
+    assert [listing.bundles[lp.start].nest for lp in listing.loops] == [1, 2, 2, 2, 2]
+    assert copy.grid_loop.start == 2 and copy.bundles_per_step == 111
+    assert [r.level for r in copy.grid_loop.regions] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4, 2]
+    assert copy.grid_loop.guarded_bundles == 30 + 58
+    assert copy.predicated_bundles == 21 + 49
+    # inner loops run a data-dependent number of times: no executed-bundle total
+    assert copy.executed_bundles_min is None and copy.executed_bundles is None
+
+
+def test_load_dump_skips_wrappers_and_keys_twins(tmp_path):
+    for p in FLASH.iterdir():
+        shutil.copy(p, tmp_path / p.name)
+    for wrapper in ("1-<late-finalization>-68", "1-<late-initialization>-71", "1-TLP-73"):
+        shutil.copy(FLASH_BUNDLES, tmp_path / f"{wrapper}-final_bundles.txt")
+    shutil.copy(FLASH_BUNDLES, tmp_path / "99-flash_attention.1-72-final_bundles.txt")
+    files = llo.find_dump_files(tmp_path)
+    assert sorted(files) == ["flash_attention.1", "flash_attention.1@99"]
+    assert sorted(files["flash_attention.1"]) == ["analysis", "bundles", "utilization"]
+    assert sorted(files["flash_attention.1@99"]) == ["bundles"]
+    dump = llo.load_dump(tmp_path)
+    assert dump["flash_attention.1"].name == dump["flash_attention.1@99"].name
+    assert "dumped by several programs" in dump["flash_attention.1"].warnings[-1]
+    assert dump["flash_attention.1@99"].warnings[0] == "no utilization file"
+
+
+def test_missing_files_raise_with_the_path(tmp_path):
+    missing = tmp_path / "nope-final_bundles.txt"
+    with pytest.raises(FileNotFoundError, match=re.escape("nope-final_bundles.txt")):
+        llo.load_kernel(missing)
+    with pytest.raises(FileNotFoundError, match=re.escape("util.txt")):
+        llo.load_kernel(FLASH_BUNDLES, tmp_path / "util.txt")
+    with pytest.raises(FileNotFoundError, match="dump folder not found"):
+        llo.load_dump(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape("no *-final_bundles.txt")):
+        llo.load_dump(tmp_path / "empty")
+
+
+# --------------------------------------------------------------------------------------------
+# Semantics on a minimal hand-written listing
+
+TINY = """\
+= control target key start
+LB: loop body
+PF: predicated region fallthrough
+= control target key end
+
+  0 :  { %s1 = smov 0 /* copy for cssa */ }
+0x1 LB: > { %s2 = sphi %s1, %s3 /* iteration index, stage = 0 */ } /* Start region 7 */
+0x2 : > { %s3 = sadd.s32 1, %s2  ;;  %p4 = scmp.ne.s32.totalorder %s2, 0 }
+0x3 : > { %p5 = scmp.lt.s32.totalorder %s3, 10  ;;  %6 = sbr.rel (%p4) target = $region9 }
+0x4 :  {}
+0x5 :  {}
+0x6 :  {}
+0x7 :  {}
+0x8 : > { %7 = vmatmul.bf16.gmra.mxu0 %v1  ;;  %8 = vst [vmem:[#allocation3_spill] sm:$0xff] %v1 }
+0x9 PF: > { %9 = vpop.f32.mrf.mxu0 } /* Start/End empty region 9 */
+0xa :  { %10 = sbr.rel (%p5) target = $region7 }
+0xb :  {}
+0xc :  {}
+0xd :  {}
+0xe :  {}
+0xf :  {} /* exit bundle: %k.1 = custom-call(%a) */
+"""
+
+
+def test_tiny_listing_semantics():
+    sched = llo.build_schedule(llo.parse_bundles(TINY, "k.1"))
+    (loop,) = sched.loops
+    assert (loop.start, loop.end, loop.branch, loop.trip_count) == (1, 14, 10, 10)
+    (region,) = loop.regions
+    # skipped unless the counter is 0: runs once, not a pipeline guard
+    assert (region.start, region.end, region.executed_iterations, region.guard) == (8, 8, 1, False)
+    assert loop.predicated_bundles == 1 and loop.guarded_bundles == 0
+    assert loop.executed_bundles == 10 * 14 - 9
+    assert sched.executed_bundles == 131 + 2
+    assert sched.mxu_ops == 1 and sched.spill_stores == 1
+    assert sched.grid is None and sched.trip_count == 10
+    assert llo.is_pallas_kernel(sched)
+
+
+def test_tiny_listing_guard_and_negated_exit():
+    text = TINY.replace("scmp.ne.s32.totalorder %s2, 0", "scmp.eq.s32.totalorder %s2, 9")
+    text = text.replace("scmp.lt.s32.totalorder %s3, 10", "scmp.ge.s32.totalorder %s3, 12")
+    text = text.replace("sbr.rel (%p5)", "sbr.rel (!%p5)")
+    (loop,) = llo.parse_bundles(text, "k.1").loops
+    assert loop.trip_count == 12
+    (region,) = loop.regions
+    assert region.guard and region.executed_iterations == 11
+    assert loop.predicated_bundles == 0 and loop.guarded_bundles == 1
+    assert loop.executed_bundles == 12 * 14 - 1
+
+
+def test_no_loop_kernel():
+    text = "\n".join(
+        [
+            "     0   :  { %s1_s0 = smov 0 }",
+            "   0x1   :  { %2 = vst [vmem:[%s1_s0] sm:$0xff] %v0_v0 }",
+            "   0x2   :  {} /* exit bundle: %fusion.1 = fusion(%p) */",
+        ]
+    )
+    sched = llo.build_schedule(llo.parse_bundles(text, "fusion.1"))
+    assert sched.loops == () and sched.grid_loop is None
+    assert sched.bundles_per_step == 3 and sched.trip_count == 1 and sched.predicated_bundles == 0
+    assert sched.executed_bundles == 3
+    assert not llo.is_pallas_kernel(sched)
+
+
+# --------------------------------------------------------------------------------------------
+# Full real dumps, when this machine has them
+
+REAL = Path("/tmp/llo_samples")
+REAL_NONCAUSAL = Path("/tmp/llo")
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="no /tmp/llo_samples dumps on this machine")
+def test_real_dumps_invariants():
+    pallas_seen = set()
+    for dump_dir in sorted(REAL.glob("*/dump")):
+        for name, s in llo.load_dump(dump_dir).items():
+            assert not name.startswith("<") and name != "TLP"
+            # every row and every bundle accounted for
+            assert not [w for w in s.warnings if "rows" in w or "reports" in w], (name, s.warnings)
+            assert all(0.0 <= s.utilization(u) <= 1.0 for u in s.units), name
+            if llo.is_pallas_kernel(s):
+                pallas_seen.add(name)
+                loop = s.grid_loop
+                assert loop is not None and loop.depth == 1
+                assert s.trip_count == s.grid_steps + 2
+                assert s.mxu_ops > 0
+                guard = loop.regions[0]
+                assert guard.guard and guard.executed_iterations == s.grid_steps
+                assert 0 < loop.predicated_bundles < loop.bundles
+                lo, hi = loop.executed_bundles_min, loop.executed_bundles_max
+                assert lo is not None and hi is not None
+                assert s.grid_steps * (loop.bundles - loop.predicated_bundles) <= lo <= hi
+                assert hi <= s.trip_count * loop.bundles
+    assert {
+        "flash_attention.1",
+        "splash_mha_fwd_residuals.1",
+        "splash_mha_dq_no_residuals.1",
+        "splash_mha_dkv_no_residuals.1",
+    } <= pallas_seen
+    flash = llo.load_dump(REAL / "flash_causal" / "dump")["flash_attention.1"]
+    assert flash.grid == (1, 4, 4, 4)
+    assert [r.executed_iterations for r in flash.grid_loop.regions] == [64, 16, 40, 16]
+    xla = llo.load_dump(REAL / "xla_dense_transpose" / "dump")
+    assert sorted(xla) == ["copy.2", "fusion.12", "fusion.9", "iota_compare_fusion"]
+    assert not any(llo.is_pallas_kernel(s) for s in xla.values())
+
+
+@pytest.mark.skipif(
+    not REAL_NONCAUSAL.is_dir(), reason="no /tmp/llo non-causal flash dump on this machine"
+)
+def test_real_noncausal_flash():
+    flash = llo.load_dump(REAL_NONCAUSAL)["flash_attention.1"]
+    assert llo.is_pallas_kernel(flash)
+    assert flash.grid == (1, 16, 8, 8) and flash.trip_count == 1024 + 2
+    assert 1400 < flash.bundles_per_step < 1800
+    assert flash.mxu_ops > 0 and flash.spill_stores > 0
+    regions = flash.grid_loop.regions
+    # non-causal: only the pipeline guard, the init (first kv block) and the write-back (last)
+    assert [r.executed_iterations for r in regions] == [1024, 128, 128]
+    assert flash.grid_loop.executed_bundles is not None
+    assert flash.warnings == ()
