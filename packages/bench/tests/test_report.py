@@ -1,0 +1,266 @@
+"""Tests of the Markdown report: every section, formatting, sorting and missing values."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import re
+from typing import Any
+
+import pytest
+
+from pallas_flash_bench.report import render_report, write_report
+
+SAMPLE = pathlib.Path(__file__).parent / "samples" / "results_small.json"
+
+
+@pytest.fixture
+def results() -> dict[str, Any]:
+    return json.loads(SAMPLE.read_text(encoding="utf-8"))
+
+
+@pytest.fixture
+def report(results: dict[str, Any]) -> str:
+    return render_report(results)
+
+
+def _section(report: str, title: str) -> str:
+    """The text of the ``## title`` section, up to the next ``## `` heading."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", report, re.M | re.S)
+    assert match, f"no section {title!r}"
+    return match.group(1)
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """Cells of every Markdown table line in ``text`` (escaped pipes stay inside a cell)."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+            rows.append([cell.strip() for cell in cells])
+    return rows
+
+
+def _row_for(text: str, *needles: str) -> list[str]:
+    matches = [r for r in _table_rows(text) if all(any(n == c for c in r) for n in needles)]
+    assert len(matches) == 1, f"expected one row with {needles}, got {matches}"
+    return matches[0]
+
+
+def test_header_has_target_versions_run_and_sources(report: str) -> None:
+    assert report.startswith("# Pallas-Flash benchmark: v5e-1\n")
+    for text in (
+        "197 TFLOP/s",
+        "16 GiB at 819 GB/s",
+        "1.5 GHz",
+        "128 MiB",
+        "jax 0.10.2",
+        "libtpu 0.0.42.1",
+        "pallas_flash 0.1.0",
+        "2026-11-21",
+        "Sweep: quick",
+        "$1.20 per chip-hour (source: text)",
+        "measured on CPU",
+    ):
+        assert text in report, text
+    how = _section(report, "How to read this")
+    for source in ("`static`", "`model`", "`compiler`", "`measured-cpu`", "`measured-tpu`"):
+        assert source in how
+    assert "DMA" in how and "upper bound" in how
+
+
+def test_measured_on_null_says_nothing_was_measured(results: dict[str, Any]) -> None:
+    results["meta"]["measured_on"] = None
+    assert "nothing measured" in render_report(results)
+
+
+def test_sections_come_in_order(report: str) -> None:
+    titles = re.findall(r"^##+ (.+)$", report, re.M)
+    assert titles == [
+        "Target",
+        "Run",
+        "How to read this",
+        "Results",
+        "Forward",
+        "Forward + backward",
+        "Decode",
+        "Longest sequence that fits",
+        "Kernel schedules",
+        "Copy trap",
+        "Notes",
+    ]
+
+
+def test_every_table_line_has_as_many_cells_as_its_header(report: str) -> None:
+    tables = re.findall(r"((?:^\|.*\n)+)", report, re.M)
+    assert len(tables) == 6  # three ops, fits, kernels, copies
+    for table in tables:
+        widths = {len(row) for row in _table_rows(table)}
+        assert len(widths) == 1, table
+
+
+def test_result_tables_have_the_columns(report: str) -> None:
+    header = _table_rows(_section(report, "Results"))[0]
+    assert header == [
+        "Workload",
+        "Subject",
+        "Compiled",
+        "HBM total (GiB)",
+        "Fits HBM",
+        "Copy trap",
+        "Static cycles",
+        "Est. latency",
+        "MFU",
+        "HBM BW use",
+        "Tokens/s",
+        "Tokens/$",
+        "Measured",
+    ]
+
+
+def test_rows_sorted_by_seq_len_causal_then_subject(results: dict[str, Any]) -> None:
+    extra = copy.deepcopy(results["rows"][0])  # xla forward N=4096 causal
+    extra["workload"]["causal"] = False
+    extra["label"] = "forward N=4096 full"
+    extra["subject"] = "zzz"
+    results["rows"].append(extra)
+    forward = re.search(r"### Forward\n(.*?)###", render_report(results), re.S).group(1)
+    order = [(r[0], r[1]) for r in _table_rows(forward)[1:]]
+    assert order == [
+        ("forward N=1024", "jax_splash [reference]"),
+        ("forward N=4096 full", "zzz"),
+        ("forward N=4096 causal", "pallas_flash (blocks 512/512)"),
+        ("forward N=4096 causal", "xla"),
+    ]
+
+
+def test_compiled_row_values_are_formatted_with_sources(report: str) -> None:
+    row = _row_for(_section(report, "Results"), "forward N=4096 causal", "xla")
+    assert row[2:5] == ["✓", "0.312", "✓"]
+    assert row[5] == "32 MiB"  # two 16 MiB copies summed
+    assert row[6] == "—"  # no kernels, no static cycles
+    assert row[7] == "1.23 ms (model)"
+    assert row[8] == "61.2 % (model)"
+    assert row[9] == "5.0 % (model)"
+    assert row[10] == "3.4e6 (model)"
+    assert row[11] == "1.02e10 (model)"
+    assert row[12] == "—"  # no measured_seconds
+
+
+def test_static_cycles_copy_none_and_fits(report: str) -> None:
+    results_text = _section(report, "Results")
+    pallas = _row_for(results_text, "forward N=4096 causal", "pallas_flash (blocks 512/512)")
+    assert pallas[5] == "none"
+    assert pallas[6] == "1.66e6"
+    assert pallas[7] == "1.11 ms (static)"
+    too_big = _row_for(results_text, "forward_backward N=8192 causal", "xla")
+    assert too_big[3] == "18.2"
+    assert too_big[4] == "✗"
+
+
+def test_measured_value_shown_with_its_source(report: str) -> None:
+    decode = _row_for(_section(report, "Results"), "decode N=4096", "xla")
+    assert decode[12] == "2.5 ms (measured-cpu)"
+    assert decode[7] == "0.041 ms (model)"
+
+
+def test_failed_compile_shows_cross_error_excerpt_and_dashes(report: str) -> None:
+    row = _row_for(_section(report, "Results"), "forward_backward N=32768 causal")
+    assert row[2].startswith("✗ Mosaic failed to compile TPU kernel: Ran out of VMEM \\|")
+    assert row[2].endswith("…")
+    assert "traceback" not in row[2]  # only the first line
+    assert len(row[2]) < 80
+    assert row[3:] == ["—"] * 10
+
+
+def test_fits_table(report: str) -> None:
+    fits = _section(report, "Longest sequence that fits")
+    assert _table_rows(fits)[0][:4] == ["Subject", "Op", "Longest seq_len", "Searched up to"]
+    xla = _row_for(fits, "xla", "forward")
+    assert xla[2:6] == ["12,288", "1,048,576", "15.8 GiB", "compiler"]
+    assert xla[6] == "quadratic scores buffer"
+    pallas = _row_for(fits, "pallas_flash", "forward")
+    assert pallas[2] == "none fits"
+    assert pallas[4] == "—"
+
+
+def test_kernel_schedules_table(report: str) -> None:
+    kernels = _section(report, "Kernel schedules")
+    header = _table_rows(kernels)[0]
+    for column in ("Kernel", "Bundles/step", "Steps", "Grid", "Predicated bundles", "MXU ops"):
+        assert column in header
+    for unit in ("MXU", "VALU", "EUP", "VLOAD", "VSTORE"):
+        assert f"{unit} %" in header
+    row = _row_for(kernels, "flash_attention.1")
+    by_column = dict(zip(header, row, strict=True))
+    assert by_column["Subject"] == "pallas_flash (blocks 512/512)"
+    assert by_column["Bundles/step"] == "1,620"
+    assert by_column["Steps"] == "1,024"
+    assert by_column["Grid"] == "1x16x8x8"
+    assert by_column["Predicated bundles"] == "300"
+    assert by_column["MXU %"] == "61.0 %"
+    assert by_column["VALU %"] == "40.0 %"
+    assert by_column["MXU ops"] == "248"
+    assert _row_for(kernels, "splash_mha_fwd")[header.index("Grid")] == "—"
+    assert len(_table_rows(kernels)) == 3  # header + two kernels; kernel-less rows left out
+
+
+def test_copy_trap_lists_each_copy(report: str) -> None:
+    copies = _section(report, "Copy trap")
+    row = _row_for(copies, "copy.2")
+    assert row == [
+        "xla",
+        "forward N=4096 causal",
+        "copy.2",
+        "copy",
+        "bf16[1,16,4096,128]",
+        "16 MiB",
+        "layout change of k before the dot",
+    ]
+    assert _row_for(copies, "transpose.7")[3] == "transpose"
+    assert "No copy, transpose or pad around the kernels in the other 4 compiled rows" in copies
+
+
+def test_copy_trap_says_none_when_no_copies(results: dict[str, Any]) -> None:
+    for row in results["rows"]:
+        row["copies"] = []
+    report = render_report(results)
+    copies = _section(report, "Copy trap")
+    assert "No copy, transpose or pad around the kernels." in copies
+    assert "|" not in copies
+    xla = _row_for(_section(report, "Results"), "forward N=4096 causal", "xla")
+    assert xla[5] == "none"
+
+
+def test_notes_from_meta_and_rows(report: str) -> None:
+    notes = _section(report, "Notes")
+    assert "- Compiled ahead of time for v5e on a machine without a TPU." in notes
+    assert "- xla, forward N=4096 causal: XLA fuses softmax; no Pallas kernel" in notes
+    assert "VMEM OOM at block 1024" in notes
+
+
+def test_missing_figures_and_sparse_results_render(results: dict[str, Any]) -> None:
+    row = results["rows"][0]
+    del row["figures"]["mfu"]
+    row["figures"]["tokens_per_second"] = None
+    row["hbm"] = None
+    report = render_report({"meta": results["meta"], "rows": [row]})
+    rendered = _row_for(_section(report, "Results"), "forward N=4096 causal", "xla")
+    assert rendered[3] == rendered[4] == rendered[8] == rendered[10] == "—"
+    assert "No search was run." in _section(report, "Longest sequence that fits")
+    assert "No kernel schedules" in _section(report, "Kernel schedules")
+
+
+def test_empty_results_render() -> None:
+    report = render_report({})
+    assert report.startswith("# Pallas-Flash benchmark: unknown target")
+    assert "No results." in report
+
+
+def test_write_report_writes_the_rendered_text(
+    results: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "out" / "report.md"
+    write_report(results, path)
+    assert path.read_text(encoding="utf-8") == render_report(results)
