@@ -1,0 +1,39 @@
+"""A disk cache of compile results keyed by (subject and version, workload, target, toolchain)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+
+
+def default_dir() -> pathlib.Path:
+    """``$XDG_CACHE_HOME/pallas-flash/bench`` (``~/.cache/...`` by default)."""
+    root = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(root) / "pallas-flash" / "bench"
+
+
+class ResultCache:
+    """JSON files named by the hash of a job's key; ``directory=None`` disables caching."""
+
+    def __init__(self, directory: pathlib.Path | None) -> None:
+        self.directory = directory
+
+    @staticmethod
+    def key(job: dict, versions: dict[str, str | None]) -> str:
+        relevant = {k: v for k, v in job.items() if k not in ("id",)}
+        payload = json.dumps([relevant, versions], sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> dict | None:
+        if self.directory is None:
+            return None
+        path = self.directory / f"{key}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def put(self, key: str, result: dict) -> None:
+        if self.directory is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / f"{key}.json").write_text(json.dumps(result))

@@ -1,0 +1,114 @@
+"""The ``pallas-flash`` command: ``bench`` (the sweep and its report), ``inspect`` (one kernel)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+from pallas_flash_bench.cache import ResultCache, default_dir
+from pallas_flash_bench.targets import DEFAULT_TARGET, TARGETS
+from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pallas-flash", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench = commands.add_parser(
+        "bench", help="compile the sweep for a TPU target and write the report"
+    )
+    bench.add_argument("--target", choices=sorted(TARGETS), default=DEFAULT_TARGET)
+    bench.add_argument(
+        "--quick", action="store_true", help="a small sweep (a few minutes on 2 CPU cores)"
+    )
+    bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
+    bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")
+    bench.add_argument("--ops", help="comma-separated subset of forward,forward_backward,decode")
+    bench.add_argument("--seq-lens", help="comma-separated sequence lengths (replaces the sweep's)")
+    bench.add_argument("--dtype", default=None, help="input dtype (default bfloat16)")
+    bench.add_argument(
+        "--price", type=float, help="US dollars per chip-hour (default: the target's list price)"
+    )
+    bench.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
+    bench.add_argument("--cache-dir", type=pathlib.Path, default=default_dir())
+    bench.add_argument("--no-cache", action="store_true")
+    bench.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
+    bench.add_argument("--no-measure", action="store_true", help="skip wall-clock timing")
+    bench.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+
+    inspect = commands.add_parser("inspect", help="print one kernel's analysis")
+    inspect.add_argument("--backend", required=True, help="backend name or reference subject id")
+    inspect.add_argument("--shape", default="1x16x4096x128", help="BATCHxHEADSxSEQxHEAD_DIM")
+    inspect.add_argument("--kv-heads", type=int, help="default: as many as query heads")
+    inspect.add_argument(
+        "--op", choices=["forward", "forward_backward", "decode"], default="forward"
+    )
+    inspect.add_argument("--causal", action="store_true")
+    inspect.add_argument("--dtype", default="bfloat16")
+    inspect.add_argument("--target", choices=sorted(TARGETS), default=DEFAULT_TARGET)
+    return parser
+
+
+def _workloads(args: argparse.Namespace) -> list[Workload]:
+    sweep = quick_sweep() if args.quick else default_sweep()
+    if args.ops:
+        ops = set(args.ops.split(","))
+        sweep = [w for w in sweep if w.op in ops]
+    if args.seq_lens:
+        lengths = [int(n) for n in args.seq_lens.split(",")]
+        shapes = {(w.op, w.causal, w.q_heads, w.kv_heads) for w in sweep}
+        sweep = [
+            Workload(op, n, causal, q_heads=q, kv_heads=kv)
+            for op, causal, q, kv in sorted(shapes)
+            for n in lengths
+        ]
+    if args.dtype:
+        sweep = [Workload(**{**w.to_json(), "dtype": args.dtype}) for w in sweep]
+    return sweep
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pallas_flash_bench.runner import BenchOptions, run
+
+    target = TARGETS[args.target]
+    options = BenchOptions(
+        target=target,
+        sweep="quick" if args.quick else "default",
+        workloads=_workloads(args),
+        backends=args.backends.split(",") if args.backends else None,
+        references=not args.no_reference,
+        fit=not args.no_fit,
+        measure=not args.no_measure,
+        price_per_chip_hour=args.price if args.price is not None else target.price_per_chip_hour,
+        out_dir=args.out,
+        cache=ResultCache(None if args.no_cache else args.cache_dir),
+        workers=args.workers,
+    )
+    results = run(options)
+    compiled = sum(r["compiled"] for r in results["rows"])
+    print(f"{compiled}/{len(results['rows'])} programs compiled for {target.name}; "
+          f"wrote {args.out}/report.md, results.json, roofline.png")  # fmt: skip
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from pallas_flash_bench.inspection import inspect_kernel
+
+    batch, heads, seq, head_dim = (int(x) for x in args.shape.lower().split("x"))
+    workload = Workload(
+        args.op, seq, args.causal, batch=batch, q_heads=heads,
+        kv_heads=args.kv_heads or heads, head_dim=head_dim, dtype=args.dtype,
+    )  # fmt: skip
+    print(inspect_kernel(args.backend, workload, TARGETS[args.target]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return _bench(args) if args.command == "bench" else _inspect(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Derived figures: cycles from the static schedule, the roofline, MFU, tokens/s, tokens/$.
+
+Every figure is ``{"value": float | None, "source": ...}``: ``static`` (the compiler's VLIW
+schedule), ``model`` (roofline arithmetic), ``compiler`` (its memory or cost analysis),
+``measured-cpu`` or ``measured-tpu`` (wall clock).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pallas_flash_bench.targets import Target
+from pallas_flash_bench.workloads import Workload
+
+Figure = dict[str, object]
+
+
+def figure(value: float | None, source: str) -> Figure:
+    return {"value": value, "source": source}
+
+
+def causal_active_fraction(q_blocks: int, kv_blocks: int) -> float:
+    """Fraction of a ``q_blocks x kv_blocks`` grid over a square causal mask that holds at least
+    one visible score: block ``(i, j)`` is active iff ``j / kv_blocks < (i + 1) / q_blocks``."""
+    active = sum(
+        1 for i in range(q_blocks) for j in range(kv_blocks) if j * q_blocks < (i + 1) * kv_blocks
+    )
+    return active / (q_blocks * kv_blocks)
+
+
+def kernel_cycles(
+    executed_min: int | None,
+    executed_max: int | None,
+    fallback: int,
+    grid: tuple[int, ...] | None,
+    causal: bool,
+) -> tuple[int, str]:
+    """Static cycles of one kernel (one bundle issues per cycle) and how they were obtained.
+
+    ``executed_min`` / ``executed_max`` are the bundles the kernel executes with its undecided
+    predicated regions skipped / run (equal when the schedule decides every region, e.g. a
+    block skip computed from the grid indices). When they differ (regions whose predicate reads
+    memory, like splash attention's block mask), the regions are taken to run on the fraction
+    of grid steps a causal mask leaves active (all of them without a causal mask). Without
+    either figure (inner loops, unknown trip count), ``fallback`` is used: grid steps x
+    bundles per step, every region run.
+    """
+    if executed_min is None or executed_max is None:
+        return fallback, "grid steps x bundles per step"
+    if executed_min == executed_max:
+        return executed_min, "exact: every predicated region decided"
+    fraction = 1.0
+    if causal and grid is not None and len(grid) >= 2:
+        fraction = causal_active_fraction(grid[-2], grid[-1])
+    cycles = executed_min + math.ceil((executed_max - executed_min) * fraction)
+    return cycles, f"data-dependent regions run on {fraction:.0%} of the steps"
+
+
+def derive(
+    workload: Workload,
+    target: Target,
+    price_per_chip_hour: float,
+    *,
+    static_cycles: int | None,
+    compiler_flops: float | None,
+    compiler_bytes: float | None,
+    copy_bytes: int,
+) -> dict[str, Figure]:
+    """The row's estimated figures.
+
+    Compute time: static cycles / clock for programs with Pallas kernels, else the compiler's
+    flop count / peak (model). HBM bytes: the compiler's count for programs without kernels
+    (a Pallas kernel's count is its own declared estimate, not independent), else the minimum
+    the workload must move plus twice the copy-trap bytes (read and write). Latency is the
+    larger of compute and memory time.
+    """
+    useful = workload.useful_flops
+    if static_cycles is not None:
+        compute = figure(static_cycles / target.clock_hz, "static")
+        hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes, "model")
+    else:
+        flops = compiler_flops if compiler_flops else useful
+        compute = figure(flops / target.peak_flops, "model")
+        if compiler_bytes:
+            hbm_bytes = figure(max(compiler_bytes, workload.min_hbm_bytes), "compiler")
+        else:
+            hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes, "model")
+    memory = figure(hbm_bytes["value"] / target.hbm_bandwidth, "model")
+    latency = max(compute, memory, key=lambda f: f["value"])
+    seconds = latency["value"]
+    tokens_per_second = workload.tokens / seconds
+    dollars_per_second = price_per_chip_hour * target.chips / 3600
+    return {
+        "useful_flops": figure(useful, "model"),
+        "hbm_bytes": hbm_bytes,
+        "compute_seconds": compute,
+        "memory_seconds": memory,
+        "latency_seconds": latency,
+        "mfu": figure(useful / seconds / (target.peak_flops * target.chips), latency["source"]),
+        "hbm_bandwidth_use": figure(
+            hbm_bytes["value"] / seconds / (target.hbm_bandwidth * target.chips), latency["source"]
+        ),
+        "tokens_per_second": figure(tokens_per_second, latency["source"]),
+        "tokens_per_dollar": figure(tokens_per_second / dollars_per_second, latency["source"]),
+    }

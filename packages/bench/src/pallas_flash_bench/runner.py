@@ -1,0 +1,257 @@
+"""``pallas-flash bench``: compile the sweep in workers, derive the figures, write the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+
+import jax
+from tqdm import tqdm
+
+import pallas_flash as pf
+from pallas_flash_bench import aot, estimate, measure
+from pallas_flash_bench.cache import ResultCache
+from pallas_flash_bench.report import write_report
+from pallas_flash_bench.roofline import write_roofline
+from pallas_flash_bench.subjects import Subject, all_subjects, array_specs
+from pallas_flash_bench.targets import Target
+from pallas_flash_bench.worker import RESULT_PREFIX
+from pallas_flash_bench.workloads import Workload
+
+FIT_LIMIT = 1 << 21
+"""Longest sequence the fit search tries: Q, K, V and O of B=1, H=16, D=128 bf16 at 2M tokens
+already fill 16 GiB."""
+FIT_STEP = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    target: Target
+    sweep: str
+    workloads: list[Workload]
+    backends: list[str] | None
+    references: bool
+    fit: bool
+    measure: bool
+    price_per_chip_hour: float
+    out_dir: pathlib.Path
+    cache: ResultCache
+    workers: int
+
+
+def versions() -> dict[str, str | None]:
+    """Toolchain versions: every static figure depends on them (part of the cache key)."""
+    return {
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "libtpu": aot.libtpu_version(),
+        "pallas_flash": importlib.metadata.version("pallas-flash-core"),
+    }
+
+
+def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
+    common = {"sweep": options.sweep, "backends": options.backends,
+              "references": options.references, "target": options.target.name}  # fmt: skip
+    jobs = [
+        {"kind": "row", "subject": sid, "workload": w.to_json(), **common}
+        for w in options.workloads
+        for sid in subjects
+    ]
+    if options.fit:
+        jobs += [
+            {
+                "kind": "fit",
+                "subject": sid,
+                "op": op,
+                "limit": FIT_LIMIT,
+                "step": FIT_STEP,
+                **common,
+            }
+            for sid, s in subjects.items()
+            if s.kind == "backend"
+            for op in ("forward", "forward_backward")
+        ]
+    for i, job in enumerate(jobs):
+        job["id"] = i
+    return jobs
+
+
+def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict]:
+    """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by id."""
+    results: dict[int, dict] = {}
+    if not jobs:
+        return results
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="pallas-flash-bench-"))
+    rows = [j for j in jobs if j["kind"] == "row"]
+    fits = [j for j in jobs if j["kind"] == "fit"]
+    groups = [(rows[i::workers], True) for i in range(workers)] + [(fits, False)]
+    lines: queue.Queue[str | None] = queue.Queue()
+    processes = []
+    for index, (group, dump) in enumerate(groups):
+        if not group:
+            continue
+        jobs_file = scratch / f"jobs-{index}.json"
+        jobs_file.write_text(json.dumps(group))
+        # Several compile workers run at once: libtpu's lock file would refuse all but one.
+        env = dict(os.environ, PALLAS_FLASH_INTERPRET="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        args = [sys.executable, "-m", "pallas_flash_bench.worker", str(jobs_file)]
+        if dump:
+            dump_dir = scratch / f"dump-{index}"
+            env["LIBTPU_INIT_ARGS"] = (
+                f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_jf_dump_to={dump_dir}"
+            )
+            args.append(str(dump_dir))
+        log = open(scratch / f"worker-{index}.log", "w")  # noqa: SIM115 - closed below
+        process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        processes.append((process, log))
+        threading.Thread(target=_forward_lines, args=(process, lines), daemon=True).start()
+    finished = 0
+    while finished < len(processes):
+        line = lines.get()
+        if line is None:
+            finished += 1
+            continue
+        message = json.loads(line[len(RESULT_PREFIX) :])
+        results[message["job"]] = message["result"]
+        progress.update(1)
+    for process, log in processes:
+        process.wait()
+        log.close()
+    missing = [j for j in jobs if j["id"] not in results]
+    for job in missing:
+        results[job["id"]] = {"job_error": f"worker exited early; see logs in {scratch}"}
+    return results
+
+
+def _forward_lines(process: subprocess.Popen, lines: queue.Queue) -> None:
+    for line in process.stdout:
+        if line.startswith(RESULT_PREFIX):
+            lines.put(line.strip())
+    lines.put(None)
+
+
+def _measure(row: dict, subject: Subject, workload: Workload) -> dict | None:
+    platform = measure.platform()
+    info = {i.name: i for i in pf.list_backends()}.get(subject.name)
+    if subject.kind != "backend" or info is None or platform not in info.platforms:
+        return None
+    w = workload
+    if platform == "cpu":
+        heads_rows = w.batch * w.q_heads * (1 if w.op == "decode" else w.seq_len)
+        factor = 3 if w.op == "forward_backward" else 1
+        if heads_rows * w.seq_len * 4 * factor > measure.CPU_SCORE_BYTES_LIMIT:
+            row["notes"].append("not timed on CPU: the score matrix is too large for this host")
+            return None
+    fn = subject.build(workload)
+    seconds = measure.median_seconds(fn, measure.random_arrays(array_specs(w), w.seq_len))
+    return estimate.figure(seconds, f"measured-{platform}")
+
+
+def run(options: BenchOptions) -> dict:
+    """Runs the sweep and writes ``report.md``, ``results.json`` and ``roofline.png``."""
+    toolchain = versions()
+    subjects = all_subjects(options.sweep, options.backends, options.references)
+    jobs = _jobs(options, subjects)
+    notes = []
+    if toolchain["libtpu"] is None:
+        notes.append("libtpu is not installed: nothing was compiled for the TPU")
+        print(
+            "pallas-flash bench: libtpu is not installed, so nothing is compiled for the TPU; "
+            "only CPU timings are reported. Install it with: pip install 'jax[tpu]'",
+            file=sys.stderr,
+        )
+    results: dict[int, dict] = {}
+    todo = []
+    for job in jobs:
+        cached = options.cache.get(ResultCache.key(job, toolchain))
+        if cached is not None:
+            results[job["id"]] = cached
+        elif toolchain["libtpu"] is not None:
+            todo.append(job)
+    with tqdm(
+        total=len(jobs),
+        initial=len(results),
+        desc="compiling for " + options.target.name,
+        unit="job",
+    ) as progress:
+        fresh = run_workers(todo, options.workers, progress)
+    for job in todo:
+        result = fresh[job["id"]]
+        if result is not None and "job_error" not in result:
+            options.cache.put(ResultCache.key(job, toolchain), result)
+    results.update(fresh)
+
+    rows, fits = [], []
+    for job in jobs:
+        result = results.get(job["id"])
+        if job["kind"] == "fit":
+            if result is not None and "job_error" not in result:
+                fits.append(result)
+            continue
+        workload = Workload(**job["workload"])
+        subject = subjects[job["subject"]]
+        if result is None and toolchain["libtpu"] is not None:
+            continue  # the subject does not support this workload
+        if result is None or "job_error" in result:
+            result = _failed_row(subject, workload, result)
+        rows.append(_with_figures(result, subject, workload, options))
+    output = {
+        "meta": {
+            "target": options.target.to_json(),
+            "versions": toolchain,
+            "date": datetime.date.today().isoformat(),
+            "sweep": options.sweep,
+            "price_per_chip_hour": options.price_per_chip_hour,
+            "price_source": "on-demand list price per chip-hour (see pallas_flash_bench.targets)"
+            if options.price_per_chip_hour == options.target.price_per_chip_hour
+            else "given with --price",
+            "measured_on": measure.platform() if options.measure else None,
+            "notes": notes,
+        },
+        "rows": rows,
+        "fits": fits,
+    }
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    (options.out_dir / "results.json").write_text(json.dumps(output, indent=1))
+    write_report(output, options.out_dir / "report.md")
+    write_roofline(output, options.out_dir / "roofline.png")
+    return output
+
+
+def _failed_row(subject: Subject, workload: Workload, result: dict | None) -> dict:
+    error = "libtpu is not installed" if result is None else result["job_error"]
+    return {"subject": subject.name, "kind": subject.kind, "config": subject.config,
+            "version": subject.version, "workload": workload.to_json(), "label": workload.label,
+            "compiled": False, "error": error, "hbm": None, "copies": [], "kernels": [],
+            "cost": None, "notes": []}  # fmt: skip
+
+
+def _with_figures(row: dict, subject: Subject, workload: Workload, options: BenchOptions) -> dict:
+    row = dict(row, notes=list(row["notes"]))
+    if row["compiled"]:
+        cost = row["cost"] or {}
+        row["figures"] = estimate.derive(
+            workload,
+            options.target,
+            options.price_per_chip_hour,
+            static_cycles=sum(k["cycles"] for k in row["kernels"]) if row["kernels"] else None,
+            compiler_flops=cost.get("flops"),
+            compiler_bytes=cost.get("bytes"),
+            copy_bytes=sum(c["bytes"] for c in row["copies"]),
+        )
+    else:
+        row["figures"] = {}
+    if options.measure:
+        measured = _measure(row, subject, workload)
+        if measured is not None:
+            row["figures"]["measured_seconds"] = measured
+    return row

@@ -1,0 +1,187 @@
+"""What gets compiled: every installed backend, and jax's own Pallas attention kernels.
+
+A :class:`Subject` turns a :class:`Workload` into a function of the workload's arrays (or
+None when it cannot run it). jax's ``flash_attention`` and ``splash_attention`` are the
+kernels a v5e user would otherwise pick; they go through the same analysis as our backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import pallas_flash as pf
+from pallas_flash_bench.workloads import Workload
+
+ArraySpec = tuple[tuple[int, ...], str]
+
+
+def array_specs(workload: Workload) -> list[ArraySpec]:
+    """Shapes and dtypes of the arguments: ``q, k, v`` or ``q, k_cache, v_cache, lengths``."""
+    w = workload
+    if w.op == "decode":
+        cache = ((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
+        return [((w.batch, w.q_heads, w.head_dim), w.dtype), cache, cache, ((w.batch,), "int32")]
+    kv = ((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
+    return [((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), kv, kv]
+
+
+def _with_backward(forward: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
+    """Forward + backward: the gradients of ``sum(forward(q, k, v))`` w.r.t. q, k and v."""
+
+    def loss(q, k, v):
+        return forward(q, k, v).astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """One implementation under test.
+
+    Attributes:
+      name: e.g. ``xla`` or ``jax-splash``.
+      kind: ``backend`` (a Pallas-Flash backend) or ``reference`` (a jax kernel).
+      config: block sizes or other settings, ``""`` for none.
+      version: the providing distribution's version (part of the cache key).
+      build: ``workload -> function of its arrays``, or None when unsupported.
+    """
+
+    name: str
+    kind: str
+    config: str
+    version: str
+    build: Callable[[Workload], Callable[..., object] | None]
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}[{self.config}]" if self.config else self.name
+
+
+def _backend_build(info: pf.BackendInfo, workload: Workload) -> Callable[..., object] | None:
+    needed = {"decode"} if workload.op == "decode" else {"attention"}
+    if workload.op == "forward_backward":
+        needed.add("grad")
+    if workload.causal:
+        needed.add("causal")
+    if workload.q_heads != workload.kv_heads:
+        needed.add("gqa")
+    if not needed <= info.capabilities:
+        return None
+    if workload.op == "decode":
+        return functools.partial(pf.decode, backend=info.name)
+    forward = functools.partial(pf.attention, causal=workload.causal, backend=info.name)
+    return forward if workload.op == "forward" else _with_backward(forward)
+
+
+def backend_subjects(names: list[str] | None = None) -> list[Subject]:
+    """The installed backends (or those named), as subjects."""
+    infos = [i for i in pf.list_backends() if names is None or i.name in names]
+    return [
+        Subject(
+            name=info.name,
+            kind="backend",
+            config="",
+            version=importlib.metadata.version(info.distribution) if info.distribution else "",
+            build=functools.partial(_backend_build, info),
+        )
+        for info in infos
+    ]
+
+
+def _jax_flash_build(block: int | None, workload: Workload) -> Callable[..., object] | None:
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    if workload.op == "decode" or workload.q_heads != workload.kv_heads:
+        return None
+    sizes = None
+    if block is not None:
+        b = min(block, workload.seq_len)
+        sizes = fa.BlockSizes(
+            block_q=b, block_k_major=b, block_k=b, block_b=1,
+            block_q_major_dkv=b, block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b,
+            block_k_major_dq=b, block_k_dq=b, block_q_dq=b,
+        )  # fmt: skip
+    forward = functools.partial(
+        fa.flash_attention,
+        causal=workload.causal,
+        sm_scale=1 / math.sqrt(workload.head_dim),
+        block_sizes=sizes,
+    )
+    return forward if workload.op == "forward" else _with_backward(forward)
+
+
+def _splash_build(blocks: tuple[int, int], workload: Workload) -> Callable[..., object] | None:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if workload.op == "decode" or workload.q_heads != workload.kv_heads:
+        return None
+    n = workload.seq_len
+    bq, bkv = (min(b, n) for b in blocks)
+    head_mask = sm.CausalMask((n, n)) if workload.causal else sm.FullMask((n, n))
+    kernel = sk.make_splash_mha(
+        sm.MultiHeadMask([head_mask] * workload.q_heads),
+        head_shards=1,
+        q_seq_shards=1,
+        block_sizes=sk.BlockSizes(
+            block_q=bq,
+            block_kv=bkv,
+            block_kv_compute=bkv,
+            block_q_dkv=bq,
+            block_kv_dkv=bkv,
+            block_kv_dkv_compute=bkv,
+            block_q_dq=bq,
+            block_kv_dq=bkv,
+        ),
+    )
+    scale = 1 / math.sqrt(workload.head_dim)
+
+    def forward(q, k, v):  # splash takes [heads, seq, head_dim] and applies no scale
+        return jax.vmap(kernel)(q * jnp.asarray(scale, q.dtype), k, v)
+
+    return forward if workload.op == "forward" else _with_backward(forward)
+
+
+FLASH_BLOCKS = {"quick": [None, 512], "default": [None, 512, 1024]}
+"""jax ``flash_attention`` block sizes to try (None: its default, 128)."""
+SPLASH_BLOCKS = {"quick": [(512, 1024)], "default": [(512, 512), (512, 1024), (1024, 1024)]}
+"""jax ``splash_attention`` (block_q, block_kv) sizes to try."""
+
+
+def reference_subjects(sweep: str) -> list[Subject]:
+    """jax's flash_attention (default and larger blocks) and splash_attention."""
+    version = jax.__version__
+    flash = [
+        Subject(
+            name="jax-flash",
+            kind="reference",
+            config=f"blocks {block}" if block else "default blocks",
+            version=version,
+            build=functools.partial(_jax_flash_build, block),
+        )
+        for block in FLASH_BLOCKS[sweep]
+    ]
+    splash = [
+        Subject(
+            name="jax-splash",
+            kind="reference",
+            config=f"blocks {bq}/{bkv}",
+            version=version,
+            build=functools.partial(_splash_build, (bq, bkv)),
+        )
+        for bq, bkv in SPLASH_BLOCKS[sweep]
+    ]
+    return flash + splash
+
+
+def all_subjects(sweep: str, backends: list[str] | None, references: bool) -> dict[str, Subject]:
+    """Subjects by id, in report order: backends first."""
+    subjects = backend_subjects(backends) + (reference_subjects(sweep) if references else [])
+    return {s.id: s for s in subjects}

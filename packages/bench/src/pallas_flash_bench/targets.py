@@ -1,0 +1,102 @@
+"""TPU targets: the topology to compile for and the per-chip figures estimates divide by.
+
+Figures are Google's published per-chip specifications. ``clock_hz`` is derived, not
+published: peak bf16 FLOP/s / (MXUs x 128 x 128 x 2 flops per multiply-add), e.g. v5e:
+197e12 / (4 x 128 x 128 x 2) = 1.5 GHz.
+
+Prices are on-demand list prices per chip-hour from the Google Cloud TPU pricing page as last
+recorded by this project (2025; not re-checked when this table was written, 2026-11-21, as no
+network was available); pass ``--price`` to use your own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One TPU slice to compile for; ``chips`` devices of the topology are used."""
+
+    name: str
+    topology: str
+    """Topology name for ``jax.experimental.topologies.get_topology_desc``."""
+    chips_per_host_bounds: tuple[int, int, int]
+    chips: int
+    peak_flops: float
+    """Peak bf16 FLOP/s of one device."""
+    hbm_bytes: int
+    hbm_bandwidth: float
+    """Bytes/s of one device."""
+    vmem_bytes: int
+    clock_hz: float
+    ici_bandwidth: float
+    """Interconnect bytes/s out of one chip, all links together."""
+    price_per_chip_hour: float
+    """US dollars, on-demand list price (see the module docstring)."""
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+_V5E = dict(
+    topology="v5e:2x2",
+    chips_per_host_bounds=(2, 2, 1),
+    peak_flops=197e12,
+    hbm_bytes=16 * GiB,
+    hbm_bandwidth=819e9,
+    vmem_bytes=128 * MiB,
+    clock_hz=197e12 / (4 * 128 * 128 * 2),
+    ici_bandwidth=1600e9 / 8,  # 1,600 Gbit/s per chip
+    price_per_chip_hour=1.20,
+)
+
+TARGETS = {
+    "v5e-1": Target(name="v5e-1", chips=1, **_V5E),
+    "v5e-4": Target(name="v5e-4", chips=4, **_V5E),
+    # One v4 chip shows up as two devices (one per TensorCore) in this topology: figures are
+    # per TensorCore, half a chip's.
+    "v4": Target(
+        name="v4",
+        topology="v4:2x2x1",
+        chips_per_host_bounds=(2, 2, 1),
+        chips=1,
+        peak_flops=275e12 / 2,
+        hbm_bytes=16 * GiB,
+        hbm_bandwidth=1228e9 / 2,
+        vmem_bytes=16 * MiB,
+        clock_hz=275e12 / (2 * 4 * 128 * 128 * 2),
+        ici_bandwidth=2400e9 / 8,
+        price_per_chip_hour=3.22 / 2,
+    ),
+    "v5p": Target(
+        name="v5p",
+        topology="v5p:2x2x1",
+        chips_per_host_bounds=(2, 2, 1),
+        chips=1,
+        peak_flops=459e12,
+        hbm_bytes=95 * GiB,
+        hbm_bandwidth=2765e9,
+        vmem_bytes=64 * MiB,
+        clock_hz=459e12 / (2 * 4 * 128 * 128 * 2),
+        ici_bandwidth=4800e9 / 8,
+        price_per_chip_hour=4.20,
+    ),
+    "v6e": Target(
+        name="v6e",
+        topology="v6e:2x2",
+        chips_per_host_bounds=(2, 2, 1),
+        chips=1,
+        peak_flops=918e12,
+        hbm_bytes=32 * GiB,
+        hbm_bandwidth=1640e9,
+        vmem_bytes=128 * MiB,
+        clock_hz=918e12 / (2 * 256 * 256 * 2),
+        ici_bandwidth=3584e9 / 8,
+        price_per_chip_hour=2.70,
+    ),
+}
+DEFAULT_TARGET = "v5e-1"

@@ -1,0 +1,209 @@
+"""The compile worker: a subprocess that compiles jobs for a TPU target and analyses them.
+
+The LLO dump flag of libtpu is read once, when libtpu starts, so compiles that need bundle
+dumps run in a process started with ``LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR``. The worker
+reads a list of jobs from a JSON file and prints one ``RESULT_PREFIX`` line of JSON per job
+as it finishes, so the parent can show progress.
+
+Run: ``python -m pallas_flash_bench.worker JOBS.json [DUMP_DIR]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+import traceback
+
+RESULT_PREFIX = "PALLAS_FLASH_BENCH_RESULT "
+
+
+def _error_text(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: " + " ".join(lines[:6])[:600]
+
+
+def _cost(compiled) -> dict[str, float]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
+
+
+def analyse_row(
+    subject, workload, target, dump_dir: pathlib.Path | None, keep_hlo: bool = False
+) -> dict | None:
+    """Compiles one subject on one workload; returns the raw analysis, or None if unsupported.
+
+    With ``keep_hlo`` the optimised HLO text is kept in the row (for ``pallas-flash inspect``).
+    """
+    from pallas_flash_bench import aot, estimate, hlo, llo
+    from pallas_flash_bench.subjects import array_specs
+
+    fn = subject.build(workload)
+    if fn is None:
+        return None
+    row = {
+        "subject": subject.name,
+        "kind": subject.kind,
+        "config": subject.config,
+        "version": subject.version,
+        "workload": workload.to_json(),
+        "label": workload.label,
+        "compiled": False,
+        "error": None,
+        "hbm": None,
+        "copies": [],
+        "kernels": [],
+        "cost": None,
+        "notes": [],
+    }
+    if dump_dir is not None:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        dump_dir.mkdir(parents=True)
+    try:
+        compiled = aot.compile_for(fn, array_specs(workload), target)
+    except Exception as exc:  # noqa: BLE001 - a compiler error is a result, not a crash
+        row["error"] = _error_text(exc)
+        return row
+    row["compiled"] = True
+    memory = compiled.memory_analysis()
+    total = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+    row["hbm"] = {
+        "temp": memory.temp_size_in_bytes,
+        "argument": memory.argument_size_in_bytes,
+        "output": memory.output_size_in_bytes,
+        "total": total,
+        "fits": total <= target.hbm_bytes,
+    }
+    row["cost"] = _cost(compiled)
+    text = compiled.as_text()
+    if keep_hlo:
+        row["hlo"] = text
+    row["copies"] = [
+        {
+            "name": op.name,
+            "opcode": op.opcode,
+            "shape": op.shape,
+            "bytes": op.bytes,
+            "detail": op.detail,
+        }
+        for op in hlo.find_copy_trap(text)
+        if op.relayout is not False  # copies into VMEM (S(1)) are prefetches, not re-layouts
+    ]
+    calls = hlo.kernel_calls(text)
+    if calls and dump_dir is None:
+        row["notes"].append("no LLO dump was requested: no static schedule")
+    elif calls:
+        try:
+            schedules = llo.load_dump(dump_dir)
+        except FileNotFoundError as exc:
+            schedules = {}
+            row["notes"].append(f"LLO dump missing: {exc}")
+        for call in calls:
+            schedule = schedules.get(call.name)
+            if schedule is None:
+                row["notes"].append(f"no bundle dump for kernel {call.name}: no static schedule")
+                continue
+            steps = schedule.grid_steps or schedule.trip_count or 1
+            cycles, how = estimate.kernel_cycles(
+                schedule.executed_bundles_min,
+                schedule.executed_bundles_max,
+                steps * schedule.bundles_per_step,
+                schedule.grid,
+                workload.causal,
+            )
+            row["kernels"].append(
+                {
+                    "name": schedule.name,
+                    "bundles_per_step": schedule.bundles_per_step,
+                    "steps": steps,
+                    "grid": list(schedule.grid) if schedule.grid else None,
+                    "predicated_bundles": schedule.predicated_bundles,
+                    "utilization": {unit: schedule.utilization(unit) for unit in schedule.units},
+                    "spill_stores": schedule.spill_stores,
+                    "fill_loads": schedule.fill_loads,
+                    "mxu_ops": schedule.mxu_ops,
+                    "cycles": cycles,
+                    "cycles_from": how,
+                    "warnings": list(schedule.warnings),
+                }
+            )
+    return row
+
+
+def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
+    """Bisects the longest sequence (multiple of ``step``) whose program fits in HBM."""
+    from pallas_flash_bench import aot
+    from pallas_flash_bench.subjects import array_specs
+    from pallas_flash_bench.workloads import Workload
+
+    def fits(n: int) -> int | None:
+        """Total HBM bytes at length n if it compiles and fits, else None."""
+        workload = Workload(op, n)
+        fn = subject.build(workload)
+        try:
+            memory = aot.compile_for(fn, array_specs(workload), target).memory_analysis()
+        except Exception:  # noqa: BLE001 - out of memory shows up as a compiler error too
+            return None
+        total = (
+            memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+        )
+        return total if total <= target.hbm_bytes else None
+
+    result = {"subject": subject.id, "op": op, "longest_seq_len": None, "limit_searched": limit,
+              "hbm_total_at_limit": None, "source": "compiler", "note": ""}  # fmt: skip
+    if subject.build(Workload(op, step)) is None:
+        result["note"] = "unsupported"
+        return result
+    low, high = 0, step  # low fits (0 trivially); grow high until it does not fit
+    while high <= limit and (total := fits(high)) is not None:
+        low, result["hbm_total_at_limit"] = high, total
+        high *= 2
+    if high > limit:
+        result["longest_seq_len"] = low
+        result["note"] = f"fits up to the searched limit {limit}"
+        return result
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
+        total = fits(mid)
+        if total is None:
+            high = mid
+        else:
+            low, result["hbm_total_at_limit"] = mid, total
+    result["longest_seq_len"] = low or None
+    return result
+
+
+def main(argv: list[str]) -> None:
+    from pallas_flash_bench.subjects import all_subjects
+    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_bench.workloads import Workload
+
+    jobs = json.loads(pathlib.Path(argv[0]).read_text())
+    dump_dir = pathlib.Path(argv[1]) if len(argv) > 1 else None
+    subjects_by_config: dict[tuple, dict] = {}
+    for job in jobs:
+        key = (job["sweep"], tuple(job["backends"] or ()), job["references"])
+        if key not in subjects_by_config:
+            subjects_by_config[key] = all_subjects(job["sweep"], job["backends"], job["references"])
+        subject = subjects_by_config[key][job["subject"]]
+        target = TARGETS[job["target"]]
+        try:
+            if job["kind"] == "row":
+                workload = Workload(**job["workload"])
+                result = analyse_row(
+                    subject, workload, target, dump_dir, job.get("keep_hlo", False)
+                )
+            else:
+                result = longest_fitting(subject, job["op"], target, job["limit"], job["step"])
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next job
+            result = {"job_error": _error_text(exc), "traceback": traceback.format_exc()}
+        print(RESULT_PREFIX + json.dumps({"job": job["id"], "result": result}), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PALLAS_FLASH_INTERPRET", "0")  # emit Mosaic kernels for the TPU
+    main(sys.argv[1:])

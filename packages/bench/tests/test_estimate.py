@@ -1,0 +1,91 @@
+"""Static cycle model and derived figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from pallas_flash_bench import estimate
+from pallas_flash_bench.targets import TARGETS
+from pallas_flash_bench.workloads import Workload
+
+V5E = TARGETS["v5e-1"]
+
+
+def test_causal_active_fraction_of_square_blocks_is_the_lower_triangle() -> None:
+    assert estimate.causal_active_fraction(8, 8) == 36 / 64
+    assert estimate.causal_active_fraction(1, 1) == 1.0
+
+
+def test_causal_active_fraction_with_longer_kv_blocks() -> None:
+    # 4 query blocks x 2 kv blocks over a square mask: kv block 1 starts at half the keys,
+    # so query blocks 0 and 1 (the first half of the queries) do not touch it.
+    assert estimate.causal_active_fraction(4, 2) == 6 / 8
+
+
+def test_kernel_cycles_are_exact_when_every_region_is_decided() -> None:
+    assert estimate.kernel_cycles(1_469_086, 1_469_086, 9, (1, 16, 8, 8), causal=True) == (
+        1_469_086,
+        "exact: every predicated region decided",
+    )
+
+
+def test_undecided_regions_run_on_the_causal_fraction_of_steps() -> None:
+    cycles, how = estimate.kernel_cycles(1000, 2000, 9, (1, 4, 8, 8), causal=True)
+    assert cycles == 1000 + 1000 * 36 // 64 + 1  # ceil of 562.5
+    assert "56%" in how
+
+
+def test_undecided_regions_all_run_without_a_causal_mask() -> None:
+    assert estimate.kernel_cycles(1000, 2000, 9, (1, 4, 8, 8), causal=False)[0] == 2000
+
+
+def test_kernel_cycles_fall_back_to_steps_times_bundles() -> None:
+    assert estimate.kernel_cycles(None, None, 1620 * 1024, None, causal=False) == (
+        1620 * 1024,
+        "grid steps x bundles per step",
+    )
+
+
+def test_static_figures_mfu_follows_from_cycles() -> None:
+    w = Workload("forward", 4096)
+    cycles = 1621 * 1024
+    figures = estimate.derive(
+        w, V5E, 1.2, static_cycles=cycles, compiler_flops=None, compiler_bytes=None, copy_bytes=0
+    )
+    seconds = cycles / V5E.clock_hz
+    assert figures["latency_seconds"] == {"value": pytest.approx(seconds), "source": "static"}
+    assert figures["mfu"]["value"] == pytest.approx(w.useful_flops / seconds / V5E.peak_flops)
+    assert 0.5 < figures["mfu"]["value"] < 0.7  # 512x512 blocks: ~60 % as measured by hand
+    tokens_per_second = 4096 / seconds
+    assert figures["tokens_per_dollar"]["value"] == pytest.approx(tokens_per_second * 3600 / 1.2)
+
+
+def test_memory_bound_programs_take_the_memory_time() -> None:
+    w = Workload("decode", 131072, q_heads=32, kv_heads=8)
+    figures = estimate.derive(
+        w, V5E, 1.2, static_cycles=1000, compiler_flops=None, compiler_bytes=None, copy_bytes=0
+    )
+    assert figures["latency_seconds"]["source"] == "model"
+    assert figures["latency_seconds"]["value"] == pytest.approx(w.min_hbm_bytes / V5E.hbm_bandwidth)
+    assert figures["hbm_bandwidth_use"]["value"] == pytest.approx(1.0)
+
+
+def test_programs_without_kernels_use_the_compilers_counts() -> None:
+    w = Workload("forward", 8192, causal=True)
+    figures = estimate.derive(
+        w, V5E, 1.2, static_cycles=None, compiler_flops=5.6e11, compiler_bytes=2.2e10, copy_bytes=0
+    )
+    assert figures["hbm_bytes"] == {"value": 2.2e10, "source": "compiler"}
+    assert figures["compute_seconds"] == {
+        "value": pytest.approx(5.6e11 / V5E.peak_flops),
+        "source": "model",
+    }
+    assert figures["latency_seconds"]["value"] == pytest.approx(2.2e10 / V5E.hbm_bandwidth)
+
+
+def test_copy_trap_bytes_are_charged_twice() -> None:
+    w = Workload("forward", 1024)
+    with_copies = estimate.derive(
+        w, V5E, 1.2, static_cycles=1, compiler_flops=None, compiler_bytes=None, copy_bytes=1000
+    )
+    assert with_copies["hbm_bytes"]["value"] == w.min_hbm_bytes + 2000

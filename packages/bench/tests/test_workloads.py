@@ -1,0 +1,47 @@
+"""Flop and byte counts of workloads, and the sweeps."""
+
+from __future__ import annotations
+
+from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep
+
+
+def test_forward_flops_are_two_matmuls_and_causal_counts_half() -> None:
+    w = Workload("forward", 4096)
+    assert w.useful_flops == 4 * 16 * 4096**2 * 128
+    assert Workload("forward", 4096, causal=True).useful_flops == w.useful_flops / 2
+
+
+def test_backward_is_two_and_a_half_forwards() -> None:
+    forward = Workload("forward", 2048).useful_flops
+    assert Workload("forward_backward", 2048).useful_flops == 3.5 * forward
+
+
+def test_decode_bytes_are_the_cache() -> None:
+    w = Workload("decode", 131072, q_heads=32, kv_heads=8)
+    cache = 2 * 8 * 131072 * 128 * 2
+    assert w.min_hbm_bytes == cache + 2 * 32 * 128 * 2
+    assert w.tokens == 1
+
+
+def test_forward_bytes_are_q_k_v_and_o() -> None:
+    w = Workload("forward", 1024)
+    assert w.min_hbm_bytes == 4 * 16 * 1024 * 128 * 2
+
+
+def test_labels_are_unique_in_the_default_sweep() -> None:
+    labels = [w.label for w in default_sweep()]
+    assert len(labels) == len(set(labels))
+    assert {w.seq_len for w in default_sweep() if w.op != "decode"} == {
+        1024,
+        2048,
+        4096,
+        8192,
+        16384,
+        32768,
+    }
+    assert max(w.seq_len for w in default_sweep() if w.op == "decode") == 131072
+
+
+def test_quick_sweep_is_a_small_subset_of_the_default() -> None:
+    assert len(quick_sweep()) < len(default_sweep()) / 4
+    assert set(quick_sweep()) <= set(default_sweep())
