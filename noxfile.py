@@ -1,4 +1,4 @@
-"""Developer tasks: `nox` runs lint, tests, conformance and docs; `nox -s bench` the benchmarks.
+"""Developer tasks: `nox` runs lint, tests, conformance and docs; `nox -s bench` the v5e report.
 
 Every session installs from the local packages with the pinned versions of constraints.txt,
 through uv, whose cache shares jax and its wheels between sessions instead of downloading
@@ -20,6 +20,7 @@ PACKAGES = ROOT / "packages"
 CONSTRAINTS = ("--constraint", str(ROOT / "constraints.txt"))
 CORE = str(PACKAGES / "core")
 CONFORMANCE = str(PACKAGES / "conformance")
+BENCH = str(PACKAGES / "bench")
 BACKENDS = {
     path.name.removeprefix("backend_"): str(path)
     for path in sorted(PACKAGES.glob("backend_*"))
@@ -43,7 +44,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Each package's own unit tests, with every package installed."""
-    _install(session, CORE, CONFORMANCE, *BACKENDS.values())
+    _install(session, CORE, CONFORMANCE, BENCH, *BACKENDS.values())
     test_dirs = [str(path) for path in sorted(PACKAGES.glob("*/tests"))]
     session.run("pytest", *test_dirs, *session.posargs)
 
@@ -61,23 +62,18 @@ def conformance(session: nox.Session, backend: str) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The conformance benchmarks of every backend on this machine; JSON in bench-results/."""
-    _install(session, CORE, CONFORMANCE, *BACKENDS.values())
-    out = ROOT / "bench-results"
-    out.mkdir(exist_ok=True)
-    session.chdir(session.create_tmp())
-    for backend in BACKENDS:
-        session.run(
-            "pytest",
-            "--pyargs",
-            "pallas_flash_conformance",
-            "--backend",
-            backend,
-            "--benchmark-enable",
-            "--benchmark-only",
-            f"--benchmark-json={out / backend}.json",
-            *session.posargs,
-        )
+    """The main job: `pallas-flash bench --quick` for the default target, into bench-results/.
+
+    Extra arguments go to `pallas-flash bench` (e.g. `nox -s bench -- --target v5e-4`); with
+    `-- --full` the default (not quick) sweep runs.
+    """
+    _install(session, CORE, BENCH, *BACKENDS.values())
+    args = list(session.posargs)
+    if "--full" in args:
+        args.remove("--full")
+    else:
+        args.insert(0, "--quick")
+    session.run("pallas-flash", "bench", "--out", str(ROOT / "bench-results"), *args)
 
 
 @nox.session
