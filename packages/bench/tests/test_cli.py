@@ -1,0 +1,117 @@
+"""End to end: ``pallas-flash bench`` and ``inspect`` on a tiny sweep, for v5e, without a TPU.
+
+These compile for real with libtpu (skipped where it is not installed) in worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from pallas_flash_bench import aot, cli, runner, worker
+from pallas_flash_bench.subjects import all_subjects
+from pallas_flash_bench.targets import TARGETS
+from pallas_flash_bench.workloads import Workload
+
+needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
+
+TINY = ["--ops", "forward", "--seq-lens", "1024", "--backends", "xla", "--no-measure"]
+
+
+def _static(results: dict) -> list:
+    """What must not change between runs: everything but the date and wall-clock figures."""
+    rows = []
+    for row in results["rows"]:
+        figures = {k: v for k, v in row["figures"].items() if k != "measured_seconds"}
+        rows.append({**row, "figures": figures})
+    return [rows, results["fits"]]
+
+
+@needs_libtpu
+def test_bench_writes_the_report_and_static_figures_repeat(tmp_path) -> None:
+    for run in ("a", "b"):
+        assert (
+            cli.main(["bench", *TINY, "--no-cache", "--no-fit", "--out", str(tmp_path / run)]) == 0
+        )
+    first, second = (json.loads((tmp_path / r / "results.json").read_text()) for r in "ab")
+    assert _static(first) == _static(second)
+    assert (tmp_path / "a" / "report.md").read_text().startswith("# Pallas-Flash benchmark: v5e-1")
+    assert (tmp_path / "a" / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = {(r["subject"], r["config"]): r for r in first["rows"]}
+    assert rows[("xla", "")]["compiled"] and rows[("xla", "")]["kernels"] == []
+    flash = rows[("jax-flash", "blocks 512")]
+    assert flash["kernels"][0]["name"].startswith("flash_attention")
+    assert flash["kernels"][0]["cycles_from"] == "exact: every predicated region decided"
+    assert 0.3 < flash["figures"]["mfu"]["value"] < 1.0
+    assert flash["figures"]["mfu"]["source"] == "static"
+
+
+@needs_libtpu
+def test_second_run_is_served_from_the_cache(tmp_path, monkeypatch) -> None:
+    args = ["bench", *TINY, "--no-reference", "--cache-dir", str(tmp_path / "cache")]
+    assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert list((tmp_path / "cache").glob("*.json"))
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a cached run must not start a compile worker")
+
+    monkeypatch.setattr(subprocess, "Popen", no_workers)
+    assert cli.main([*args, "--out", str(tmp_path / "b")]) == 0
+    first, second = (json.loads((tmp_path / r / "results.json").read_text()) for r in "ab")
+    assert _static(first) == _static(second)
+    assert first["fits"][0]["longest_seq_len"] > 8192  # the XLA baseline's, from the compiler
+
+
+def test_missing_libtpu_gives_a_clear_message_not_a_crash(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(aot, "libtpu_version", lambda: None)
+    assert cli.main(["bench", *TINY, "--no-cache", "--out", str(tmp_path)]) == 0
+    assert "libtpu is not installed" in capsys.readouterr().err
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["rows"] and all(not r["compiled"] for r in results["rows"])
+    assert all(r["error"] == "libtpu is not installed" for r in results["rows"])
+    assert "libtpu is not installed" in (tmp_path / "report.md").read_text()
+
+
+@needs_libtpu
+def test_a_missing_dump_is_a_note_not_a_crash(tmp_path) -> None:
+    subject = all_subjects("quick", ["xla"], True)["jax-flash[blocks 512]"]
+    empty = tmp_path / "dump"
+    row = worker.analyse_row(subject, Workload("forward", 1024), TARGETS["v5e-1"], empty)
+    assert row["compiled"]
+    assert row["kernels"] == []
+    assert any(note.startswith("LLO dump missing") for note in row["notes"])
+
+
+@needs_libtpu
+def test_inspect_prints_the_kernel_schedule(capsys) -> None:
+    args = ["inspect", "--backend", "jax-flash[blocks 512]", "--shape", "1x2x1024x128"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "flash_attention" in out
+    assert "bundles/step" in out
+    assert "custom-call" in out
+    assert "none: no copy, transpose or pad" in out
+
+
+def test_fit_search_bisects_to_the_step(monkeypatch) -> None:
+    """The search doubles, then bisects; checked against a fake compiler with a known limit."""
+    limit = 13_000
+
+    class Memory:
+        def __init__(self, n: int) -> None:
+            self.temp_size_in_bytes = 0 if n <= limit else 1 << 40
+            self.argument_size_in_bytes = self.output_size_in_bytes = 0
+
+    class Compiled:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def memory_analysis(self) -> Memory:
+            return Memory(self.n)
+
+    monkeypatch.setattr(aot, "compile_for", lambda fn, specs, target: Compiled(specs[0][0][2]))
+    subject = all_subjects("quick", ["xla"], False)["xla"]
+    result = worker.longest_fitting(subject, "forward", TARGETS["v5e-1"], runner.FIT_LIMIT, 256)
+    assert result["longest_seq_len"] == 12_800  # the largest multiple of 256 <= 13,000
