@@ -376,3 +376,11 @@ def test_real_noncausal_flash():
     assert [r.executed_iterations for r in regions] == [1024, 128, 128]
     assert flash.grid_loop.executed_bundles is not None
     assert flash.warnings == ()
+
+
+def test_vmem_bytes_sum_the_vmem_allocations() -> None:
+    """Real allocation list of flash_attention with 512 blocks: 3 f32 scratch blocks and 4
+    double-buffered bf16 windows of 256 KiB each, plus 36 KiB of internal scratch; the sflag
+    and smem allocations are not VMEM."""
+    text = (SAMPLES / "flash_attention_allocations.txt").read_text()
+    assert llo.parse_vmem_bytes(text) == 7 * 256 * 1024 + 0x9000

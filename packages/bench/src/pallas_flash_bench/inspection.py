@@ -56,6 +56,7 @@ def inspect_kernel(subject_id: str, workload: Workload, target: Target) -> str:
             f"  {k['name']}: {k['bundles_per_step']} bundles/step x {k['steps']} steps "
             f"(grid {k['grid']}), {k['predicated_bundles']} predicated; {k['cycles']} cycles; "
             f"mxu ops {k['mxu_ops']}, spills {k['spill_stores']}, fills {k['fill_loads']}; "
+            f"VMEM {k['vmem_bytes'] / (1 << 20):.2f} MiB; "
             f"cycles: {k['cycles_from']}\n    slot use: {use}"
         )
     if not row["kernels"]:

@@ -115,6 +115,9 @@ _FILE_RE = re.compile(r"^(?P<fp>\d+)-(?P<name>.+)-(?P<nn>\d+)-(?P<kind>[\w\-]+)\
 _KIND_BUNDLES = "final_bundles"
 _KIND_UTIL = "final_hlo-static-per-bundle-utilization"
 _KIND_ANALYSIS = "schedule-analysis_final_bundles"
+_KIND_ORIGINAL = "original"  # the first LLO pass: lists the kernel's memory allocations
+
+_VMEM_ALLOCATION_RE = re.compile(r"#allocation\d+ \[.*?space=vmem, size = 0x([0-9a-f]+)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -966,6 +969,7 @@ class KernelSchedule:
     # an unknown trip count.
     executed_bundles_min: int | None = None
     executed_bundles_max: int | None = None
+    vmem_bytes: int | None = None  # VMEM the kernel allocates (None without the allocation list)
 
     @property
     def executed_bundles(self) -> int | None:
@@ -1131,7 +1135,12 @@ def find_dump_files(dump_dir: str | Path) -> dict[str, dict[str, Path]]:
     d = Path(dump_dir)
     if not d.is_dir():
         raise FileNotFoundError(f"LLO dump folder not found: {d}")
-    kinds = {_KIND_BUNDLES: "bundles", _KIND_UTIL: "utilization", _KIND_ANALYSIS: "analysis"}
+    kinds = {
+        _KIND_BUNDLES: "bundles",
+        _KIND_UTIL: "utilization",
+        _KIND_ANALYSIS: "analysis",
+        _KIND_ORIGINAL: "allocations",
+    }
     found: dict[tuple[str, str], dict[str, tuple[int, Path]]] = {}
     any_bundles = False
     for p in sorted(d.iterdir()):
@@ -1157,6 +1166,13 @@ def find_dump_files(dump_dir: str | Path) -> dict[str, dict[str, Path]]:
     return out
 
 
+def parse_vmem_bytes(text: str) -> int:
+    """Bytes of VMEM an LLO program allocates: the sum of its ``space=vmem`` allocations
+    (scratch operands, the double-buffered block windows, internal scratch), as listed in the
+    ``...-original.txt`` pass of the dump."""
+    return sum(int(size, 16) for size in _VMEM_ALLOCATION_RE.findall(text))
+
+
 def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
     """Every op of a dump folder with a final_bundles file, keyed by op name.
 
@@ -1171,6 +1187,9 @@ def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
         schedule = load_kernel(
             paths["bundles"], paths.get("utilization"), paths.get("analysis"), name=name
         )
+        if "allocations" in paths:
+            vmem = parse_vmem_bytes(paths["allocations"].read_text())
+            schedule = dataclasses.replace(schedule, vmem_bytes=vmem)
         twins = [k for k in files if k != key and k.split("@", 1)[0] == name]
         if twins:
             note = f"op name {name!r} was dumped by several programs: {', '.join([key, *twins])}"

@@ -402,6 +402,7 @@ def _kernels_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         *(f"{unit} %" for unit in UTILIZATION_UNITS),
         "Spills (stores/fills)",
         "MXU ops",
+        "VMEM",
         "Cycles",
     )
     table = []
@@ -421,6 +422,7 @@ def _kernels_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                     *(_percent(utilization.get(unit)) for unit in UTILIZATION_UNITS),
                     spills,
                     _int(kernel.get("mxu_ops")),
+                    _bytes(kernel.get("vmem_bytes")),
                     _num(kernel.get("cycles")),
                 ]
             )

@@ -126,6 +126,7 @@ def analyse_row(
                     "spill_stores": schedule.spill_stores,
                     "fill_loads": schedule.fill_loads,
                     "mxu_ops": schedule.mxu_ops,
+                    "vmem_bytes": schedule.vmem_bytes,
                     "cycles": cycles,
                     "cycles_from": how,
                     "warnings": list(schedule.warnings),
