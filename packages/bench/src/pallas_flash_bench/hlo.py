@@ -159,6 +159,14 @@ def _layout_parts(layout: str) -> tuple[str, str]:
 # Text scanning
 
 
+def _string_end(text: str, j: int) -> int:
+    """Index of the quote closing the string that opens at ``text[j]`` (escapes skipped)."""
+    j += 1
+    while j < len(text) and text[j] != '"':
+        j += 2 if text[j] == "\\" else 1
+    return j
+
+
 def _match(text: str, i: int) -> int:
     """Index of the bracket closing the one at ``text[i]`` (strings and comments skipped)."""
     stack = []
@@ -167,9 +175,7 @@ def _match(text: str, i: int) -> int:
     while j < n:
         c = text[j]
         if c == '"':
-            j += 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
+            j = _string_end(text, j)
         elif text.startswith("/*", j):
             k = text.find("*/", j + 2)
             j = n if k < 0 else k + 1
@@ -189,9 +195,7 @@ def _split_top(text: str) -> list[str]:
     while j < n:
         c = text[j]
         if c == '"':
-            j += 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
+            j = _string_end(text, j)
         elif c in "({[":
             depth += 1
         elif c in ")}]":

@@ -39,7 +39,7 @@ HOW_TO_READ = (
 # --- formatting -------------------------------------------------------------------------------
 
 
-def _finite(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
     """``value`` as a float, or None when it is missing, not a number or not finite."""
     if value is None or isinstance(value, bool):
         return None
@@ -52,7 +52,7 @@ def _finite(value: Any) -> float | None:
 
 def _num(value: Any) -> str:
     """Compact number: ``1.23``, ``12.3``, ``123``, ``3.4e6``, ``2.5e-5``; ``—`` when missing."""
-    number = _finite(value)
+    number = finite_number(value)
     if number is None:
         return MISSING
     if number == 0:
@@ -69,7 +69,7 @@ def _num(value: Any) -> str:
 
 def _int(value: Any) -> str:
     """Integer with thousands separators, or ``—``."""
-    number = _finite(value)
+    number = finite_number(value)
     if number is None:
         return MISSING
     return f"{int(number):,}" if number == int(number) else _num(number)
@@ -77,7 +77,7 @@ def _int(value: Any) -> str:
 
 def _percent(fraction: Any) -> str:
     """A fraction as a percentage: ``0.612`` -> ``61.2 %``."""
-    number = _finite(fraction)
+    number = finite_number(fraction)
     if number is None:
         return MISSING
     percent = number * 100
@@ -88,7 +88,7 @@ def _percent(fraction: Any) -> str:
 
 def _si(value: Any, unit: str) -> str:
     """Decimal-prefixed quantity: ``1.97e14, "FLOP/s"`` -> ``197 TFLOP/s``."""
-    number = _finite(value)
+    number = finite_number(value)
     if number is None:
         return MISSING
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -99,7 +99,7 @@ def _si(value: Any, unit: str) -> str:
 
 def _bytes(value: Any) -> str:
     """Binary-prefixed byte count: ``33554432`` -> ``32 MiB``."""
-    number = _finite(value)
+    number = finite_number(value)
     if number is None:
         return MISSING
     for power, prefix in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
@@ -139,7 +139,7 @@ def _figure(row: Mapping[str, Any], name: str) -> tuple[float | None, str | None
     figure = (row.get("figures") or {}).get(name)
     if not isinstance(figure, Mapping):
         return None, None
-    return _finite(figure.get("value")), figure.get("source")
+    return finite_number(figure.get("value")), figure.get("source")
 
 
 def _tagged(row: Mapping[str, Any], name: str, render: Any) -> str:
@@ -179,7 +179,7 @@ def _subject(row: Mapping[str, Any]) -> str:
 
 def _sort_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
     workload = _workload(row)
-    seq_len = _finite(workload.get("seq_len"))
+    seq_len = finite_number(workload.get("seq_len"))
     return (
         seq_len is None,
         seq_len or 0,
@@ -213,12 +213,12 @@ def _copy_bytes(row: Mapping[str, Any]) -> str:
     copies = row.get("copies")
     if not row.get("compiled") or copies is None:
         return MISSING
-    total = sum(_finite(copy.get("bytes")) or 0 for copy in copies)
+    total = sum(finite_number(copy.get("bytes")) or 0 for copy in copies)
     return _bytes(total) if total else "none"
 
 
 def _static_cycles(row: Mapping[str, Any]) -> str:
-    cycles = [_finite(k.get("cycles")) for k in row.get("kernels") or []]
+    cycles = [finite_number(k.get("cycles")) for k in row.get("kernels") or []]
     known = [c for c in cycles if c is not None]
     return _num(sum(known)) if known else MISSING
 
@@ -227,7 +227,7 @@ def _hbm(row: Mapping[str, Any]) -> tuple[str, str]:
     hbm = row.get("hbm")
     if not isinstance(hbm, Mapping):
         return MISSING, MISSING
-    total = _finite(hbm.get("total"))
+    total = finite_number(hbm.get("total"))
     gib = _num(total / 1024**3) if total is not None else MISSING
     fits = hbm.get("fits")
     return gib, (MISSING if fits is None else ("✓" if fits else "✗"))
@@ -255,7 +255,10 @@ def _header(results: Mapping[str, Any]) -> list[str]:
     ]
     if target.get("vmem_bytes") is not None:
         lines.append(f"- VMEM: {_bytes(target.get('vmem_bytes'))}")
-    peak, bandwidth = _finite(target.get("peak_flops")), _finite(target.get("hbm_bandwidth"))
+    peak, bandwidth = (
+        finite_number(target.get("peak_flops")),
+        finite_number(target.get("hbm_bandwidth")),
+    )
     if peak and bandwidth:
         lines.append(f"- Ridge point: {_num(peak / bandwidth)} FLOP/byte")
     lines.append("")
@@ -265,7 +268,7 @@ def _header(results: Mapping[str, Any]) -> list[str]:
         lines.append("- Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     lines.append(f"- Date: {meta.get('date') or MISSING}")
     lines.append(f"- Sweep: {meta.get('sweep') or MISSING}")
-    price = _finite(meta.get("price_per_chip_hour"))
+    price = finite_number(meta.get("price_per_chip_hour"))
     if price is None:
         lines.append(f"- Price: {MISSING}")
     else:

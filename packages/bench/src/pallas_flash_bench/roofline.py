@@ -7,7 +7,6 @@ on an Agg canvas, so it touches no global pyplot state and needs no display.
 
 from __future__ import annotations
 
-import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+
+from pallas_flash_bench.report import finite_number
 
 OP_MARKERS = {"forward": "o", "forward_backward": "s", "decode": "^"}
 OTHER_OP_MARKER = "D"
@@ -39,13 +40,8 @@ class RooflinePoint:
 
 def _positive_number(value: Any) -> float | None:
     """``value`` as a float when it is a finite positive number, else None."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) and number > 0 else None
+    number = finite_number(value)
+    return number if number is not None and number > 0 else None
 
 
 def _positive(figures: Mapping[str, Any], name: str) -> tuple[float | None, str | None]:
