@@ -150,8 +150,9 @@ def roofline_figure(results: Mapping[str, Any]) -> Figure:
         axes.annotate(
             f"ridge {x_knee:.0f} FLOP/B",
             xy=(x_knee, peak),
-            xytext=(8, -18),
+            xytext=(-10, 8),  # above and left of the ridge, clear of the kernels' points
             textcoords="offset points",
+            horizontalalignment="right",
             fontsize=9,
         )
     axes.set_xlim(x_low, x_high)
