@@ -50,7 +50,14 @@ def test_static_figures_mfu_follows_from_cycles() -> None:
     w = Workload("forward", 4096)
     cycles = 1621 * 1024
     figures = estimate.derive(
-        w, V5E, 1.2, static_cycles=cycles, compiler_flops=None, compiler_bytes=None, copy_bytes=0
+        w,
+        V5E,
+        1.2,
+        static_cycles=cycles,
+        has_kernels=True,
+        compiler_flops=None,
+        compiler_bytes=None,
+        copy_bytes=0,
     )
     seconds = cycles / V5E.clock_hz
     assert figures["latency_seconds"] == {"value": pytest.approx(seconds), "source": "static"}
@@ -63,7 +70,14 @@ def test_static_figures_mfu_follows_from_cycles() -> None:
 def test_memory_bound_programs_take_the_memory_time() -> None:
     w = Workload("decode", 131072, q_heads=32, kv_heads=8)
     figures = estimate.derive(
-        w, V5E, 1.2, static_cycles=1000, compiler_flops=None, compiler_bytes=None, copy_bytes=0
+        w,
+        V5E,
+        1.2,
+        static_cycles=1000,
+        has_kernels=True,
+        compiler_flops=None,
+        compiler_bytes=None,
+        copy_bytes=0,
     )
     assert figures["latency_seconds"]["source"] == "model"
     assert figures["latency_seconds"]["value"] == pytest.approx(w.min_hbm_bytes / V5E.hbm_bandwidth)
@@ -73,7 +87,14 @@ def test_memory_bound_programs_take_the_memory_time() -> None:
 def test_programs_without_kernels_use_the_compilers_counts() -> None:
     w = Workload("forward", 8192, causal=True)
     figures = estimate.derive(
-        w, V5E, 1.2, static_cycles=None, compiler_flops=5.6e11, compiler_bytes=2.2e10, copy_bytes=0
+        w,
+        V5E,
+        1.2,
+        static_cycles=None,
+        has_kernels=False,
+        compiler_flops=5.6e11,
+        compiler_bytes=2.2e10,
+        copy_bytes=0,
     )
     assert figures["hbm_bytes"] == {"value": 2.2e10, "source": "compiler"}
     assert figures["compute_seconds"] == {
@@ -86,6 +107,24 @@ def test_programs_without_kernels_use_the_compilers_counts() -> None:
 def test_copy_trap_bytes_are_charged_twice() -> None:
     w = Workload("forward", 1024)
     with_copies = estimate.derive(
-        w, V5E, 1.2, static_cycles=1, compiler_flops=None, compiler_bytes=None, copy_bytes=1000
+        w,
+        V5E,
+        1.2,
+        static_cycles=1,
+        has_kernels=True,
+        compiler_flops=None,
+        compiler_bytes=None,
+        copy_bytes=1000,
     )
     assert with_copies["hbm_bytes"]["value"] == w.min_hbm_bytes + 2000
+
+
+def test_xla_programs_keep_the_compilers_bytes_with_a_static_schedule() -> None:
+    w = Workload("forward", 4096)
+    figures = estimate.derive(
+        w, V5E, 1.2, static_cycles=1_444_662, has_kernels=False, compiler_flops=None,
+        compiler_bytes=3.4e9, copy_bytes=0,
+    )  # fmt: skip
+    assert figures["hbm_bytes"] == {"value": 3.4e9, "source": "compiler"}
+    assert figures["compute_seconds"]["source"] == "static"
+    assert figures["latency_seconds"]["value"] == pytest.approx(3.4e9 / V5E.hbm_bandwidth)

@@ -62,29 +62,29 @@ def derive(
     price_per_chip_hour: float,
     *,
     static_cycles: int | None,
+    has_kernels: bool,
     compiler_flops: float | None,
     compiler_bytes: float | None,
     copy_bytes: int,
 ) -> dict[str, Figure]:
     """The row's estimated figures.
 
-    Compute time: static cycles / clock for programs with Pallas kernels, else the compiler's
-    flop count / peak (model). HBM bytes: the compiler's count for programs without kernels
-    (a Pallas kernel's count is its own declared estimate, not independent), else the minimum
-    the workload must move plus twice the copy-trap bytes (read and write). Latency is the
-    larger of compute and memory time.
+    Compute time: the program's static cycles / clock (its Pallas kernels and the XLA ops
+    around them, see ``runner.program_cycles``) when known, else the compiler's flop count /
+    peak (model). HBM bytes: for programs with Pallas kernels, whose byte count is only their
+    own declared estimate, the least the workload must move plus twice the copy-trap bytes
+    (read and write) (model); else the compiler's count. Latency is the larger of compute and
+    memory time.
     """
     useful = workload.useful_flops
     if static_cycles is not None:
         compute = figure(static_cycles / target.clock_hz, "static")
-        hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes, "model")
     else:
-        flops = compiler_flops if compiler_flops else useful
-        compute = figure(flops / target.peak_flops, "model")
-        if compiler_bytes:
-            hbm_bytes = figure(max(compiler_bytes, workload.min_hbm_bytes), "compiler")
-        else:
-            hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes, "model")
+        compute = figure((compiler_flops or useful) / target.peak_flops, "model")
+    if compiler_bytes and not has_kernels:
+        hbm_bytes = figure(max(compiler_bytes, workload.min_hbm_bytes), "compiler")
+    else:
+        hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes, "model")
     memory = figure(hbm_bytes["value"] / target.hbm_bandwidth, "model")
     latency = max(compute, memory, key=lambda f: f["value"])
     seconds = latency["value"]

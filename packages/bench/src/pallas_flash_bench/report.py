@@ -218,6 +218,10 @@ def _copy_bytes(row: Mapping[str, Any]) -> str:
 
 
 def _static_cycles(row: Mapping[str, Any]) -> str:
+    """The whole program's static cycles (kernels and XLA ops), else the kernels' sum."""
+    program = finite_number(row.get("static_cycles"))
+    if program is not None:
+        return _num(program)
     cycles = [finite_number(k.get("cycles")) for k in row.get("kernels") or []]
     known = [c for c in cycles if c is not None]
     return _num(sum(known)) if known else MISSING

@@ -235,15 +235,33 @@ def _failed_row(subject: Subject, workload: Workload, result: dict | None) -> di
             "cost": None, "notes": []}  # fmt: skip
 
 
+def program_cycles(row: dict) -> int | None:
+    """Static cycles of the whole program: its Pallas kernels and every XLA op around them.
+
+    None when nothing was scheduled, and for programs without a Pallas kernel whose ops include
+    loops of unknown trip count (their figure would be a mere lower bound; the roofline model
+    is used instead).
+    """
+    other = row.get("other_ops")
+    kernels = sum(k["cycles"] for k in row["kernels"])
+    if other is None:
+        return kernels if row["kernels"] else None
+    if not row["kernels"] and other["undetermined"]:
+        return None
+    return kernels + other["cycles"]
+
+
 def _with_figures(row: dict, subject: Subject, workload: Workload, options: BenchOptions) -> dict:
     row = dict(row, notes=list(row["notes"]))
+    row["static_cycles"] = program_cycles(row) if row["compiled"] else None
     if row["compiled"]:
         cost = row["cost"] or {}
         row["figures"] = estimate.derive(
             workload,
             options.target,
             options.price_per_chip_hour,
-            static_cycles=sum(k["cycles"] for k in row["kernels"]) if row["kernels"] else None,
+            static_cycles=row["static_cycles"],
+            has_kernels=bool(row["kernels"]),
             compiler_flops=cost.get("flops"),
             compiler_bytes=cost.get("bytes"),
             copy_bytes=sum(c["bytes"] for c in row["copies"]),

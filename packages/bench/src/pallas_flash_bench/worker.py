@@ -39,7 +39,7 @@ def analyse_row(
 
     With ``keep_hlo`` the optimised HLO text is kept in the row (for ``pallas-flash inspect``).
     """
-    from pallas_flash_bench import aot, estimate, hlo, llo
+    from pallas_flash_bench import aot, hlo, llo
     from pallas_flash_bench.subjects import array_specs
 
     fn = subject.build(workload)
@@ -57,6 +57,7 @@ def analyse_row(
         "hbm": None,
         "copies": [],
         "kernels": [],
+        "other_ops": None,
         "cost": None,
         "notes": [],
     }
@@ -93,46 +94,76 @@ def analyse_row(
         for op in hlo.find_copy_trap(text)
         if op.relayout is not False  # copies into VMEM (S(1)) are prefetches, not re-layouts
     ]
-    calls = hlo.kernel_calls(text)
-    if calls and dump_dir is None:
+    if dump_dir is None:
         row["notes"].append("no LLO dump was requested: no static schedule")
-    elif calls:
-        try:
-            schedules = llo.load_dump(dump_dir)
-        except FileNotFoundError as exc:
-            schedules = {}
-            row["notes"].append(f"LLO dump missing: {exc}")
-        for call in calls:
-            schedule = schedules.get(call.name)
-            if schedule is None:
-                row["notes"].append(f"no bundle dump for kernel {call.name}: no static schedule")
-                continue
-            steps = schedule.grid_steps or schedule.trip_count or 1
-            cycles, how = estimate.kernel_cycles(
-                schedule.executed_bundles_min,
-                schedule.executed_bundles_max,
-                steps * schedule.bundles_per_step,
-                schedule.grid,
-                workload.causal,
-            )
-            row["kernels"].append(
-                {
-                    "name": schedule.name,
-                    "bundles_per_step": schedule.bundles_per_step,
-                    "steps": steps,
-                    "grid": list(schedule.grid) if schedule.grid else None,
-                    "predicated_bundles": schedule.predicated_bundles,
-                    "utilization": {unit: schedule.utilization(unit) for unit in schedule.units},
-                    "spill_stores": schedule.spill_stores,
-                    "fill_loads": schedule.fill_loads,
-                    "mxu_ops": schedule.mxu_ops,
-                    "vmem_bytes": schedule.vmem_bytes,
-                    "cycles": cycles,
-                    "cycles_from": how,
-                    "warnings": list(schedule.warnings),
-                }
-            )
+        return row
+    try:
+        schedules = llo.load_dump(dump_dir)
+    except FileNotFoundError as exc:
+        row["notes"].append(f"LLO dump missing: {exc}")
+        return row
+    calls = hlo.kernel_calls(text)
+    for call in calls:
+        if call.name in schedules:
+            row["kernels"].append(_kernel_entry(schedules[call.name], workload))
+        else:
+            row["notes"].append(f"no bundle dump for kernel {call.name}: no static schedule")
+    row["other_ops"] = _other_ops(schedules, {call.name for call in calls})
+    if row["other_ops"]["undetermined"]:
+        names = ", ".join(row["other_ops"]["undetermined"])
+        row["notes"].append(f"ops with loops of unknown trip count, counted once: {names}")
     return row
+
+
+def _kernel_entry(schedule, workload) -> dict:
+    """One Pallas kernel's static schedule, with its cycles (see `estimate.kernel_cycles`)."""
+    from pallas_flash_bench import estimate
+
+    steps = schedule.grid_steps or schedule.trip_count or 1
+    cycles, how = estimate.kernel_cycles(
+        schedule.executed_bundles_min,
+        schedule.executed_bundles_max,
+        steps * schedule.bundles_per_step,
+        schedule.grid,
+        workload.causal,
+    )
+    return {
+        "name": schedule.name,
+        "bundles_per_step": schedule.bundles_per_step,
+        "steps": steps,
+        "grid": list(schedule.grid) if schedule.grid else None,
+        "predicated_bundles": schedule.predicated_bundles,
+        "utilization": {unit: schedule.utilization(unit) for unit in schedule.units},
+        "spill_stores": schedule.spill_stores,
+        "fill_loads": schedule.fill_loads,
+        "mxu_ops": schedule.mxu_ops,
+        "vmem_bytes": schedule.vmem_bytes,
+        "cycles": cycles,
+        "cycles_from": how,
+        "warnings": list(schedule.warnings),
+    }
+
+
+def _other_ops(schedules: dict, kernel_names: set[str]) -> dict:
+    """Static cycles of every other op of the program (XLA fusions, copies, reductions).
+
+    Ops whose loops have a trip count the schedule does not give are counted with each loop
+    body run once, a lower bound, and listed as undetermined.
+    """
+    cycles, undetermined = 0, []
+    for name, schedule in schedules.items():
+        if name in kernel_names:
+            continue
+        if schedule.executed_bundles_max is not None:
+            cycles += schedule.executed_bundles_max
+        else:
+            cycles += schedule.bundles
+            undetermined.append(name)
+    return {
+        "ops": len(schedules) - len(kernel_names),
+        "cycles": cycles,
+        "undetermined": undetermined,
+    }
 
 
 def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
