@@ -1,4 +1,8 @@
-"""A disk cache of compile results keyed by (subject and version, workload, target, toolchain)."""
+"""A disk cache of compile results keyed by (subject and version, workload, target, toolchain).
+
+The key holds the whole job (subject id and version, workload, target) and the versions of
+jax, jaxlib, libtpu, pallas-flash and of the analysis itself (``runner.ANALYSIS_VERSION``).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ def default_dir() -> pathlib.Path:
     return pathlib.Path(root) / "pallas-flash" / "bench"
 
 
+_NOT_KEYS = ("id", "sweep", "backends", "references")
+
+
 class ResultCache:
     """JSON files named by the hash of a job's key; ``directory=None`` disables caching."""
 
@@ -22,7 +29,8 @@ class ResultCache:
 
     @staticmethod
     def key(job: dict, versions: dict[str, str | None]) -> str:
-        relevant = {k: v for k, v in job.items() if k not in ("id",)}
+        # sweep, backends and references only tell the worker how to find the subject by id
+        relevant = {k: v for k, v in job.items() if k not in _NOT_KEYS}
         payload = json.dumps([relevant, versions], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
 

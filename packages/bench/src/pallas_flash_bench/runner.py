@@ -48,6 +48,10 @@ class BenchOptions:
     workers: int
 
 
+ANALYSIS_VERSION = 2
+"""Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
+
+
 def versions() -> dict[str, str | None]:
     """Toolchain versions: every static figure depends on them (part of the cache key)."""
     return {
@@ -55,6 +59,8 @@ def versions() -> dict[str, str | None]:
         "jaxlib": importlib.metadata.version("jaxlib"),
         "libtpu": aot.libtpu_version(),
         "pallas_flash": importlib.metadata.version("pallas-flash-core"),
+        "pallas_flash_bench": importlib.metadata.version("pallas-flash-bench"),
+        "analysis": str(ANALYSIS_VERSION),
     }
 
 
@@ -62,15 +68,16 @@ def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
     common = {"sweep": options.sweep, "backends": options.backends,
               "references": options.references, "target": options.target.name}  # fmt: skip
     jobs = [
-        {"kind": "row", "subject": sid, "workload": w.to_json(), **common}
+        {"kind": "row", "subject": sid, "version": s.version, "workload": w.to_json(), **common}
         for w in options.workloads
-        for sid in subjects
+        for sid, s in subjects.items()
     ]
     if options.fit:
         jobs += [
             {
                 "kind": "fit",
                 "subject": sid,
+                "version": s.version,
                 "op": op,
                 "limit": FIT_LIMIT,
                 "step": FIT_STEP,
