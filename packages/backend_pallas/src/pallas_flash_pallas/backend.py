@@ -1,0 +1,58 @@
+"""The ``pallas`` backend: the FlashAttention-2 Pallas kernel, built for TPU v5e."""
+
+from __future__ import annotations
+
+import jax
+
+import pallas_flash as pf
+from pallas_flash_pallas.block_sizes import BlockSizes
+from pallas_flash_pallas.forward import flash_forward
+
+
+class PallasBackend(pf.Backend):
+    """FlashAttention-2 forward in one Pallas TPU kernel (no gradients yet).
+
+    On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas's TPU interpreter
+    (see `pallas_flash_pallas.interpret` for the environment variables that force either).
+
+    Args:
+      block_sizes: the kernel's block sizes; default `BlockSizes()`, tuned for v5e. The
+        installed ``pallas`` backend uses the defaults; to use other sizes, register another
+        instance under its own name (see the package README) and select it by that name.
+      name: the name to select this instance by.
+    """
+
+    name = "pallas"
+    capabilities = frozenset(
+        {
+            pf.Capability.ATTENTION,
+            pf.Capability.CAUSAL,
+            pf.Capability.GQA,
+            pf.Capability.SEGMENT_IDS,
+            pf.Capability.SLIDING_WINDOW,
+            pf.Capability.SOFTCAP,
+        }
+    )
+    platforms = frozenset({"tpu"})
+    priority = 100
+
+    def __init__(self, block_sizes: BlockSizes | None = None, *, name: str = "pallas") -> None:
+        self.block_sizes = BlockSizes() if block_sizes is None else block_sizes
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"PallasBackend({self.block_sizes!r}, name={self.name!r})"
+
+    def attention(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        spec: pf.AttentionSpec,
+        *,
+        segment_ids: pf.SegmentIds | None = None,
+        bias: jax.Array | None = None,
+        mask: jax.Array | None = None,
+    ) -> jax.Array:
+        out, _ = flash_forward(q, k, v, segment_ids, spec=spec, block_sizes=self.block_sizes)
+        return out

@@ -1,0 +1,317 @@
+"""The FlashAttention-2 forward kernel and the ``pallas_call`` around it.
+
+Layouts: q ``[batch, q_heads, q_len, head_dim]``; k and v ``[batch, kv_heads, kv_len,
+head_dim]``; the output like q; the log-sum-exp ``[batch, q_heads, q_len]`` float32 (written
+by the kernel as lane-dense rows ``[batch, q_heads, 1, q_len]``).
+
+Grid ``(batch, q_heads, q blocks, kv steps)``: the first three axes are parallel, the kv axis
+is sequential. One ``[block_q, head_dim]`` query block stays in VMEM while the kv blocks that
+`schedule.KvSchedule` picks for it stream past (BlockSpec pipelining double-buffers them);
+blocks that hold no visible key are neither fetched nor computed. Query head ``h`` reads kv
+head ``h // (q_heads // kv_heads)`` through the K/V index maps, so GQA never repeats K/V in
+HBM. Sequences need not be multiples of the blocks: the last block of each is partial; its
+out-of-range rows hold garbage (even NaN), so out-of-range keys are masked and their V rows
+zeroed, and out-of-range query rows are never written back.
+
+Per visited block (online softmax, in float32): ``s = softcap(q k^T * sm_scale)``, masked to
+``-inf`` where hidden; ``m' = max(m, rowmax(s))``; ``p = exp(s - m')``;
+``l' = l exp(m - m') + rowsum(p)``; ``acc' = acc exp(m - m') + p v``. After the last step the
+output is ``acc / l`` and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros
+and a log-sum-exp of ``-inf``. The block is folded in row sub-blocks of ``block_q_compute``
+rows, in straight-line code, so the compiler overlaps the matmuls of one sub-block with the
+softmax of another. Only blocks that cross a mask boundary build a mask
+(`schedule.BlockKind`); on the causal diagonal each row sub-block stops at its last row's key.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_flash.masking import apply_softcap, positional_mask
+from pallas_flash.specs import AttentionSpec, SegmentIds
+from pallas_flash_pallas import interpret
+from pallas_flash_pallas.block_sizes import LANES, BlockSizes, vmem_limit_bytes
+from pallas_flash_pallas.schedule import BlockKind, KvSchedule
+
+_F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # contract the last dims: q k^T
+_NN = (((1,), (0,)), ((), ()))  # p v
+
+
+def _lanes(x: jax.Array, width: int) -> jax.Array:
+    """``[rows, 128]`` with equal lanes to ``[rows, width]``."""
+    if width % LANES == 0:
+        return jnp.tile(x, (1, width // LANES))
+    if width < LANES:
+        return x[:, :width]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def _and(a: jax.Array | None, b: jax.Array) -> jax.Array:
+    return b if a is None else a & b
+
+
+def _when(condition: bool | jax.Array, body: Callable[[], None]) -> None:
+    """Runs ``body`` if ``condition`` is True, under ``pl.when`` if it is traced."""
+    if condition is True:
+        body()
+    else:
+        pl.when(condition)(body)
+
+
+def _kernel(
+    *refs: jax.Ref,
+    spec: AttentionSpec,
+    schedule: KvSchedule,
+    block_q_compute: int,
+    segment_ids: bool,
+    precision: lax.Precision | None,
+) -> None:
+    """One grid step ``(b, h, i, j)``: folds kv block ``schedule.kv_block(i, j)`` into the
+    running max, sum and accumulator of query block ``i``; writes the output at the last step.
+
+    Refs: inputs q ``[block_q, head_dim]``, k and v ``[block_kv, head_dim]``, with segment ids
+    those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``; outputs
+    ``[block_q, head_dim]`` and log-sum-exp ``[1, block_q]``; scratch: running max and sum
+    ``[block_q, 128]`` (equal lanes) and accumulator ``[block_q, head_dim]``, all float32, and
+    with segment ids the queries' ids as equal-lane columns ``[block_q, 128]`` int32.
+    """
+    num_inputs = 5 if segment_ids else 3
+    q_ref, k_ref, v_ref, *id_refs = refs[:num_inputs]
+    o_ref, lse_ref, m_ref, l_ref, acc_ref, *id_scratch = refs[num_inputs:]
+    q_ids_ref, kv_ids_ref = id_refs or (None, None)
+    ids_ref = id_scratch[0] if id_scratch else None
+    i, j = pl.program_id(2), pl.program_id(3)
+    block_q, block_kv = schedule.block_q, schedule.block_kv
+    head_dim = acc_ref.shape[1]
+    kv_block = schedule.kv_block(i, j)
+
+    @pl.when(j == 0)
+    def _start() -> None:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+        l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+        if segment_ids:  # the queries' ids, a row of lanes, turned into equal-lane columns
+            ids_ref[...] = jnp.broadcast_to(q_ids_ref[...], (LANES, block_q)).T
+
+    def fold_rows(first_row: int, num_rows: int, num_keys: int, masked: bool) -> None:
+        """Folds keys ``0 .. num_keys-1`` of the kv block into rows ``first_row ...`` of the
+        query block; ``masked`` applies the causal, window and key-range mask."""
+        rows, keys = pl.ds(first_row, num_rows), pl.ds(0, num_keys)
+        v = v_ref[keys, :]
+        s = lax.dot_general(
+            q_ref[rows, :], k_ref[keys, :], _NT, preferred_element_type=_F32, precision=precision
+        )  # [num_rows, num_keys]
+        s = apply_softcap(s * spec.sm_scale, spec.softcap)
+        visible = None
+        if masked:
+            first_key = kv_block * block_kv
+            q_pos = i * block_q + first_row + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            kv_pos = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            visible = positional_mask(q_pos, kv_pos, spec)
+            if schedule.kv_len % block_kv:  # the last kv block is partial: hide its tail
+                visible = _and(visible, kv_pos < schedule.kv_len)
+                v_pos = first_key + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+                v = jnp.where(v_pos < schedule.kv_len, v, jnp.zeros_like(v))
+        if segment_ids:
+            visible = _and(visible, _lanes(ids_ref[rows, :], num_keys) == kv_ids_ref[:, keys])
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
+        m_prev = m_ref[rows, :]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_shift = m_next
+        if visible is not None:  # a row that has seen no key yet has max -inf: shift by 0
+            m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        p = jnp.exp(s - _lanes(m_shift, num_keys))
+        alpha = jnp.exp(m_prev - m_shift)
+        m_ref[rows, :] = m_next
+        l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, _NN, preferred_element_type=_F32, precision=precision
+        )
+        acc_ref[rows, :] = acc_ref[rows, :] * _lanes(alpha, head_dim) + pv
+
+    def fold(kind: BlockKind) -> None:
+        """Folds the kv block in, one row sub-block after another (unrolled): the rows are
+        independent, so the compiler overlaps one sub-block's matmuls with another's softmax."""
+        for first_row in range(0, block_q, block_q_compute):
+            num_rows = min(block_q_compute, block_q - first_row)
+            num_keys = block_kv
+            if kind == BlockKind.DIAGONAL:  # relative row r sees relative keys <= r only
+                num_keys = min(block_kv, first_row + num_rows)
+            fold_rows(first_row, num_rows, num_keys, masked=kind != BlockKind.FULL)
+
+    visited = True if schedule.visits_every_step else schedule.is_visited(i, j)
+    kinds = schedule.kinds
+    if len(kinds) == 1:
+        (kind,) = kinds
+        _when(visited, functools.partial(fold, kind))
+    elif kinds:
+        kind = schedule.kind(i, kv_block)
+        for each in sorted(kinds):
+            _when(visited & (kind == each), functools.partial(fold, each))
+
+    @pl.when(j == schedule.num_steps - 1)
+    def _finish() -> None:
+        total = l_ref[...]
+        seen = total > 0.0  # the sum is >= 1 once a row has seen a key
+        inverse = jnp.where(seen, pl.reciprocal(total, full_range=False), 0.0)
+        o_ref[...] = (acc_ref[...] * _lanes(inverse, head_dim)).astype(o_ref.dtype)
+        # The log-sum-exp in rows of lanes: transposing first needs 128x fewer logs.
+        total_row, max_row = total.T[:1], m_ref[...].T[:1]  # [1, block_q]
+        lse_ref[...] = jnp.where(total_row > 0.0, max_row + jnp.log(total_row), -jnp.inf)
+
+
+def _cost(q: jax.Array, k: jax.Array, schedule: KvSchedule, segment_ids: bool) -> pl.CostEstimate:
+    """Flops and exponentials of the visited blocks; bytes moved between HBM and VMEM (q and
+    the output once, a K and a V block per visited block)."""
+    batch, q_heads, _, head_dim = q.shape
+    blocks = batch * q_heads * schedule.visited_blocks
+    pairs = blocks * schedule.block_q * schedule.block_kv
+    kv_bytes = 2 * blocks * schedule.block_kv * head_dim * k.dtype.itemsize
+    bytes_accessed = 2 * q.nbytes + kv_bytes + 4 * batch * q_heads * schedule.q_len
+    if segment_ids:
+        bytes_accessed += 4 * batch * (schedule.q_len + q_heads * schedule.visited_blocks)
+    return pl.CostEstimate(
+        flops=4 * pairs * head_dim, transcendentals=pairs, bytes_accessed=bytes_accessed
+    )
+
+
+INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+"""XLA options of a top-level call of an interpreted kernel: the interpreter's program compiles
+about a third faster without backend optimisation and runs as fast."""
+
+
+def flash_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: SegmentIds | None = None,
+    *,
+    spec: AttentionSpec,
+    block_sizes: BlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention output and log-sum-exp of validated inputs.
+
+    Runs the kernel as Mosaic or in the TPU interpreter as `interpret.interpret_params`
+    decides (at trace time).
+
+    Args:
+      q: ``[batch, q_heads, q_len, head_dim]``, bfloat16 or float32.
+      k: ``[batch, kv_heads, kv_len, head_dim]``, dtype of q; ``q_heads % kv_heads == 0``.
+      v: ``[batch, kv_heads, kv_len, head_dim]``, dtype of q.
+      segment_ids: int32 ``q [batch, q_len]`` and ``kv [batch, kv_len]``, or None.
+      spec: the call's settings.
+      block_sizes: block sizes before clamping to the sequence lengths; default
+        `BlockSizes()`.
+
+    Returns:
+      ``(out, lse)``: ``out [batch, q_heads, q_len, head_dim]`` in q's dtype and
+      ``lse [batch, q_heads, q_len]`` float32, the log of each row's softmax denominator
+      (``max + log(sum exp(s - max))``); a row that sees no key has output 0 and
+      log-sum-exp ``-inf``.
+
+    Raises:
+      ValueError: the block sizes are illegal for these lengths or do not fit in VMEM.
+    """
+    params = interpret.interpret_params()
+    # Compiler options are only allowed on a top-level jit, not inside another trace.
+    top_level = not any(isinstance(x, jax.core.Tracer) for x in (q, k, v))
+    forward = _forward_interpreted if params is not None and top_level else _forward
+    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    return forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes, interpret=params)
+
+
+def _flash_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: SegmentIds | None,
+    *,
+    spec: AttentionSpec,
+    block_sizes: BlockSizes,
+    interpret: pltpu.InterpretParams | None,
+) -> tuple[jax.Array, jax.Array]:
+    """`flash_forward` with the interpreter's settings, or None for Mosaic."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    blocks = block_sizes.clamped(q_len, kv_len)
+    schedule = KvSchedule(spec, q_len, kv_len, blocks.block_q, blocks.block_kv)
+    has_ids = segment_ids is not None
+    limit = vmem_limit_bytes(blocks, head_dim, q.dtype, has_ids)
+
+    # Index maps of the grid (b, h, i, j) to block indices.
+    def q_map(b, h, i, j):
+        return b, h, i, 0
+
+    def kv_map(b, h, i, j):  # GQA: query head h reads kv head h // group
+        return b, lax.div(h, jnp.int32(group)), schedule.kv_block(i, j), 0
+
+    def lse_map(b, h, i, j):
+        return b, h, 0, i
+
+    def q_ids_map(b, h, i, j):
+        return b, 0, i
+
+    def kv_ids_map(b, h, i, j):
+        return b, 0, schedule.kv_block(i, j)
+
+    q_spec = pl.BlockSpec((None, None, blocks.block_q, head_dim), q_map)
+    kv_spec = pl.BlockSpec((None, None, blocks.block_kv, head_dim), kv_map)
+    in_specs = [q_spec, kv_spec, kv_spec]
+    args = [q, k, v]
+    if has_ids:  # both as rows of lanes: free views of [batch, len]
+        in_specs += [
+            pl.BlockSpec((None, 1, blocks.block_q), q_ids_map),
+            pl.BlockSpec((None, 1, blocks.block_kv), kv_ids_map),
+        ]
+        args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
+    precision = lax.Precision.HIGHEST if q.dtype == np.float32 else None
+    kernel = functools.partial(
+        _kernel,
+        spec=spec,
+        schedule=schedule,
+        block_q_compute=blocks.block_q_compute,
+        segment_ids=has_ids,
+        precision=precision,
+    )
+    out, lse = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, q_heads, 1, q_len), _F32),  # lane-dense rows
+        ),
+        grid=(batch, q_heads, schedule.num_q_blocks, schedule.num_steps),
+        in_specs=in_specs,
+        out_specs=(q_spec, pl.BlockSpec((None, None, 1, blocks.block_q), lse_map)),
+        scratch_shapes=[
+            pltpu.VMEM((blocks.block_q, LANES), _F32),
+            pltpu.VMEM((blocks.block_q, LANES), _F32),
+            pltpu.VMEM((blocks.block_q, head_dim), _F32),
+            *([pltpu.VMEM((blocks.block_q, LANES), jnp.int32)] if has_ids else []),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=limit,
+        ),
+        cost_estimate=_cost(q, k, schedule, has_ids),
+        interpret=False if interpret is None else interpret,
+        name="pallas_flash_forward",
+    )(*args)
+    return out, lse[:, :, 0]
+
+
+_STATIC = ("spec", "block_sizes", "interpret")
+_forward = jax.jit(_flash_forward, static_argnames=_STATIC)
+_forward_interpreted = jax.jit(
+    _flash_forward, static_argnames=_STATIC, compiler_options=INTERPRET_COMPILER_OPTIONS
+)

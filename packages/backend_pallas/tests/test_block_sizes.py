@@ -1,0 +1,65 @@
+"""Block sizes: validation, clamping to the sequence lengths and the VMEM-fit check."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash_pallas import BlockSizes, PallasBackend, flash_forward
+from pallas_flash_pallas.block_sizes import VMEM_CAPACITY_BYTES, vmem_bytes, vmem_limit_bytes
+
+
+def test_defaults_and_clamping() -> None:
+    assert BlockSizes() == BlockSizes(1024, 1024, 256)
+    assert BlockSizes().clamped(130, 7) == BlockSizes(130, 7, 256)
+    assert BlockSizes(512, 256).clamped(1000, 4096) == BlockSizes(512, 256, 256)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_q": 0},
+        {"block_kv": -128},
+        {"block_q": 1.5},
+        {"block_kv": True},
+        {"block_q_compute": 64},
+    ],
+)
+def test_invalid_sizes_raise(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="BlockSizes"):
+        BlockSizes(**kwargs)
+
+
+def test_a_block_shorter_than_its_sequence_must_be_a_multiple_of_128() -> None:
+    assert BlockSizes(block_q=100).clamped(100, 512) == BlockSizes(100, 512, 256)
+    with pytest.raises(ValueError, match="block_q=100 is shorter than the sequence"):
+        BlockSizes(block_q=100).clamped(101, 512)
+
+
+def test_vmem_estimate_grows_with_blocks() -> None:
+    small = vmem_bytes(BlockSizes(512, 512), 128, np.dtype(jnp.bfloat16), segment_ids=False)
+    large = vmem_bytes(BlockSizes(2048, 2048), 128, np.dtype(jnp.bfloat16), segment_ids=True)
+    assert 0 < small < large < VMEM_CAPACITY_BYTES
+    limit = vmem_limit_bytes(BlockSizes(), 128, np.dtype(jnp.bfloat16), segment_ids=False)
+    assert 32 << 20 <= limit <= VMEM_CAPACITY_BYTES
+
+
+def test_oversized_blocks_raise_before_compiling() -> None:
+    """The check runs at trace time: abstract inputs suffice, nothing is compiled or run."""
+    x = jax.ShapeDtypeStruct((1, 1, 16384, 256), jnp.float32)
+    spec = pf.AttentionSpec(sm_scale=0.0625)
+    huge = BlockSizes(16384, 16384, 16384)
+    with pytest.raises(ValueError, match=r"MiB of VMEM .* choose smaller BlockSizes"):
+        jax.eval_shape(lambda q, k, v: flash_forward(q, k, v, spec=spec, block_sizes=huge), x, x, x)
+
+
+def test_backend_passes_its_block_sizes() -> None:
+    x = jax.ShapeDtypeStruct((1, 1, 16384, 256), jnp.float32)
+    spec = pf.AttentionSpec(sm_scale=0.0625)
+    backend = PallasBackend(BlockSizes(16384, 16384, 16384), name="pallas-huge")
+    assert backend.name == "pallas-huge"
+    with pytest.raises(ValueError, match="VMEM"):
+        jax.eval_shape(lambda q, k, v: backend.attention(q, k, v, spec), x, x, x)
