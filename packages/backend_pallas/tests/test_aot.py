@@ -1,9 +1,11 @@
-"""Ahead-of-time compilation of the forward kernel for a TPU v5e by the real Mosaic compiler.
+"""Ahead-of-time compilation of the forward and backward kernels for a TPU v5e by the real
+Mosaic compiler.
 
 No TPU is needed, only libtpu (the compiler); without it these tests are skipped. Each program
-must hold exactly one kernel and nothing that re-lays-out its inputs (copy, transpose, pad; a
-copy that only prefetches an input into VMEM is allowed), and its temporary HBM must stay
-small (no score-sized arrays).
+must hold exactly its kernels (the forward; for gradients the forward and the backward) and
+nothing that re-lays-out their inputs (copy, transpose, pad; a copy that only prefetches an
+input into VMEM is allowed), and its temporary HBM must stay small: no score-sized arrays; for
+gradients only the output and the per-row statistics.
 
 Layouts: at a jit boundary XLA picks each argument's layout from its shape alone, e.g.
 sequence-minor for a minor dimension below 128 (head_dim 64 or 96) or heads-before-sequence
@@ -15,6 +17,7 @@ The tests pin row-major layouts to compile that situation; one case keeps XLA's 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,30 +63,45 @@ def _compile(
     shapes: list[tuple[int, ...]],
     dtype: jnp.dtype,
     *,
+    grad: bool = False,
     row_major: bool = True,
     **kwargs,
 ) -> jax.stages.Compiled:
-    """Compiles ``pf.attention(q, k, v, **kwargs)`` for arrays of ``shapes`` (q, k, v, ...)."""
+    """Compiles ``pf.attention(q, k, v, **kwargs)`` for arrays of ``shapes`` (q, k, v), or
+    with ``grad`` its VJP ``(q, k, v, d_out) -> (dq, dk, dv)``."""
     sharding = SingleDeviceSharding(device)
     if row_major:
         sharding = Format(Layout(major_to_minor=(0, 1, 2, 3)), sharding)
+    if grad:
+        shapes = [*shapes, shapes[0]]
     structs = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes]
 
     def attention(q, k, v):
         return pf.attention(q, k, v, backend="pallas", **kwargs)
 
-    jitted = jax.jit(attention, out_shardings=sharding)
+    def gradients(q, k, v, d_out):
+        _, vjp = jax.vjp(attention, q, k, v)
+        return vjp(d_out)
+
+    jitted = jax.jit(gradients if grad else attention, out_shardings=sharding)
     return jitted.trace(*structs).lower(lowering_platforms=("tpu",)).compile()
 
 
-def _check(compiled: jax.stages.Compiled) -> None:
+def _check(compiled: jax.stages.Compiled, grad_of: jax.ShapeDtypeStruct | None = None) -> None:
+    """Checks the program's kernels, copies and temporary HBM; ``grad_of``: q, when the
+    program computes gradients."""
     text = compiled.as_text()
-    assert len(hlo.kernel_calls(text)) == 1
-    assert text.count('custom_call_target="tpu_custom_call"') == 1
+    kernels = ["pallas_flash_forward"] + (["pallas_flash_backward"] if grad_of else [])
+    assert [call.name.split(".")[0] for call in hlo.kernel_calls(text)] == kernels
+    assert text.count('custom_call_target="tpu_custom_call"') == len(kernels)
     relayouts = [op for op in hlo.find_copy_trap(text) if op.relayout is not False]
     assert not relayouts, f"data is copied, transposed or padded: {relayouts}"
     memory = compiled.memory_analysis()
-    assert memory.temp_size_in_bytes <= MAX_TEMP_BYTES, memory
+    allowed = MAX_TEMP_BYTES
+    if grad_of is not None:  # the forward's output, its log-sum-exp and the backward's row sums
+        out_bytes = math.prod(grad_of.shape) * grad_of.dtype.itemsize
+        allowed += out_bytes + 2 * 4 * math.prod(grad_of.shape[:-1])
+    assert memory.temp_size_in_bytes <= allowed, memory
 
 
 CASES = {
@@ -108,11 +126,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_compiles_to_one_kernel_without_copies(v5e: jax.Device, name: str) -> None:
+def test_compiles_to_its_kernels_without_copies(v5e: jax.Device, name: str, grad: bool) -> None:
     batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, kwargs = CASES[name]
-    kv_shape = (batch, kv_heads, kv_len, head_dim)
-    _check(_compile(v5e, [(batch, q_heads, q_len, head_dim), kv_shape, kv_shape], dtype, **kwargs))
+    q_shape, kv_shape = (batch, q_heads, q_len, head_dim), (batch, kv_heads, kv_len, head_dim)
+    compiled = _compile(v5e, [q_shape, kv_shape, kv_shape], dtype, grad=grad, **kwargs)
+    _check(compiled, jax.ShapeDtypeStruct(q_shape, dtype) if grad else None)
 
 
 def test_default_layouts_need_no_copy(v5e: jax.Device) -> None:
@@ -121,8 +141,9 @@ def test_default_layouts_need_no_copy(v5e: jax.Device) -> None:
     _check(_compile(v5e, [shape] * 3, jnp.bfloat16, row_major=False, causal=True))
 
 
-def test_segment_ids_need_no_copy(v5e: jax.Device) -> None:
-    """Segment ids reach the kernel as ``[batch, 1, len]`` views of ``[batch, len]``."""
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
+def test_segment_ids_need_no_copy(v5e: jax.Device, grad: bool) -> None:
+    """Segment ids reach the kernels as ``[batch, 1, len]`` views of ``[batch, len]``."""
     sharding = SingleDeviceSharding(v5e)
     qkv = jax.ShapeDtypeStruct((2, 4, 1024, 128), jnp.bfloat16, sharding=sharding)
     ids = jax.ShapeDtypeStruct((2, 1024), jnp.int32, sharding=sharding)
@@ -130,5 +151,27 @@ def test_segment_ids_need_no_copy(v5e: jax.Device) -> None:
     def attention(q, k, v, q_ids, kv_ids):
         return pf.attention(q, k, v, segment_ids=pf.SegmentIds(q_ids, kv_ids), backend="pallas")
 
-    lowered = jax.jit(attention).trace(qkv, qkv, qkv, ids, ids).lower(lowering_platforms=("tpu",))
-    _check(lowered.compile())
+    def gradients(q, k, v, q_ids, kv_ids, d_out):
+        _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, q_ids, kv_ids), q, k, v)
+        return vjp(d_out)
+
+    args = (qkv, qkv, qkv, ids, ids, qkv) if grad else (qkv, qkv, qkv, ids, ids)
+    lowered = jax.jit(gradients if grad else attention).trace(*args)
+    _check(lowered.lower(lowering_platforms=("tpu",)).compile(), qkv if grad else None)
+
+
+def test_long_gqa_gradients_fit_in_chunks(v5e: jax.Device) -> None:
+    """The query gradient of 16 query heads x 8192 rows (128 MiB with its output block) does
+    not fit in VMEM at once: the backward runs in chunks, and dk, dv are summed over them."""
+    q_shape, kv_shape = (1, 16, 8192, 128), (1, 1, 8192, 128)
+    compiled = _compile(v5e, [q_shape, kv_shape, kv_shape], jnp.bfloat16, grad=True, causal=True)
+    text = compiled.as_text()
+    kernels = hlo.kernel_calls(text)
+    assert [call.name.split(".")[0] for call in kernels] == [
+        "pallas_flash_forward",
+        "pallas_flash_backward",
+    ]
+    assert "f32[1,1,2,8192,128]" in kernels[1].shape  # dk, dv partials of 2 chunks
+    assert not [op for op in hlo.find_copy_trap(text) if op.relayout is not False]
+    # The float32 partials of dk and dv and the forward's output.
+    assert compiled.memory_analysis().temp_size_in_bytes <= 2 * 4 * 8192 * 128 * 4 + (40 << 20)

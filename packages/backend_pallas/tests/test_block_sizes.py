@@ -8,14 +8,21 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
-from pallas_flash_pallas import BlockSizes, PallasBackend, flash_forward
-from pallas_flash_pallas.block_sizes import VMEM_CAPACITY_BYTES, vmem_bytes, vmem_limit_bytes
+from pallas_flash_pallas import BlockSizes, PallasBackend, flash_backward, flash_forward
+from pallas_flash_pallas.block_sizes import (
+    VMEM_CAPACITY_BYTES,
+    backward_vmem_bytes,
+    forward_vmem_bytes,
+    vmem_limit_bytes,
+)
 
 
 def test_defaults_and_clamping() -> None:
-    assert BlockSizes() == BlockSizes(1024, 1024, 256)
-    assert BlockSizes().clamped(130, 7) == BlockSizes(130, 7, 256)
-    assert BlockSizes(512, 256).clamped(1000, 4096) == BlockSizes(512, 256, 256)
+    assert BlockSizes() == BlockSizes(1024, 1024, 256, 1024, 1024, 256, None)
+    assert BlockSizes().clamped(130, 7) == BlockSizes(130, 7, 256, 130, 7, 256)
+    assert BlockSizes(512, 256, 128, 256, 512).clamped(1000, 4096) == BlockSizes(
+        512, 256, 128, 256, 512
+    )
 
 
 @pytest.mark.parametrize(
@@ -26,6 +33,9 @@ def test_defaults_and_clamping() -> None:
         {"block_q": 1.5},
         {"block_kv": True},
         {"block_q_compute": 64},
+        {"backward_block_kv_compute": 200},
+        {"backward_block_q": 0},
+        {"backward_chunk_blocks": 0},
     ],
 )
 def test_invalid_sizes_raise(kwargs: dict) -> None:
@@ -34,17 +44,25 @@ def test_invalid_sizes_raise(kwargs: dict) -> None:
 
 
 def test_a_block_shorter_than_its_sequence_must_be_a_multiple_of_128() -> None:
-    assert BlockSizes(block_q=100).clamped(100, 512) == BlockSizes(100, 512, 256)
+    assert BlockSizes(block_q=100).clamped(100, 512).block_q == 100
     with pytest.raises(ValueError, match="block_q=100 is shorter than the sequence"):
         BlockSizes(block_q=100).clamped(101, 512)
+    with pytest.raises(ValueError, match="backward_block_kv=200 is shorter than the sequence"):
+        BlockSizes(backward_block_kv=200).clamped(512, 512)
 
 
 def test_vmem_estimate_grows_with_blocks() -> None:
-    small = vmem_bytes(BlockSizes(512, 512), 128, np.dtype(jnp.bfloat16), segment_ids=False)
-    large = vmem_bytes(BlockSizes(2048, 2048), 128, np.dtype(jnp.bfloat16), segment_ids=True)
+    bf16 = np.dtype(jnp.bfloat16)
+    small = forward_vmem_bytes(BlockSizes(512, 512), 128, bf16, segment_ids=False)
+    large = forward_vmem_bytes(BlockSizes(2048, 2048), 128, bf16, segment_ids=True)
     assert 0 < small < large < VMEM_CAPACITY_BYTES
-    limit = vmem_limit_bytes(BlockSizes(), 128, np.dtype(jnp.bfloat16), segment_ids=False)
-    assert 32 << 20 <= limit <= VMEM_CAPACITY_BYTES
+    assert 32 << 20 <= vmem_limit_bytes(small, "blocks") <= VMEM_CAPACITY_BYTES
+    backward = backward_vmem_bytes(BlockSizes(), 128, bf16, False, group=1, chunk_rows=4096)
+    longer = backward_vmem_bytes(BlockSizes(), 128, bf16, False, group=4, chunk_rows=4096)
+    # The query gradient dominates: a float32 accumulator and two output buffers per head.
+    assert longer - backward == 3 * 4096 * 128 * (4 + 2 * 2)
+    with pytest.raises(ValueError, match=r"the blocks need about 129\.0 MiB"):
+        vmem_limit_bytes(129 << 20, "the blocks")
 
 
 def test_oversized_blocks_raise_before_compiling() -> None:
@@ -52,8 +70,23 @@ def test_oversized_blocks_raise_before_compiling() -> None:
     x = jax.ShapeDtypeStruct((1, 1, 16384, 256), jnp.float32)
     spec = pf.AttentionSpec(sm_scale=0.0625)
     huge = BlockSizes(16384, 16384, 16384)
-    with pytest.raises(ValueError, match=r"MiB of VMEM .* choose smaller BlockSizes"):
+    with pytest.raises(
+        ValueError, match=r"forward block sizes .* MiB of VMEM, .* smaller BlockSizes"
+    ):
         jax.eval_shape(lambda q, k, v: flash_forward(q, k, v, spec=spec, block_sizes=huge), x, x, x)
+
+
+def test_oversized_backward_blocks_raise_before_compiling() -> None:
+    x = jax.ShapeDtypeStruct((1, 1, 16384, 256), jnp.float32)
+    rows = jax.ShapeDtypeStruct((1, 1, 1, 16384), jnp.float32)
+    spec = pf.AttentionSpec(sm_scale=0.0625)
+    huge = BlockSizes(backward_block_q=16384, backward_block_kv=16384)
+
+    def backward(q, k, v, out, lse, d_out):
+        return flash_backward(q, k, v, None, out, lse, d_out, spec=spec, block_sizes=huge)
+
+    with pytest.raises(ValueError, match=r"backward block sizes .* MiB of VMEM"):
+        jax.eval_shape(backward, x, x, x, x, rows, x)
 
 
 def test_backend_passes_its_block_sizes() -> None:

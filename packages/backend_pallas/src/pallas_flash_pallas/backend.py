@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 
 import pallas_flash as pf
+from pallas_flash_pallas.attention import flash_attention
 from pallas_flash_pallas.block_sizes import BlockSizes
-from pallas_flash_pallas.forward import flash_forward
 
 
 class PallasBackend(pf.Backend):
-    """FlashAttention-2 forward in one Pallas TPU kernel (no gradients yet).
+    """FlashAttention-2 in Pallas TPU kernels: a forward kernel and a backward kernel that
+    computes dq, dk and dv in one pass.
 
     On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas's TPU interpreter
     (see `pallas_flash_pallas.interpret` for the environment variables that force either).
@@ -26,6 +27,7 @@ class PallasBackend(pf.Backend):
     capabilities = frozenset(
         {
             pf.Capability.ATTENTION,
+            pf.Capability.GRAD,
             pf.Capability.CAUSAL,
             pf.Capability.GQA,
             pf.Capability.SEGMENT_IDS,
@@ -54,5 +56,4 @@ class PallasBackend(pf.Backend):
         bias: jax.Array | None = None,
         mask: jax.Array | None = None,
     ) -> jax.Array:
-        out, _ = flash_forward(q, k, v, segment_ids, spec=spec, block_sizes=self.block_sizes)
-        return out
+        return flash_attention(q, k, v, segment_ids, spec, self.block_sizes)

@@ -1,4 +1,5 @@
-"""Block sizes of the forward kernel, their v5e defaults, and the VMEM-fit check."""
+"""Block sizes of the forward and backward kernels, their v5e defaults, and the VMEM-fit
+check."""
 
 from __future__ import annotations
 
@@ -16,42 +17,58 @@ VMEM_CAPACITY_BYTES = 128 * 1024 * 1024
 MIN_VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 """The smallest scoped-VMEM limit the kernel asks Mosaic for (its v5e default is 16 MiB)."""
 
+DQ_VMEM_BUDGET_BYTES = 64 * 1024 * 1024
+"""VMEM the backward may give to its query-gradient accumulator and output block; longer
+sequences are processed in chunks of query blocks that fit."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """How the kernel tiles one call.
+    """How the kernels tile one call.
 
     A block at least as long as its sequence is clamped to the sequence length (a block equal
     to the full dimension is always legal). A shorter block must be a multiple of 128; the
     sequence is then split into ``ceil(len / block)`` blocks, the last one possibly partial.
 
-    The defaults are the best compromise of a sweep of the static v5e schedule (B=1, H=16,
-    N=4096, head_dim 128, bfloat16): 1024/1024/256 reaches about 87 % of the peak without a
-    mask and 72 % with a causal one (useful flops only; see the package README).
+    The defaults are the best compromise of sweeps of the static v5e schedule (B=1, H=16,
+    N=4096, head_dim 128, bfloat16; see the package README).
 
     Attributes:
-      block_q: query rows resident in VMEM while the K/V blocks stream past.
-      block_kv: key/value rows per grid step.
-      block_q_compute: the query block is processed in sub-blocks of this many rows, one after
-        another in straight-line code; they are independent, so the compiler overlaps the
-        matmuls of one with the softmax of another and keeps the MXU busy. Clamped to
-        ``block_q``; a multiple of 128 (the last sub-block may be shorter).
+      block_q: forward: query rows resident in VMEM while the K/V blocks stream past.
+      block_kv: forward: key/value rows per grid step.
+      block_q_compute: forward: the query block is processed in sub-blocks of this many rows,
+        one after another in straight-line code; they are independent, so the compiler
+        overlaps the matmuls of one with the softmax of another and keeps the MXU busy.
+        Clamped to ``block_q``; a multiple of 128 (the last sub-block may be shorter).
+      backward_block_q: backward: query rows (with their output gradient) per grid step.
+      backward_block_kv: backward: key/value rows resident in VMEM, with their gradients,
+        while the query blocks stream past.
+      backward_block_kv_compute: backward: the kv block is processed in sub-blocks of this
+        many keys, as ``block_q_compute`` in the forward.
+      backward_chunk_blocks: backward: query blocks whose gradient is accumulated in VMEM at
+        once; None: all of them if they fit in `DQ_VMEM_BUDGET_BYTES`, else as many as fit.
     """
 
     block_q: int = 1024
     block_kv: int = 1024
     block_q_compute: int = 256
+    backward_block_q: int = 1024
+    backward_block_kv: int = 1024
+    backward_block_kv_compute: int = 256
+    backward_chunk_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_q", "block_kv", "block_q_compute"):
-            value = getattr(self, name)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "backward_chunk_blocks" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
-        if self.block_q_compute % LANES:
-            raise ValueError(
-                f"BlockSizes.block_q_compute must be a multiple of {LANES}, "
-                f"got {self.block_q_compute}"
-            )
+                raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}")
+        for name in ("block_q_compute", "backward_block_kv_compute"):
+            if getattr(self, name) % LANES:
+                raise ValueError(
+                    f"BlockSizes.{name} must be a multiple of {LANES}, got {getattr(self, name)}"
+                )
 
     def clamped(self, q_len: int, kv_len: int) -> BlockSizes:
         """The sizes for one call: each block at most its sequence's length.
@@ -59,17 +76,25 @@ class BlockSizes:
         Raises:
           ValueError: a block shorter than its sequence is not a multiple of 128.
         """
-        for name, block, length in (
-            ("block_q", self.block_q, q_len),
-            ("block_kv", self.block_kv, kv_len),
+        for name, length in (
+            ("block_q", q_len),
+            ("block_kv", kv_len),
+            ("backward_block_q", q_len),
+            ("backward_block_kv", kv_len),
         ):
+            block = getattr(self, name)
             if block < length and block % LANES:
                 raise ValueError(
                     f"BlockSizes.{name}={block} is shorter than the sequence ({length}) and so "
                     f"must be a multiple of {LANES}"
                 )
-        block_q = min(self.block_q, q_len)
-        return BlockSizes(block_q, min(self.block_kv, kv_len), self.block_q_compute)
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, q_len),
+            block_kv=min(self.block_kv, kv_len),
+            backward_block_q=min(self.backward_block_q, q_len),
+            backward_block_kv=min(self.backward_block_kv, kv_len),
+        )
 
 
 def _tile_bytes(rows: int, cols: int, dtype: np.dtype) -> int:
@@ -79,8 +104,13 @@ def _tile_bytes(rows: int, cols: int, dtype: np.dtype) -> int:
     return math.ceil(rows / sublanes) * sublanes * math.ceil(cols / LANES) * LANES * itemsize
 
 
-def vmem_bytes(blocks: BlockSizes, head_dim: int, dtype: np.dtype, segment_ids: bool) -> int:
-    """Estimated VMEM of one kernel instance.
+_F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
+
+
+def forward_vmem_bytes(
+    blocks: BlockSizes, head_dim: int, dtype: np.dtype, segment_ids: bool
+) -> int:
+    """Estimated VMEM of one forward kernel instance.
 
     Counts the double-buffered pipeline blocks (q, k, v, output, log-sum-exp, segment ids),
     the scratch (running max and sum ``[block_q, 128]``, accumulator ``[block_q, head_dim]``,
@@ -88,39 +118,74 @@ def vmem_bytes(blocks: BlockSizes, head_dim: int, dtype: np.dtype, segment_ids: 
     one row sub-block (scores, probabilities, mask: ``[block_q_compute, block_kv]`` each).
     """
     bq, bkv = blocks.block_q, blocks.block_kv
-    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
     pipelined = (
         2 * _tile_bytes(bq, head_dim, dtype)  # q and output
         + 2 * _tile_bytes(bkv, head_dim, dtype)  # k and v
-        + _tile_bytes(1, bq, f32)  # log-sum-exp
+        + _tile_bytes(1, bq, _F32)  # log-sum-exp
     )
-    scratch = 2 * _tile_bytes(bq, LANES, f32) + _tile_bytes(bq, head_dim, f32)
+    scratch = 2 * _tile_bytes(bq, LANES, _F32) + _tile_bytes(bq, head_dim, _F32)
     if segment_ids:
-        pipelined += _tile_bytes(1, bq, i32) + _tile_bytes(1, bkv, i32)
-        scratch += _tile_bytes(bq, LANES, i32)
-    temporaries = 3 * _tile_bytes(min(blocks.block_q_compute, bq), bkv, f32)
+        pipelined += _tile_bytes(1, bq, _I32) + _tile_bytes(1, bkv, _I32)
+        scratch += _tile_bytes(bq, LANES, _I32)
+    temporaries = 3 * _tile_bytes(min(blocks.block_q_compute, bq), bkv, _F32)
     return 2 * pipelined + scratch + temporaries
 
 
-def vmem_limit_bytes(
+def dq_vmem_bytes(rows: int, head_dim: int, dtype: np.dtype, group: int) -> int:
+    """VMEM of the backward's query-gradient accumulator (float32) and its double-buffered
+    output block, for ``rows`` query rows of each of ``group`` query heads."""
+    return group * (_tile_bytes(rows, head_dim, _F32) + 2 * _tile_bytes(rows, head_dim, dtype))
+
+
+def backward_vmem_bytes(
     blocks: BlockSizes,
     head_dim: int,
     dtype: np.dtype,
     segment_ids: bool,
-    capacity: int = VMEM_CAPACITY_BYTES,
+    *,
+    group: int,
+    chunk_rows: int,
 ) -> int:
-    """The scoped-VMEM limit to compile with: twice the estimate, at least 32 MiB, at most the
-    capacity.
+    """Estimated VMEM of one backward kernel instance.
+
+    Counts the double-buffered pipeline blocks (q, output gradient, k, v, log-sum-exp and row
+    sums, segment ids, dk and dv, at most 4 bytes each), the query-gradient accumulator and
+    output of ``chunk_rows`` rows for ``group`` heads (`dq_vmem_bytes`), the dk and dv
+    accumulators and the keys' segment ids ``[backward_block_kv, 128]``, and the float32
+    temporaries of one key sub-block (scores, probabilities, their gradients, mask:
+    ``[backward_block_kv_compute, backward_block_q]`` each).
+    """
+    bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
+    pipelined = (
+        2 * _tile_bytes(bq, head_dim, dtype)  # q and output gradient
+        + 2 * _tile_bytes(bkv, head_dim, dtype)  # k and v
+        + 2 * _tile_bytes(1, bq, _F32)  # log-sum-exp and row sums
+        + 2 * _tile_bytes(bkv, head_dim, _F32)  # dk and dv (float32 when partial)
+    )
+    scratch = 2 * _tile_bytes(bkv, head_dim, _F32)
+    if segment_ids:
+        pipelined += _tile_bytes(1, bq, _I32) + _tile_bytes(1, bkv, _I32)
+        scratch += _tile_bytes(bkv, LANES, _I32)
+    temporaries = 5 * _tile_bytes(min(blocks.backward_block_kv_compute, bkv), bq, _F32)
+    dq = dq_vmem_bytes(chunk_rows, head_dim, dtype, group)
+    return 2 * pipelined + scratch + temporaries + dq
+
+
+def vmem_limit_bytes(needed: int, blocks: str, capacity: int = VMEM_CAPACITY_BYTES) -> int:
+    """The scoped-VMEM limit to compile a kernel with that needs an estimated ``needed``
+    bytes: twice the estimate, at least 32 MiB, at most the capacity.
+
+    Args:
+      needed: the estimate.
+      blocks: what the estimate is for (block sizes, head_dim, dtype), for the error message.
+      capacity: VMEM of the core.
 
     Raises:
       ValueError: the estimate exceeds ``capacity``; the message suggests smaller blocks.
     """
-    needed = vmem_bytes(blocks, head_dim, dtype, segment_ids)
     if needed > capacity:
         raise ValueError(
-            f"block sizes block_q={blocks.block_q}, block_kv={blocks.block_kv} need about "
-            f"{needed / 2**20:.1f} MiB of VMEM for head_dim={head_dim}, "
-            f"dtype={np.dtype(dtype).name}, but the TPU core has {capacity / 2**20:.0f} MiB; "
-            "choose smaller BlockSizes"
+            f"{blocks} need about {needed / 2**20:.1f} MiB of VMEM, but the TPU core has "
+            f"{capacity / 2**20:.0f} MiB; choose smaller BlockSizes"
         )
     return min(capacity, max(MIN_VMEM_LIMIT_BYTES, 2 * needed))

@@ -26,7 +26,6 @@ softmax of another. Only blocks that cross a mask boundary build a mask
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,33 +37,13 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas import interpret
-from pallas_flash_pallas.block_sizes import LANES, BlockSizes, vmem_limit_bytes
+from pallas_flash_pallas.block_sizes import LANES, BlockSizes, forward_vmem_bytes, vmem_limit_bytes
+from pallas_flash_pallas.kernel_helpers import both, lanes, when
 from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: q k^T
 _NN = (((1,), (0,)), ((), ()))  # p v
-
-
-def _lanes(x: jax.Array, width: int) -> jax.Array:
-    """``[rows, 128]`` with equal lanes to ``[rows, width]``."""
-    if width % LANES == 0:
-        return jnp.tile(x, (1, width // LANES))
-    if width < LANES:
-        return x[:, :width]
-    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
-
-
-def _and(a: jax.Array | None, b: jax.Array) -> jax.Array:
-    return b if a is None else a & b
-
-
-def _when(condition: bool | jax.Array, body: Callable[[], None]) -> None:
-    """Runs ``body`` if ``condition`` is True, under ``pl.when`` if it is traced."""
-    if condition is True:
-        body()
-    else:
-        pl.when(condition)(body)
 
 
 def _kernel(
@@ -118,11 +97,11 @@ def _kernel(
             kv_pos = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             visible = positional_mask(q_pos, kv_pos, spec)
             if schedule.kv_len % block_kv:  # the last kv block is partial: hide its tail
-                visible = _and(visible, kv_pos < schedule.kv_len)
+                visible = both(visible, kv_pos < schedule.kv_len)
                 v_pos = first_key + lax.broadcasted_iota(jnp.int32, v.shape, 0)
                 v = jnp.where(v_pos < schedule.kv_len, v, jnp.zeros_like(v))
         if segment_ids:
-            visible = _and(visible, _lanes(ids_ref[rows, :], num_keys) == kv_ids_ref[:, keys])
+            visible = both(visible, lanes(ids_ref[rows, :], num_keys) == kv_ids_ref[:, keys])
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
         m_prev = m_ref[rows, :]
@@ -130,14 +109,14 @@ def _kernel(
         m_shift = m_next
         if visible is not None:  # a row that has seen no key yet has max -inf: shift by 0
             m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        p = jnp.exp(s - _lanes(m_shift, num_keys))
+        p = jnp.exp(s - lanes(m_shift, num_keys))
         alpha = jnp.exp(m_prev - m_shift)
         m_ref[rows, :] = m_next
         l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
         pv = lax.dot_general(
             p.astype(v.dtype), v, _NN, preferred_element_type=_F32, precision=precision
         )
-        acc_ref[rows, :] = acc_ref[rows, :] * _lanes(alpha, head_dim) + pv
+        acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, head_dim) + pv
 
     def fold(kind: BlockKind) -> None:
         """Folds the kv block in, one row sub-block after another (unrolled): the rows are
@@ -153,18 +132,18 @@ def _kernel(
     kinds = schedule.kinds
     if len(kinds) == 1:
         (kind,) = kinds
-        _when(visited, functools.partial(fold, kind))
+        when(visited, functools.partial(fold, kind))
     elif kinds:
         kind = schedule.kind(i, kv_block)
         for each in sorted(kinds):
-            _when(visited & (kind == each), functools.partial(fold, each))
+            when(visited & (kind == each), functools.partial(fold, each))
 
     @pl.when(j == schedule.num_steps - 1)
     def _finish() -> None:
         total = l_ref[...]
         seen = total > 0.0  # the sum is >= 1 once a row has seen a key
         inverse = jnp.where(seen, pl.reciprocal(total, full_range=False), 0.0)
-        o_ref[...] = (acc_ref[...] * _lanes(inverse, head_dim)).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] * lanes(inverse, head_dim)).astype(o_ref.dtype)
         # The log-sum-exp in rows of lanes: transposing first needs 128x fewer logs.
         total_row, max_row = total.T[:1], m_ref[...].T[:1]  # [1, block_q]
         lse_ref[...] = jnp.where(total_row > 0.0, max_row + jnp.log(total_row), -jnp.inf)
@@ -183,11 +162,6 @@ def _cost(q: jax.Array, k: jax.Array, schedule: KvSchedule, segment_ids: bool) -
     return pl.CostEstimate(
         flops=4 * pairs * head_dim, transcendentals=pairs, bytes_accessed=bytes_accessed
     )
-
-
-INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
-"""XLA options of a top-level call of an interpreted kernel: the interpreter's program compiles
-about a third faster without backend optimisation and runs as fast."""
 
 
 def flash_forward(
@@ -215,19 +189,15 @@ def flash_forward(
 
     Returns:
       ``(out, lse)``: ``out [batch, q_heads, q_len, head_dim]`` in q's dtype and
-      ``lse [batch, q_heads, q_len]`` float32, the log of each row's softmax denominator
-      (``max + log(sum exp(s - max))``); a row that sees no key has output 0 and
-      log-sum-exp ``-inf``.
+      ``lse [batch, q_heads, 1, q_len]`` float32 (rows of lanes, the layout the backward
+      reads), the log of each row's softmax denominator (``max + log(sum exp(s - max))``); a
+      row that sees no key has output 0 and log-sum-exp ``-inf``.
 
     Raises:
       ValueError: the block sizes are illegal for these lengths or do not fit in VMEM.
     """
-    params = interpret.interpret_params()
-    # Compiler options are only allowed on a top-level jit, not inside another trace.
-    top_level = not any(isinstance(x, jax.core.Tracer) for x in (q, k, v))
-    forward = _forward_interpreted if params is not None and top_level else _forward
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
-    return forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes, interpret=params)
+    return _forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes)
 
 
 def _flash_forward(
@@ -247,7 +217,11 @@ def _flash_forward(
     blocks = block_sizes.clamped(q_len, kv_len)
     schedule = KvSchedule(spec, q_len, kv_len, blocks.block_q, blocks.block_kv)
     has_ids = segment_ids is not None
-    limit = vmem_limit_bytes(blocks, head_dim, q.dtype, has_ids)
+    limit = vmem_limit_bytes(
+        forward_vmem_bytes(blocks, head_dim, q.dtype, has_ids),
+        f"forward block sizes block_q={blocks.block_q}, block_kv={blocks.block_kv} with "
+        f"head_dim={head_dim}, {q.dtype.name}",
+    )
 
     # Index maps of the grid (b, h, i, j) to block indices.
     def q_map(b, h, i, j):
@@ -307,11 +281,7 @@ def _flash_forward(
         interpret=False if interpret is None else interpret,
         name="pallas_flash_forward",
     )(*args)
-    return out, lse[:, :, 0]
+    return out, lse
 
 
-_STATIC = ("spec", "block_sizes", "interpret")
-_forward = jax.jit(_flash_forward, static_argnames=_STATIC)
-_forward_interpreted = jax.jit(
-    _flash_forward, static_argnames=_STATIC, compiler_options=INTERPRET_COMPILER_OPTIONS
-)
+_forward = interpret.jit_kernel(_flash_forward, ("spec", "block_sizes"))

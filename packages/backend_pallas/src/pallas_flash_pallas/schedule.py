@@ -1,11 +1,12 @@
-"""Which K/V blocks each query block visits, and which of them need a mask.
+"""Which blocks each kernel visits, and which ``(q block, kv block)`` pairs need a mask.
 
 Causal and sliding-window attention leave many ``(q block, kv block)`` pairs entirely masked.
-The kernel's kv grid axis therefore does not run over all kv blocks: step ``j`` of query block
-``i`` visits kv block ``first(i) + j``, for ``j < count(i)``, the contiguous range of blocks
-that hold a visible key. The axis is as long as the largest ``count``; at the steps past
-``count(i)`` the kernel computes nothing and the K/V index map stays on the last block it
-fetched, so the pipeline issues no DMA for them.
+The forward kernel's kv grid axis therefore does not run over all kv blocks: step ``j`` of
+query block ``i`` visits kv block ``first(i) + j``, for ``j < count(i)``, the contiguous range
+of blocks that hold a visible key (`KvSchedule`). The axis is as long as the largest
+``count``; at the steps past ``count(i)`` the kernel computes nothing and the K/V index map
+stays on the last block it fetched, so the pipeline issues no DMA for them. The backward
+kernel runs the other way round, over the query blocks that see each kv block (`QSchedule`).
 
 Every function works both on Python ints (to size the grid at trace time) and on traced int32
 scalars (grid indices, inside the kernel and the index maps).
@@ -59,8 +60,8 @@ def _where(cond: bool | jax.Array, a: Index, b: Index) -> Index:
 
 
 @dataclasses.dataclass(frozen=True)
-class KvSchedule:
-    """The kv blocks visited by each query block of one call.
+class Tiling:
+    """How one call's queries and keys split into blocks, and which pairs need a mask.
 
     Attributes:
       spec: the call's settings (``causal``, ``window``, ``q_offset`` matter here).
@@ -90,6 +91,63 @@ class KvSchedule:
         last_row = _min(first_row + self.block_q, self.q_len) - 1
         return first_row + self.spec.q_offset, last_row + self.spec.q_offset
 
+    def visited_pairs(self) -> list[tuple[int, int]]:
+        """``(q block, kv block)`` pairs the schedule computes, for one head."""
+        raise NotImplementedError
+
+    @property
+    def visited_blocks(self) -> int:
+        """``(q block, kv block)`` pairs computed, for one head."""
+        return len(self.visited_pairs())
+
+    @property
+    def kinds(self) -> frozenset[BlockKind]:
+        """The kinds of all visited pairs: the kernel emits code only for these."""
+        return frozenset(BlockKind(self.kind(i, kb)) for i, kb in self.visited_pairs())
+
+    def kind(self, i: Index, kv_block: Index) -> Index:
+        """The `BlockKind` of ``kv_block`` for query block ``i`` (a traced int32 for traced
+        indices)."""
+        needs_mask = self.needs_mask(i, kv_block)
+        if not self.spec.causal:
+            return _where(needs_mask, BlockKind.MASKED, BlockKind.FULL)
+        first_pos, _ = self._positions(i)
+        diagonal = first_pos == kv_block * self.block_kv
+        return _where(
+            needs_mask, _where(diagonal, BlockKind.DIAGONAL, BlockKind.MASKED), BlockKind.FULL
+        )
+
+    def needs_mask(self, i: Index, kv_block: Index) -> bool | jax.Array:
+        """Whether some pair of query block ``i`` and ``kv_block`` is hidden by the causal or
+        window rule, or holds a key past the end of the keys or a row past the end of the
+        queries.
+
+        Segment ids are not considered: they are checked on every block.
+        """
+        window = self.spec.window
+        partial_kv = self.kv_len % self.block_kv != 0
+        partial_q = self.q_len % self.block_q != 0
+        if not (self.spec.causal or window is not None or partial_kv or partial_q):
+            return False
+        first_pos, last_pos = self._positions(i)
+        first_key = kv_block * self.block_kv
+        last_key = first_key + self.block_kv - 1
+        hidden = last_key > self.kv_len - 1 if partial_kv else False
+        if partial_q:
+            hidden = hidden | ((i + 1) * self.block_q > self.q_len)
+        if self.spec.causal:
+            hidden = hidden | (last_key > first_pos)
+        if window is not None:
+            hidden = (
+                hidden | (first_key < last_pos - window[0]) | (last_key > first_pos + window[1])
+            )
+        return hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class KvSchedule(Tiling):
+    """The kv blocks visited by each query block of one call (the forward kernel's order)."""
+
     def _key_range(self, i: Index) -> tuple[Index, Index]:
         """The lowest and highest key any valid row of block ``i`` may see (empty if hi < lo)."""
         first_pos, last_pos = self._positions(i)
@@ -118,10 +176,10 @@ class KvSchedule:
         """Length of the kv grid axis: the most kv blocks any query block visits (at least 1)."""
         return max(1, *(self.count(i) for i in range(self.num_q_blocks)))
 
-    @property
-    def visited_blocks(self) -> int:
-        """``(q block, kv block)`` pairs computed, summed over the query blocks of one head."""
-        return sum(self.count(i) for i in range(self.num_q_blocks))
+    def visited_pairs(self) -> list[tuple[int, int]]:
+        return [
+            (i, self.first(i) + j) for i in range(self.num_q_blocks) for j in range(self.count(i))
+        ]
 
     def kv_block(self, i: Index, j: Index) -> Index:
         """The kv block held at step ``j`` of query block ``i``.
@@ -140,45 +198,93 @@ class KvSchedule:
         """Whether step ``j`` of query block ``i`` computes anything."""
         return j < self.count(i)
 
+
+@dataclasses.dataclass(frozen=True)
+class QSchedule(Tiling):
+    """The query blocks visited by each kv block of one call (the backward kernel's order).
+
+    The query blocks may be split into chunks of ``chunk_blocks`` blocks (the backward keeps
+    one chunk's query gradient in VMEM); each kv block then visits, chunk after chunk, the
+    contiguous range of the chunk's query blocks whose rows see one of its keys.
+
+    Attributes:
+      chunk_blocks: query blocks per chunk; None for one chunk of all of them.
+    """
+
+    chunk_blocks: int | None = None
+
     @property
-    def kinds(self) -> frozenset[BlockKind]:
-        """The kinds of all visited blocks: the kernel emits code only for these."""
-        return frozenset(
-            BlockKind(self.kind(i, self.kv_block(i, j)))
-            for i in range(self.num_q_blocks)
-            for j in range(self.count(i))
-        )
+    def blocks_per_chunk(self) -> int:
+        return self.num_q_blocks if self.chunk_blocks is None else self.chunk_blocks
 
-    def kind(self, i: Index, kv_block: Index) -> Index:
-        """The `BlockKind` of ``kv_block`` for query block ``i`` (a traced int32 for traced
-        indices)."""
-        needs_mask = self.needs_mask(i, kv_block)
-        if not self.spec.causal:
-            return _where(needs_mask, BlockKind.MASKED, BlockKind.FULL)
-        first_pos, _ = self._positions(i)
-        diagonal = first_pos == kv_block * self.block_kv
-        return _where(
-            needs_mask, _where(diagonal, BlockKind.DIAGONAL, BlockKind.MASKED), BlockKind.FULL
-        )
+    @property
+    def num_chunks(self) -> int:
+        return math.ceil(self.num_q_blocks / self.blocks_per_chunk)
 
-    def needs_mask(self, i: Index, kv_block: Index) -> bool | jax.Array:
-        """Whether some key of ``kv_block`` is hidden from some valid row of query block ``i``
-        by the causal or window rule, or lies past the end of the keys.
-
-        Segment ids are not considered: they are checked on every block.
-        """
-        window = self.spec.window
-        partial_last = self.kv_len % self.block_kv != 0
-        if not (self.spec.causal or window is not None or partial_last):
-            return False
-        first_pos, last_pos = self._positions(i)
+    def _row_range(self, kv_block: Index) -> tuple[Index, Index]:
+        """The lowest and highest query row that sees a key of ``kv_block`` (empty if hi < lo)."""
         first_key = kv_block * self.block_kv
-        last_key = first_key + self.block_kv - 1
-        hidden = last_key > self.kv_len - 1 if partial_last else False
-        if self.spec.causal:
-            hidden = hidden | (last_key > first_pos)
-        if window is not None:
-            hidden = (
-                hidden | (first_key < last_pos - window[0]) | (last_key > first_pos + window[1])
-            )
-        return hidden
+        last_key = _min(first_key + self.block_kv, self.kv_len) - 1
+        window, offset = self.spec.window, self.spec.q_offset
+        lo, hi = 0, self.q_len - 1
+        if self.spec.causal:  # position p sees key t <= p
+            lo = _max(lo, first_key - offset)
+        if window is not None:  # p - left <= t <= p + right
+            lo = _max(lo, first_key - window[1] - offset)
+            hi = _min(hi, last_key + window[0] - offset)
+        return lo, hi
+
+    def _block_range(self, c: Index, kv_block: Index) -> tuple[Index, Index]:
+        """First and last query block of chunk ``c`` that ``kv_block`` visits (empty if
+        last < first)."""
+        lo, hi = self._row_range(kv_block)
+        chunk_first = c * self.blocks_per_chunk
+        chunk_last = _min(chunk_first + self.blocks_per_chunk, self.num_q_blocks) - 1
+        first = _max(_div(_max(lo, 0), self.block_q), chunk_first)
+        last = _min(_div(_max(hi, 0), self.block_q), chunk_last)
+        return first, _where(hi >= lo, last, first - 1)
+
+    def first(self, c: Index, kv_block: Index) -> Index:
+        """The first query block of chunk ``c`` that ``kv_block`` visits (clamped to the
+        chunk)."""
+        first, _ = self._block_range(c, kv_block)
+        chunk_last = _min((c + 1) * self.blocks_per_chunk, self.num_q_blocks) - 1
+        return _min(first, chunk_last)
+
+    def count(self, c: Index, kv_block: Index) -> Index:
+        """Number of query blocks of chunk ``c`` that ``kv_block`` visits."""
+        first, last = self._block_range(c, kv_block)
+        return _max(last - first + 1, 0)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps per kv block and query head: the most query blocks any kv block visits in
+        one chunk (at least 1)."""
+        return max(
+            1,
+            *(
+                self.count(c, kb)
+                for c in range(self.num_chunks)
+                for kb in range(self.num_kv_blocks)
+            ),
+        )
+
+    def visited_pairs(self) -> list[tuple[int, int]]:
+        return [
+            (self.first(c, kb) + s, kb)
+            for c in range(self.num_chunks)
+            for kb in range(self.num_kv_blocks)
+            for s in range(self.count(c, kb))
+        ]
+
+    def q_block(self, c: Index, kv_block: Index, s: Index) -> Index:
+        """The query block held at step ``s`` of ``kv_block`` in chunk ``c``.
+
+        Past ``count`` this stays on the last visited block, so no new block is fetched.
+        """
+        last_step = _max(self.count(c, kv_block) - 1, 0)
+        return self.first(c, kv_block) + _min(s, last_step)
+
+    def is_visited(self, c: Index, kv_block: Index, s: Index) -> bool | jax.Array:
+        """Whether step ``s`` of ``kv_block`` in chunk ``c`` computes anything."""
+        return s < self.count(c, kv_block)

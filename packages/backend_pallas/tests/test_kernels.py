@@ -1,8 +1,10 @@
-"""The forward kernel with small blocks, so that every call spans several q and kv blocks:
-partial last blocks, skipped and clamped kv steps, row sub-blocks, GQA, rows without keys.
+"""The forward and backward kernels with small blocks, so that every call spans several q
+and kv blocks: partial last blocks, skipped and clamped steps, row and key sub-blocks, GQA,
+rows without keys, and a backward split into query chunks.
 
 Runs in the TPU interpreter on hosts without a TPU (out-of-range rows of partial blocks then
-hold NaN, so leaks show up). Outputs and log-sum-exps are compared with a float64 reference.
+hold NaN, so leaks show up). Outputs, log-sum-exps and gradients are compared with a float64
+reference.
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ import pytest
 import pallas_flash as pf
 from pallas_flash.masking import positional_mask
 from pallas_flash_conformance import inputs, reference
-from pallas_flash_conformance.parity import FORWARD_TOLERANCE
-from pallas_flash_pallas import BlockSizes, PallasBackend, flash_forward, plugin
+from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_gradient_close
+from pallas_flash_pallas import BlockSizes, PallasBackend, flash_attention, flash_forward, plugin
 
-SMALL = BlockSizes(block_q=256, block_kv=128, block_q_compute=128)
-DIAGONAL = BlockSizes(block_q=256, block_kv=256, block_q_compute=128)
+SMALL = BlockSizes(
+    block_q=256,
+    block_kv=128,
+    block_q_compute=128,
+    backward_block_q=128,
+    backward_block_kv=256,
+    backward_block_kv_compute=128,
+)
+DIAGONAL = BlockSizes(256, 256, 128, 256, 256, 128)
+CHUNKED = dataclasses.replace(SMALL, backward_chunk_blocks=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +65,30 @@ class Call:
             softcap=self.softcap,
         )
 
+    def inputs(self) -> tuple[jax.Array, jax.Array, jax.Array, pf.SegmentIds | None]:
+        """q (times ``q_scale``), k, v and segment ids."""
+        q, k, v = inputs.qkv(
+            self.batch,
+            self.q_heads,
+            self.kv_heads,
+            self.q_len,
+            self.kv_len,
+            self.head_dim,
+            self.dtype,
+        )
+        return (q * self.q_scale).astype(q.dtype), k, v, self.segment_ids()
+
+    def reference_options(self, ids: pf.SegmentIds | None) -> dict:
+        spec = self.spec
+        return dict(
+            sm_scale=spec.sm_scale,
+            causal=spec.causal,
+            q_offset=spec.q_offset,
+            window=spec.window,
+            softcap=spec.softcap,
+            segment_ids=None if ids is None else (ids.q, ids.kv),
+        )
+
     def segment_ids(self) -> pf.SegmentIds | None:
         if self.segments is None:
             return None
@@ -67,15 +101,7 @@ class Call:
 def _expected(call: Call, q, k, v, ids) -> tuple[np.ndarray, np.ndarray]:
     """Float64 output and log-sum-exp (``-inf`` for rows that see no key)."""
     spec = call.spec
-    options = dict(
-        sm_scale=spec.sm_scale,
-        causal=spec.causal,
-        q_offset=spec.q_offset,
-        window=spec.window,
-        softcap=spec.softcap,
-        segment_ids=None if ids is None else (ids.q, ids.kv),
-    )
-    out = reference.attention(q, k, v, **options)
+    out = reference.attention(q, k, v, **call.reference_options(ids))
     group = call.q_heads // call.kv_heads
     k64 = np.repeat(np.asarray(k, np.float64), group, axis=1)
     scores = np.asarray(q, np.float64) @ k64.swapaxes(-1, -2) * spec.sm_scale
@@ -111,27 +137,23 @@ CALLS = {
     "causal-diagonal-offset-bf16": Call(
         1, 2, 2, 344, 600, 128, dtype="bfloat16", causal=True, segments=2, blocks=DIAGONAL
     ),
+    # The backward in chunks of one query block: dk and dv summed over float32 partials.
+    "chunked-gqa-causal": Call(1, 4, 2, 300, 300, 64, causal=True, blocks=CHUNKED),
+    "chunked-mqa-window-segments": Call(
+        1, 4, 1, 330, 260, 64, window=(60, 30), segments=2, blocks=CHUNKED
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(CALLS))
 def test_matches_reference(name: str) -> None:
     call = CALLS[name]
-    q, k, v = inputs.qkv(
-        call.batch,
-        call.q_heads,
-        call.kv_heads,
-        call.q_len,
-        call.kv_len,
-        call.head_dim,
-        call.dtype,
-    )
-    q = (q * call.q_scale).astype(q.dtype)
-    ids = call.segment_ids()
+    q, k, v, ids = call.inputs()
     out, lse = flash_forward(q, k, v, ids, spec=call.spec, block_sizes=call.blocks)
     expected_out, expected_lse = _expected(call, q, k, v, ids)
     assert out.dtype == q.dtype and out.shape == q.shape
-    assert lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
+    assert lse.dtype == jnp.float32 and lse.shape == (*q.shape[:2], 1, q.shape[2])
+    lse = lse[:, :, 0]
     out32 = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out32).all()
     tolerance = FORWARD_TOLERANCE[call.dtype] * (10 if call.q_scale > 1 else 1)
@@ -142,6 +164,18 @@ def test_matches_reference(name: str) -> None:
     np.testing.assert_allclose(lse[seen], expected_lse[seen], rtol=1e-5, atol=1e-4)
     unseen = ~seen[..., None] & np.ones(out32.shape, bool)
     assert (out32[unseen] == 0).all(), "rows that see no key must be exactly zero"
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_gradients_match_reference(name: str) -> None:
+    call = CALLS[name]
+    q, k, v, ids = call.inputs()
+    d_out = inputs.normal(3, q.shape, call.dtype)
+    _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, call.spec, call.blocks), q, k, v)
+    expected = reference.attention_vjp(q, k, v, d_out, **call.reference_options(ids))
+    for grad_name, got, want, x in zip("qkv", vjp(d_out), expected, (q, k, v), strict=True):
+        assert got.dtype == x.dtype and got.shape == x.shape
+        assert_gradient_close(got, want, call.dtype, name=f"d{grad_name}")
 
 
 def test_runs_inside_jit() -> None:
@@ -160,6 +194,7 @@ def test_registered_as_the_tpu_backend() -> None:
     assert info.priority == 100
     assert info.capabilities == {
         "attention",
+        "grad",
         "causal",
         "gqa",
         "segment_ids",
@@ -169,9 +204,3 @@ def test_registered_as_the_tpu_backend() -> None:
     (backend,) = plugin.pallas_flash_backends()
     assert isinstance(backend, PallasBackend)
     assert backend.block_sizes == BlockSizes()
-
-
-def test_gradient_is_not_supported() -> None:
-    q, k, v = inputs.qkv(1, 2, 2, 16, 16, 64)
-    with pytest.raises(pf.UnsupportedFeatureError, match="grad"):
-        jax.grad(lambda q: pf.attention(q, k, v, backend="pallas").sum())(q)

@@ -1,0 +1,378 @@
+"""The FlashAttention-2 backward kernel: dq, dk and dv in one pass, from the saved
+log-sum-exp.
+
+Layouts: q, the output gradient ``dout`` and dq ``[batch, q_heads, q_len, head_dim]``; k, v,
+dk and dv ``[batch, kv_heads, kv_len, head_dim]``; the forward's log-sum-exp and the row sums
+``di = rowsum(dout * out)``, float32 rows of lanes ``[batch, q_heads, 1, q_len]``.
+
+Grid ``(batch, kv_heads, chunks, kv blocks, group * steps)``. One ``[block_kv, head_dim]``
+K/V block stays in VMEM with its float32 dk and dv accumulators while the query blocks of
+every query head of its GQA group that see one of its keys (`schedule.QSchedule`) stream
+past, so dk and dv are summed over the group in VMEM and written once. The query gradient of
+the group's heads is accumulated in VMEM over all kv blocks and written once per chunk; a
+chunk is every query block unless the accumulator would not fit in VMEM
+(`block_sizes.DQ_VMEM_BUDGET_BYTES`), in which case dk and dv of each chunk are written as
+float32 partials and summed afterwards.
+
+Per visited pair, in the keys-as-rows orientation so that the log-sum-exp and ``di`` rows
+broadcast along sublanes and dk, dv accumulate row-wise (float32 throughout):
+``s^T = softcap(k q^T * sm_scale)``, ``p^T = exp(s^T - lse)`` (zero where hidden),
+``dv += p^T dout``, ``dp^T = v dout^T``, ``ds^T = p^T (dp^T - di)`` times the softcap's
+derivative ``1 - (s / softcap)^2``, ``dk += ds^T q`` and ``dq += ds k``. dq and dk are scaled
+by ``sm_scale`` once, at the end. That is five matmuls per pair, the least FlashAttention-2
+needs (split dq and dk/dv kernels recompute ``s`` and ``dp`` in both: seven).
+
+Partial last blocks hold garbage rows (even NaN): out-of-range query rows and their output
+gradients, and out-of-range keys, are zeroed before the matmuls that sum over them, and the
+probabilities and their gradients are masked. A pair on the causal diagonal computes, for each
+key sub-block, only the query rows at or below its first key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_flash.masking import apply_softcap, positional_mask
+from pallas_flash.specs import AttentionSpec, SegmentIds
+from pallas_flash_pallas import interpret
+from pallas_flash_pallas.block_sizes import (
+    DQ_VMEM_BUDGET_BYTES,
+    LANES,
+    BlockSizes,
+    backward_vmem_bytes,
+    dq_vmem_bytes,
+    vmem_limit_bytes,
+)
+from pallas_flash_pallas.kernel_helpers import both, lanes, when
+from pallas_flash_pallas.schedule import BlockKind, QSchedule
+
+_F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a b^T
+_NN = (((1,), (0,)), ((), ()))  # a b
+_TN = (((0,), (0,)), ((), ()))  # a^T b
+
+
+def _zero_rows_from(x: jax.Array, first: jax.Array, end: int) -> jax.Array:
+    """``x [rows, cols]`` with rows at positions ``>= end`` zeroed, row 0 at ``first``."""
+    pos = first + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(pos < end, x, jnp.zeros_like(x))
+
+
+def _kernel(
+    *refs: jax.Ref,
+    spec: AttentionSpec,
+    schedule: QSchedule,
+    group: int,
+    block_kv_compute: int,
+    dq_rows: int,
+    segment_ids: bool,
+    precision: lax.Precision | None,
+) -> None:
+    """One grid step ``(b, kv head, c, j, t)``: folds query block
+    ``schedule.q_block(c, j, t % steps)`` of query head ``t // steps`` of the group into the
+    gradients of kv block ``j``; writes dk, dv after the block's last step and dq after the
+    chunk's last step.
+
+    Refs: inputs q and dout ``[block_q, head_dim]``, k and v ``[block_kv, head_dim]``,
+    log-sum-exp and row sums ``[1, block_q]``, with segment ids those of the queries
+    ``[1, block_q]`` and of the keys ``[1, block_kv]``; outputs dq ``[group, rows, head_dim]``
+    (the chunk's rows of the group's heads), dk and dv ``[block_kv, head_dim]``; scratch: the
+    query gradient ``[group * dq_rows, head_dim]`` and dk, dv ``[block_kv, head_dim]``, all
+    float32, and with segment ids the keys' ids as equal-lane columns ``[block_kv, 128]``.
+    """
+    num_inputs = 8 if segment_ids else 6
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *id_refs = refs[:num_inputs]
+    dq_out, dk_out, dv_out, dq_acc, dk_acc, dv_acc, *id_scratch = refs[num_inputs:]
+    q_ids_ref, kv_ids_ref = id_refs or (None, None)
+    ids_ref = id_scratch[0] if id_scratch else None
+    c, j, t = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    steps = schedule.num_steps
+    g, s = lax.div(t, jnp.int32(steps)), lax.rem(t, jnp.int32(steps))
+    block_q, block_kv = schedule.block_q, schedule.block_kv
+    q_block = schedule.q_block(c, j, s)
+    local_block = q_block - c * schedule.blocks_per_chunk
+    dq_base = pl.multiple_of(g * dq_rows + local_block * block_q, 8)
+
+    @pl.when((j == 0) & (t == 0))
+    def _start_chunk() -> None:
+        dq_acc[...] = jnp.zeros(dq_acc.shape, _F32)
+
+    @pl.when(t == 0)
+    def _start_kv_block() -> None:
+        dk_acc[...] = jnp.zeros(dk_acc.shape, _F32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, _F32)
+        if segment_ids:  # the keys' ids, a row of lanes, turned into equal-lane columns
+            ids_ref[...] = jnp.broadcast_to(kv_ids_ref[...], (LANES, block_kv)).T
+
+    partial_q = schedule.q_len % block_q != 0
+    partial_kv = schedule.kv_len % block_kv != 0
+
+    def fold_keys(first_key: int, num_keys: int, first_row: int, masked: bool) -> None:
+        """Folds rows ``first_row ..`` of the query block into keys ``first_key ..`` of the kv
+        block; ``masked`` applies the causal, window and range masks."""
+        keys, rows = pl.ds(first_key, num_keys), pl.ds(first_row, block_q - first_row)
+        k, v, q, do = k_ref[keys, :], v_ref[keys, :], q_ref[rows, :], do_ref[rows, :]
+        key_pos = j * block_kv + first_key
+        row_pos = q_block * block_q + first_row
+        if masked and partial_kv:  # dq sums over keys: garbage keys must be zeros
+            k = _zero_rows_from(k, key_pos, schedule.kv_len)
+        if masked and partial_q:  # dk and dv sum over rows: garbage rows must be zeros
+            q = _zero_rows_from(q, row_pos, schedule.q_len)
+            do = _zero_rows_from(do, row_pos, schedule.q_len)
+        s_t = lax.dot_general(k, q, _NT, preferred_element_type=_F32, precision=precision)
+        s_t = apply_softcap(s_t * spec.sm_scale, spec.softcap)  # [num_keys, num_rows]
+        visible = None
+        if masked:
+            kv_pos = key_pos + lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
+            q_row = row_pos + lax.broadcasted_iota(jnp.int32, s_t.shape, 1)
+            visible = positional_mask(q_row, kv_pos, spec)
+            if partial_kv:
+                visible = both(visible, kv_pos < schedule.kv_len)
+            if partial_q:
+                visible = both(visible, q_row < schedule.q_len)
+        if segment_ids:
+            ids = lanes(ids_ref[keys, :], block_q - first_row) == q_ids_ref[:, rows]
+            visible = both(visible, ids)
+        p_t = jnp.exp(s_t - lse_ref[:, rows])
+        if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
+            p_t = jnp.where(visible, p_t, 0.0)
+        dv_acc[keys, :] += lax.dot_general(
+            p_t.astype(do.dtype), do, _NN, preferred_element_type=_F32, precision=precision
+        )
+        dp_t = lax.dot_general(v, do, _NT, preferred_element_type=_F32, precision=precision)
+        ds_t = p_t * (dp_t - di_ref[:, rows])
+        if spec.softcap is not None:
+            ds_t = ds_t * (1.0 - jnp.square(s_t * (1.0 / spec.softcap)))
+        if visible is not None and (partial_q or partial_kv):  # garbage v or di: 0 * NaN
+            ds_t = jnp.where(visible, ds_t, 0.0)
+        ds_t = ds_t.astype(q.dtype)
+        dk_acc[keys, :] += lax.dot_general(
+            ds_t, q, _NN, preferred_element_type=_F32, precision=precision
+        )
+        dq_slice = pl.ds(dq_base + first_row, block_q - first_row)
+        dq_acc[dq_slice, :] += lax.dot_general(
+            ds_t, k, _TN, preferred_element_type=_F32, precision=precision
+        )
+
+    def fold(kind: BlockKind) -> None:
+        """Folds the query block in, one key sub-block after another (unrolled)."""
+        for first_key in range(0, block_kv, block_kv_compute):
+            num_keys = min(block_kv_compute, block_kv - first_key)
+            first_row = 0
+            if kind == BlockKind.DIAGONAL:  # relative key c is seen by relative rows >= c
+                first_row = first_key
+                if first_row >= block_q:
+                    break
+            fold_keys(first_key, num_keys, first_row, masked=kind != BlockKind.FULL)
+
+    visited = schedule.is_visited(c, j, s)
+    kinds = schedule.kinds
+    if len(kinds) == 1:
+        (kind,) = kinds
+        when(visited, functools.partial(fold, kind))
+    elif kinds:
+        kind = schedule.kind(q_block, j)
+        for each in sorted(kinds):
+            when(visited & (kind == each), functools.partial(fold, each))
+
+    @pl.when(t == group * steps - 1)
+    def _finish_kv_block() -> None:
+        dk_out[...] = (dk_acc[...] * spec.sm_scale).astype(dk_out.dtype)
+        dv_out[...] = dv_acc[...].astype(dv_out.dtype)
+
+    @pl.when((j == schedule.num_kv_blocks - 1) & (t == group * steps - 1))
+    def _finish_chunk() -> None:
+        rows = dq_out.shape[1]
+        for head in range(group):
+            chunk = dq_acc[pl.ds(head * dq_rows, rows), :]
+            dq_out[head] = (chunk * spec.sm_scale).astype(dq_out.dtype)
+
+
+def _chunk_blocks(
+    blocks: BlockSizes, num_q_blocks: int, head_dim: int, dtype: np.dtype, group: int
+) -> int | None:
+    """Query blocks per chunk: ``blocks.backward_chunk_blocks`` if set; else None (one chunk)
+    when the whole query gradient of a GQA group fits in `DQ_VMEM_BUDGET_BYTES`, else as many
+    blocks as fit (at least one)."""
+    block_q = blocks.backward_block_q
+    if blocks.backward_chunk_blocks is not None:
+        return min(blocks.backward_chunk_blocks, num_q_blocks)
+    if dq_vmem_bytes(num_q_blocks * block_q, head_dim, dtype, group) <= DQ_VMEM_BUDGET_BYTES:
+        return None
+    per_block = dq_vmem_bytes(block_q, head_dim, dtype, group)
+    return max(1, DQ_VMEM_BUDGET_BYTES // per_block)
+
+
+def _cost(q: jax.Array, k: jax.Array, schedule: QSchedule) -> pl.CostEstimate:
+    """Flops and exponentials of the visited pairs (five matmuls each); bytes moved between
+    HBM and VMEM (k, v, dk, dv and dq once per chunk, q and dout per visited pair)."""
+    batch, q_heads, _, head_dim = q.shape
+    blocks = batch * q_heads * schedule.visited_blocks
+    pairs = blocks * schedule.block_q * schedule.block_kv
+    q_bytes = 2 * blocks * schedule.block_q * head_dim * q.dtype.itemsize
+    kv_bytes = 4 * schedule.num_chunks * k.nbytes
+    return pl.CostEstimate(
+        flops=10 * pairs * head_dim,
+        transcendentals=pairs,
+        bytes_accessed=q_bytes + kv_bytes + q.nbytes + 8 * blocks * schedule.block_q,
+    )
+
+
+def flash_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: SegmentIds | None,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    spec: AttentionSpec,
+    block_sizes: BlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of attention with respect to q, k and v.
+
+    Args:
+      q, k, v, segment_ids, spec: the forward call's (see `forward.flash_forward`).
+      out: the forward's output ``[batch, q_heads, q_len, head_dim]``.
+      lse: the forward's log-sum-exp, ``[batch, q_heads, 1, q_len]`` float32.
+      dout: the gradient of the output, like ``out``.
+      block_sizes: block sizes before clamping; default `BlockSizes()`.
+
+    Returns:
+      ``(dq, dk, dv)``, shaped and typed like q, k and v.
+
+    Raises:
+      ValueError: the block sizes are illegal for these lengths or do not fit in VMEM.
+    """
+    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    di = jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1)[:, :, None, :]
+    return _backward(q, k, v, segment_ids, lse, di, dout, spec=spec, block_sizes=block_sizes)
+
+
+def _flash_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: SegmentIds | None,
+    lse: jax.Array,
+    di: jax.Array,
+    dout: jax.Array,
+    *,
+    spec: AttentionSpec,
+    block_sizes: BlockSizes,
+    interpret: pltpu.InterpretParams | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`flash_backward` with the row sums ``di [batch, q_heads, 1, q_len]`` float32, and the
+    interpreter's settings (None for Mosaic)."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    blocks = block_sizes.clamped(q_len, kv_len)
+    bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
+    num_q_blocks = math.ceil(q_len / bq)
+    chunk_blocks = _chunk_blocks(blocks, num_q_blocks, head_dim, q.dtype, group)
+    schedule = QSchedule(spec, q_len, kv_len, bq, bkv, chunk_blocks)
+    chunked = schedule.num_chunks > 1
+    dq_rows = 8 * math.ceil(schedule.blocks_per_chunk * bq / 8)  # per head, in the scratch
+    has_ids = segment_ids is not None
+    limit = vmem_limit_bytes(
+        backward_vmem_bytes(blocks, head_dim, q.dtype, has_ids, group=group, chunk_rows=dq_rows),
+        f"backward block sizes backward_block_q={bq}, backward_block_kv={bkv} with "
+        f"head_dim={head_dim}, {q.dtype.name} and {group} query heads per kv head",
+    )
+    steps = schedule.num_steps
+
+    # Index maps of the grid (b, kv head, chunk c, kv block j, step t) to block indices.
+    def q_head_and_block(kvh, c, j, t):
+        g, s = lax.div(t, jnp.int32(steps)), lax.rem(t, jnp.int32(steps))
+        return kvh * group + g, schedule.q_block(c, j, s)
+
+    def q_map(b, kvh, c, j, t):
+        h, i = q_head_and_block(kvh, c, j, t)
+        return b, h, i, 0
+
+    def row_map(b, kvh, c, j, t):
+        h, i = q_head_and_block(kvh, c, j, t)
+        return b, h, 0, i
+
+    def kv_map(b, kvh, c, j, t):
+        return b, kvh, j, 0
+
+    def q_ids_map(b, kvh, c, j, t):
+        return b, 0, q_head_and_block(kvh, c, j, t)[1]
+
+    def kv_ids_map(b, kvh, c, j, t):
+        return b, 0, j
+
+    def dq_map(b, kvh, c, j, t):
+        return b, kvh, c, 0
+
+    q_spec = pl.BlockSpec((None, None, bq, head_dim), q_map)
+    kv_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_map)
+    row_spec = pl.BlockSpec((None, None, 1, bq), row_map)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    args = [q, k, v, dout, lse, di]
+    if has_ids:  # both as rows of lanes: free views of [batch, len]
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), q_ids_map),
+            pl.BlockSpec((None, 1, bkv), kv_ids_map),
+        ]
+        args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
+    dq_block_rows = schedule.blocks_per_chunk * bq if chunked else q_len
+    dq_spec = pl.BlockSpec((None, group, dq_block_rows, head_dim), dq_map)
+    if chunked:  # float32 partials of each chunk, summed below
+        dkv_shape = jax.ShapeDtypeStruct(
+            (batch, kv_heads, schedule.num_chunks, kv_len, head_dim), _F32
+        )
+        dkv_spec = pl.BlockSpec(
+            (None, None, None, bkv, head_dim), lambda b, kvh, c, j, t: (b, kvh, c, j, 0)
+        )
+    else:
+        dkv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
+        dkv_spec = kv_spec
+    precision = lax.Precision.HIGHEST if q.dtype == np.float32 else None
+    kernel = functools.partial(
+        _kernel,
+        spec=spec,
+        schedule=schedule,
+        group=group,
+        block_kv_compute=blocks.backward_block_kv_compute,
+        dq_rows=dq_rows,
+        segment_ids=has_ids,
+        precision=precision,
+    )
+    dq, dk, dv = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), dkv_shape, dkv_shape),
+        grid=(batch, kv_heads, schedule.num_chunks, schedule.num_kv_blocks, group * steps),
+        in_specs=in_specs,
+        out_specs=(dq_spec, dkv_spec, dkv_spec),
+        scratch_shapes=[
+            pltpu.VMEM((group * dq_rows, head_dim), _F32),
+            pltpu.VMEM((bkv, head_dim), _F32),
+            pltpu.VMEM((bkv, head_dim), _F32),
+            *([pltpu.VMEM((bkv, LANES), jnp.int32)] if has_ids else []),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=limit,
+        ),
+        cost_estimate=_cost(q, k, schedule),
+        interpret=False if interpret is None else interpret,
+        name="pallas_flash_backward",
+    )(*args)
+    if chunked:
+        dk, dv = (x.sum(axis=2).astype(k.dtype) for x in (dk, dv))
+    return dq, dk, dv
+
+
+_backward = interpret.jit_kernel(_flash_backward, ("spec", "block_sizes"))
