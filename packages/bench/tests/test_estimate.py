@@ -39,6 +39,13 @@ def test_undecided_regions_all_run_without_a_causal_mask() -> None:
     assert estimate.kernel_cycles(1000, 2000, 9, (1, 4, 8, 8), causal=False)[0] == 2000
 
 
+def test_an_mxu_bound_kernel_takes_its_busiest_mxus_cycles() -> None:
+    cycles, how = estimate.kernel_cycles(1000, 1000, 9, (1, 4, 8, 8), False, 1200, 1200)
+    assert cycles == 1200
+    assert "MXU-bound: the busiest MXU needs 1200 cycles for 1000 bundles" in how
+    assert estimate.kernel_cycles(1000, 1000, 9, (1, 4, 8, 8), False, 800, 800)[0] == 1000
+
+
 def test_kernel_cycles_fall_back_to_steps_times_bundles() -> None:
     assert estimate.kernel_cycles(None, None, 1620 * 1024, None, causal=False) == (
         1620 * 1024,

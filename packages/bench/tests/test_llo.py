@@ -1,5 +1,5 @@
 """Tests of the LLO dump parser on trimmed real dumps (tests/samples/llo) and, when present, on
-the full dumps under /tmp/llo_samples and /tmp/llo."""
+the full dumps under /tmp/llo_samples."""
 
 from __future__ import annotations
 
@@ -290,6 +290,21 @@ def test_tiny_listing_semantics():
     assert sched.mxu_ops == 1 and sched.spill_stores == 1
     assert sched.grid is None and sched.trip_count == 10
     assert llo.is_pallas_kernel(sched)
+    # One bfloat16 vmatmul (16 rows) run once keeps mxu0 busy 16 cycles.
+    assert loop.executed_mxu_cycles_min == loop.executed_mxu_cycles_max == 16
+    assert sched.executed_mxu_cycles_min == sched.executed_mxu_cycles_max == 16
+
+
+def test_mxu_cycles_count_every_executed_vmatmul_per_mxu():
+    """Two bfloat16 vmatmuls on mxu1 in every iteration and a float32 one (8 rows) on mxu2:
+    mxu1 is the busiest, 10 x 2 x 16 = 320 cycles, more than the 133 bundles executed."""
+    text = TINY.replace(
+        "0x4 :  {}",
+        "0x4 : > { %20 = vmatmul.bf16.gmra.mxu1 %v1  ;;  %21 = vmatmul.f32.gmra.mxu2 %v1 }",
+    ).replace("0x5 :  {}", "0x5 : > { %22 = vmatmul.bf16.gmra.mxu1 %v1 }")
+    sched = llo.build_schedule(llo.parse_bundles(text, "k.1"))
+    assert sched.executed_bundles == 133
+    assert sched.executed_mxu_cycles_min == sched.executed_mxu_cycles_max == 320
 
 
 def test_tiny_listing_guard_and_negated_exit():
@@ -323,7 +338,7 @@ def test_no_loop_kernel():
 # Full real dumps, when this machine has them
 
 REAL = Path("/tmp/llo_samples")
-REAL_NONCAUSAL = Path("/tmp/llo")
+REAL_NONCAUSAL = REAL / "flash_noncausal" / "dump"
 
 
 @pytest.mark.skipif(not REAL.is_dir(), reason="no /tmp/llo_samples dumps on this machine")
@@ -363,7 +378,7 @@ def test_real_dumps_invariants():
 
 
 @pytest.mark.skipif(
-    not REAL_NONCAUSAL.is_dir(), reason="no /tmp/llo non-causal flash dump on this machine"
+    not REAL_NONCAUSAL.is_dir(), reason="no non-causal flash dump under /tmp/llo_samples"
 )
 def test_real_noncausal_flash():
     flash = llo.load_dump(REAL_NONCAUSAL)["flash_attention.1"]

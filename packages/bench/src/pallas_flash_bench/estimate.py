@@ -34,26 +34,40 @@ def kernel_cycles(
     fallback: int,
     grid: tuple[int, ...] | None,
     causal: bool,
+    mxu_min: int | None = None,
+    mxu_max: int | None = None,
 ) -> tuple[int, str]:
-    """Static cycles of one kernel (one bundle issues per cycle) and how they were obtained.
+    """Static cycles of one kernel and how they were obtained.
+
+    One bundle issues per cycle, but a ``vmatmul`` keeps its MXU busy for several cycles
+    (`llo.MXU_ROWS_PER_CYCLE`); the kernel takes the larger of its bundles and its busiest
+    MXU's cycles.
 
     ``executed_min`` / ``executed_max`` are the bundles the kernel executes with its undecided
     predicated regions skipped / run (equal when the schedule decides every region, e.g. a
-    block skip computed from the grid indices). When they differ (regions whose predicate reads
-    memory, like splash attention's block mask), the regions are taken to run on the fraction
-    of grid steps a causal mask leaves active (all of them without a causal mask). Without
-    either figure (inner loops, unknown trip count), ``fallback`` is used: grid steps x
-    bundles per step, every region run.
+    block skip computed from the grid indices), ``mxu_min`` / ``mxu_max`` the busiest MXU's
+    cycles likewise. When they differ (regions whose predicate reads memory, like splash
+    attention's block mask), the regions are taken to run on the fraction of grid steps a
+    causal mask leaves active (all of them without a causal mask). Without the bundle figures
+    (inner loops, unknown trip count), ``fallback`` is used: grid steps x bundles per step,
+    every region run.
     """
     if executed_min is None or executed_max is None:
         return fallback, "grid steps x bundles per step"
-    if executed_min == executed_max:
-        return executed_min, "exact: every predicated region decided"
     fraction = 1.0
-    if causal and grid is not None and len(grid) >= 2:
-        fraction = causal_active_fraction(grid[-2], grid[-1])
+    if executed_min == executed_max and mxu_min == mxu_max:
+        how = "exact: every predicated region decided"
+    else:
+        if causal and grid is not None and len(grid) >= 2:
+            fraction = causal_active_fraction(grid[-2], grid[-1])
+        how = f"data-dependent regions run on {fraction:.0%} of the steps"
     cycles = executed_min + math.ceil((executed_max - executed_min) * fraction)
-    return cycles, f"data-dependent regions run on {fraction:.0%} of the steps"
+    if mxu_min is not None and mxu_max is not None:
+        mxu = mxu_min + math.ceil((mxu_max - mxu_min) * fraction)
+        if mxu > cycles:
+            how += f"; MXU-bound: the busiest MXU needs {mxu} cycles for {cycles} bundles"
+            cycles = mxu
+    return cycles, how
 
 
 def derive(

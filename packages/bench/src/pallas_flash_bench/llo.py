@@ -198,6 +198,10 @@ class Loop:
     # count is unknown or the body holds inner loops.
     executed_bundles_min: int | None = None
     executed_bundles_max: int | None = None
+    # Likewise, the cycles the busiest MXU is kept busy by the vmatmuls executed (see
+    # MXU_ROWS_PER_CYCLE).
+    executed_mxu_cycles_min: int | None = None
+    executed_mxu_cycles_max: int | None = None
 
     @property
     def bundles(self) -> int:
@@ -221,6 +225,8 @@ class BundleListing:
     grid: tuple[int, ...] | None  # largest-product iteration_bounds of the DMA descriptors
     hlo: str | None  # the HLO instruction named by the entry/exit bundle comment
     warnings: tuple[str, ...]
+    mxu_prefixes: dict[str, list[int]] = dataclasses.field(default_factory=dict, repr=False)
+    # per MXU unit, prefix sums of the cycles its vmatmuls keep it busy (see _mxu_prefixes)
 
     @property
     def hlo_opcode(self) -> str | None:
@@ -683,15 +689,54 @@ def _grid(text: str) -> tuple[int, ...] | None:
     return max(grids, key=math.prod) if grids else None
 
 
-def _covered(spans: Iterable[tuple[int, int]]) -> int:
-    """Bundles covered by a union of inclusive spans."""
+def _covered(spans: Iterable[tuple[int, int]], prefix: list[int] | None = None) -> int:
+    """Bundles covered by a union of inclusive spans, or with ``prefix`` (``prefix[i]``: the
+    summed weight of bundles ``0..i-1``) their summed weight."""
     total, reach = 0, -1
     for s, e in sorted(spans):
         if e <= reach:
             continue
-        total += e - max(s, reach + 1) + 1
+        first = max(s, reach + 1)
+        total += e - first + 1 if prefix is None else prefix[e + 1] - prefix[first]
         reach = e
     return total
+
+
+def _uncovered(n: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The inclusive spans of bundles ``0..n-1`` outside ``spans``."""
+    gaps, start = [], 0
+    for s, e in sorted(spans):
+        if s > start:
+            gaps.append((start, s - 1))
+        start = max(start, e + 1)
+    if start < n:
+        gaps.append((start, n - 1))
+    return gaps
+
+
+MXU_ROWS_PER_CYCLE = 1
+"""Rows of the left operand one MXU takes per cycle (128 x 128 multiply-adds): a ``vmatmul``
+of a bfloat16 vreg (16 packed rows) keeps its MXU busy 16 cycles, of a float32 vreg 8. This is
+what 197 TFLOP/s at 1.5 GHz over 4 MXUs of 128 x 128 implies."""
+
+
+def _mxu_prefixes(bundles: tuple[Bundle, ...]) -> dict[str, list[int]]:
+    """Per MXU (``mxu0``..): prefix sums over the bundles of the cycles its ``vmatmul``s keep
+    it busy."""
+    units: dict[str, list[int]] = {}
+    for b in bundles:
+        for ins in b.instructions:
+            if ins.base == "vmatmul":
+                unit = ins.opcode.rsplit(".", 1)[-1]
+                rows = 16 if ".bf16" in ins.opcode else 8
+                units.setdefault(unit, [0] * len(bundles))[b.index] += rows // MXU_ROWS_PER_CYCLE
+    prefixes = {}
+    for unit, cycles in units.items():
+        prefix = [0]
+        for c in cycles:
+            prefix.append(prefix[-1] + c)
+        prefixes[unit] = prefix
+    return prefixes
 
 
 def parse_bundles(text: str, name: str) -> BundleListing:
@@ -737,6 +782,7 @@ def parse_bundles(text: str, name: str) -> BundleListing:
         if bundles[s].nest and bundles[s].nest != depth:
             warnings.append(f"loop at {s}: {bundles[s].nest} '>' but nesting depth {depth}")
     trips = [_trip_count(defs, p) for *_, p in spans]
+    mxu = _mxu_prefixes(bundles)
 
     # Predicated regions, their nesting level and enclosing (innermost) loop.
     raw = sorted(
@@ -808,9 +854,14 @@ def parse_bundles(text: str, name: str) -> BundleListing:
         guarded = [(raw[i][0], raw[i][1]) for i in inside if guards[i]]
         has_inner = any(j != li and ls <= s2 <= le for j, (s2, *_) in enumerate(spans))
         lo = hi = None
+        mxu_lo = mxu_hi = None
         if li in evals and not has_inner:
             mine, result = evals[li]
-            lo, hi = _executed_bundles(le - ls + 1, [raw[i][:2] for i in mine], result)
+            mine_spans = [raw[i][:2] for i in mine]
+            lo, hi = _executed_bundles((ls, le), mine_spans, result)
+            busy = [_executed_bundles((ls, le), mine_spans, result, p) for p in mxu.values()]
+            mxu_lo = max((b[0] for b in busy), default=0)
+            mxu_hi = max((b[1] for b in busy), default=0)
         loops.append(
             Loop(
                 start=ls,
@@ -823,6 +874,8 @@ def parse_bundles(text: str, name: str) -> BundleListing:
                 regions=tuple(regions[i] for i in inside),
                 executed_bundles_min=lo,
                 executed_bundles_max=hi,
+                executed_mxu_cycles_min=mxu_lo,
+                executed_mxu_cycles_max=mxu_hi,
             )
         )
 
@@ -840,20 +893,26 @@ def parse_bundles(text: str, name: str) -> BundleListing:
         grid=grid,
         hlo=hlo,
         warnings=tuple(warnings),
+        mxu_prefixes=mxu,
     )
 
 
 def _executed_bundles(
-    body: int, spans: list[tuple[int, int]], result: _LoopEval
+    body: tuple[int, int],
+    spans: list[tuple[int, int]],
+    result: _LoopEval,
+    prefix: list[int] | None = None,
 ) -> tuple[int, int]:
-    """(min, max) bundles executed over all iterations of a loop without inner loops."""
+    """(min, max) bundles executed over all iterations of a loop without inner loops (its
+    ``body`` spans bundles ``start..end``), or with ``prefix`` (see `_covered`) their weight."""
     decided = [span for span, k in zip(spans, result.skipped, strict=True) if k is not None]
     undecided = [span for span, k in zip(spans, result.skipped, strict=True) if k is None]
+    whole = _covered([body], prefix)
     lo = hi = 0
     for pattern, n in result.patterns.items():
         skipped = [span for span, k in zip(decided, pattern, strict=True) if k]
-        hi += n * (body - _covered(skipped))
-        lo += n * (body - _covered(skipped + undecided))
+        hi += n * (whole - _covered(skipped, prefix))
+        lo += n * (whole - _covered(skipped + undecided, prefix))
     return lo, hi
 
 
@@ -969,6 +1028,11 @@ class KernelSchedule:
     # an unknown trip count.
     executed_bundles_min: int | None = None
     executed_bundles_max: int | None = None
+    # Cycles the busiest MXU is kept busy by the executed vmatmuls (per loop; see
+    # MXU_ROWS_PER_CYCLE): when above the executed bundles the kernel is MXU-bound and the
+    # bundle count underestimates its time.
+    executed_mxu_cycles_min: int | None = None
+    executed_mxu_cycles_max: int | None = None
     vmem_bytes: int | None = None  # VMEM the kernel allocates (None without the allocation list)
 
     @property
@@ -1061,10 +1125,27 @@ def build_schedule(
         for r in listing.regions
         if not any(s <= r.branch <= e for s, e in in_loops)
     )
-    ex_lo = ex_hi = None
+    ex_lo = ex_hi = mxu_lo = mxu_hi = None
     if all(lp.executed_bundles_min is not None for lp in top):
         ex_lo = outside - skippable + sum(lp.executed_bundles_min or 0 for lp in top)
         ex_hi = outside + sum(lp.executed_bundles_max or 0 for lp in top)
+        # The busiest MXU outside the loops plus, per loop, its busiest MXU.
+        outer_spans = _uncovered(n, in_loops)
+        outer_regions = [
+            (r.start, r.end)
+            for r in listing.regions
+            if not any(s <= r.branch <= e for s, e in in_loops)
+        ]
+        straight = [
+            (_covered(outer_spans, p), _covered(outer_regions, p))
+            for p in listing.mxu_prefixes.values()
+        ]
+        mxu_lo = max((a - b for a, b in straight), default=0) + sum(
+            lp.executed_mxu_cycles_min or 0 for lp in top
+        )
+        mxu_hi = max((a for a, _ in straight), default=0) + sum(
+            lp.executed_mxu_cycles_max or 0 for lp in top
+        )
 
     hlo = analysis.hlo if analysis is not None and analysis.hlo else listing.hlo
     return KernelSchedule(
@@ -1088,6 +1169,8 @@ def build_schedule(
         custom_call_target=analysis.custom_call_target if analysis is not None else None,
         executed_bundles_min=ex_lo,
         executed_bundles_max=ex_hi,
+        executed_mxu_cycles_min=mxu_lo,
+        executed_mxu_cycles_max=mxu_hi,
     )
 
 

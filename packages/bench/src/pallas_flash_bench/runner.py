@@ -48,7 +48,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 3
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 

@@ -126,6 +126,8 @@ def _kernel_entry(schedule, workload) -> dict:
         steps * schedule.bundles_per_step,
         schedule.grid,
         workload.causal,
+        schedule.executed_mxu_cycles_min,
+        schedule.executed_mxu_cycles_max,
     )
     return {
         "name": schedule.name,
@@ -154,8 +156,8 @@ def _other_ops(schedules: dict, kernel_names: set[str]) -> dict:
     for name, schedule in schedules.items():
         if name in kernel_names:
             continue
-        if schedule.executed_bundles_max is not None:
-            cycles += schedule.executed_bundles_max
+        if schedule.executed_bundles_max is not None:  # MXU-bound ops: their busiest MXU
+            cycles += max(schedule.executed_bundles_max, schedule.executed_mxu_cycles_max or 0)
         else:
             cycles += schedule.bundles
             undetermined.append(name)
