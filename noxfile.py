@@ -28,6 +28,10 @@ BACKENDS = {
 }
 """Backend name -> package folder, for every backend package that exists."""
 
+RACE_CHECKED = {"pallas": "test_gradients or test_features"}
+"""Backends whose kernels run in Pallas's TPU interpreter off TPU -> the conformance tests
+(``-k``) run a second time with its race detector on."""
+
 
 def _install(session: nox.Session, *requirements: str) -> None:
     session.install(*CONSTRAINTS, *requirements)
@@ -57,9 +61,21 @@ def conformance(session: nox.Session, backend: str) -> None:
     """The conformance suite against one backend, installed alone with core."""
     _install(session, CORE, CONFORMANCE, BACKENDS[backend])
     session.chdir(session.create_tmp())  # import the installed packages, not the source tree
-    session.run(
-        "pytest", "--pyargs", "pallas_flash_conformance", "--backend", backend, *session.posargs
-    )
+    suite = ("pytest", "--pyargs", "pallas_flash_conformance", "--backend", backend)
+    session.run(*suite, *session.posargs)
+    if backend in RACE_CHECKED and not session.posargs:
+        # The detector prints "RACE DETECTED" and does not raise: capture its output (-s).
+        output = session.run(
+            *suite,
+            "-s",
+            "-k",
+            RACE_CHECKED[backend],
+            env={"PALLAS_FLASH_DETECT_RACES": "1"},
+            silent=True,
+        )
+        session.log(f"race detector on: {output.splitlines()[-1] if output else ''}")
+        if "RACE DETECTED" in (output or ""):
+            session.error(f"the race detector found a data race:\n{output}")
 
 
 @nox.session
