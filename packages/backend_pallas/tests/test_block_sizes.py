@@ -16,12 +16,19 @@ from pallas_flash_pallas.block_sizes import (
     vmem_limit_bytes,
 )
 
+FULL = pf.AttentionSpec(sm_scale=1.0)
+CAUSAL = pf.AttentionSpec(sm_scale=1.0, causal=True)
+WINDOW = pf.AttentionSpec(sm_scale=1.0, causal=True, window=(512, 0))
+
 
 def test_defaults_and_clamping() -> None:
-    assert BlockSizes() == BlockSizes(1024, 1024, 256, 1024, 1024, 256, None)
-    assert BlockSizes().clamped(130, 7) == BlockSizes(130, 7, 256, 130, 7, 256)
-    assert BlockSizes(512, 256, 128, 256, 512).clamped(1000, 4096) == BlockSizes(
-        512, 256, 128, 256, 512
+    assert BlockSizes().for_call(FULL, 8192, 8192) == BlockSizes(2048, 1024, 256, 1024, 1024, 256)
+    assert BlockSizes().for_call(CAUSAL, 8192, 8192) == BlockSizes(2048, 2048, 256, 1024, 1024, 256)
+    assert BlockSizes().for_call(WINDOW, 8192, 8192).block_kv == 1024
+    assert BlockSizes().for_call(FULL, 130, 7) == BlockSizes(130, 7, 256, 130, 7, 256)
+    # Sizes given override the defaults, one by one.
+    assert BlockSizes(512, backward_block_kv=512).for_call(FULL, 1000, 4096) == BlockSizes(
+        512, 1024, 256, 1000, 512, 256
     )
 
 
@@ -44,21 +51,22 @@ def test_invalid_sizes_raise(kwargs: dict) -> None:
 
 
 def test_a_block_shorter_than_its_sequence_must_be_a_multiple_of_128() -> None:
-    assert BlockSizes(block_q=100).clamped(100, 512).block_q == 100
+    assert BlockSizes(block_q=100).for_call(FULL, 100, 512).block_q == 100
     with pytest.raises(ValueError, match="block_q=100 is shorter than the sequence"):
-        BlockSizes(block_q=100).clamped(101, 512)
+        BlockSizes(block_q=100).for_call(FULL, 101, 512)
     with pytest.raises(ValueError, match="backward_block_kv=200 is shorter than the sequence"):
-        BlockSizes(backward_block_kv=200).clamped(512, 512)
+        BlockSizes(backward_block_kv=200).for_call(FULL, 512, 512)
 
 
 def test_vmem_estimate_grows_with_blocks() -> None:
     bf16 = np.dtype(jnp.bfloat16)
-    small = forward_vmem_bytes(BlockSizes(512, 512), 128, bf16, segment_ids=False)
-    large = forward_vmem_bytes(BlockSizes(2048, 2048), 128, bf16, segment_ids=True)
+    small = forward_vmem_bytes(BlockSizes(512, 512, 256), 128, bf16, segment_ids=False)
+    large = forward_vmem_bytes(BlockSizes(2048, 2048, 256), 128, bf16, segment_ids=True)
     assert 0 < small < large < VMEM_CAPACITY_BYTES
     assert 32 << 20 <= vmem_limit_bytes(small, "blocks") <= VMEM_CAPACITY_BYTES
-    backward = backward_vmem_bytes(BlockSizes(), 128, bf16, False, group=1, chunk_rows=4096)
-    longer = backward_vmem_bytes(BlockSizes(), 128, bf16, False, group=4, chunk_rows=4096)
+    blocks = BlockSizes().for_call(FULL, 4096, 4096)
+    backward = backward_vmem_bytes(blocks, 128, bf16, False, group=1, chunk_rows=4096)
+    longer = backward_vmem_bytes(blocks, 128, bf16, False, group=4, chunk_rows=4096)
     # The query gradient dominates: a float32 accumulator and two output buffers per head.
     assert longer - backward == 3 * 4096 * 128 * (4 + 2 * 2)
     with pytest.raises(ValueError, match=r"the blocks need about 129\.0 MiB"):

@@ -62,9 +62,10 @@ def _check_kind(schedule, i: int, kv_block: int, pairs: np.ndarray) -> None:
     full_size = pairs.shape == (schedule.block_q, schedule.block_kv)
     kind = schedule.kind(i, kv_block)
     assert (kind == BlockKind.FULL) == (full_size and pairs.all()), f"block ({i}, {kv_block})"
-    if kind == BlockKind.DIAGONAL:  # relative row r sees no relative key beyond r
-        r, c = np.nonzero(pairs)
-        assert (c <= r).all(), f"block ({i}, {kv_block})"
+    if kind == BlockKind.DIAGONAL:  # relative row r sees exactly relative keys 0..r
+        assert full_size, f"block ({i}, {kv_block})"
+        r, c = np.indices(pairs.shape)
+        assert (pairs == (c <= r)).all(), f"block ({i}, {kv_block})"
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -115,6 +116,9 @@ def test_kinds_lists_the_variants_the_kernel_needs() -> None:
     spec = pf.AttentionSpec(sm_scale=1.0)
     assert KvSchedule(spec, 256, 256, 128, 128).kinds == {full}
     assert KvSchedule(spec, 256, 300, 128, 128).kinds == {full, masked}
+    # The forward's first step writes its accumulators: it has its own variants.
+    assert KvSchedule(spec, 256, 300, 128, 128).step_kinds(first=True) == {full}
+    assert KvSchedule(spec, 256, 300, 128, 128).step_kinds() == {full, masked}
     causal = pf.AttentionSpec(sm_scale=1.0, causal=True)
     assert KvSchedule(causal, 128, 128, 128, 128).kinds == {diagonal}
     assert KvSchedule(causal, 512, 512, 128, 128).kinds == {full, diagonal}

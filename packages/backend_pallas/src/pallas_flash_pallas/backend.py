@@ -17,9 +17,10 @@ class PallasBackend(pf.Backend):
     (see `pallas_flash_pallas.interpret` for the environment variables that force either).
 
     Args:
-      block_sizes: the kernel's block sizes; default `BlockSizes()`, tuned for v5e. The
-        installed ``pallas`` backend uses the defaults; to use other sizes, register another
-        instance under its own name (see the package README) and select it by that name.
+      block_sizes: the kernels' block sizes; default `BlockSizes()`: the v5e defaults of each
+        call (`block_sizes.v5e_defaults`). The installed ``pallas`` backend uses the
+        defaults; to use other sizes, register another instance under its own name (see the
+        package README) and select it by that name.
       name: the name to select this instance by.
     """
 

@@ -25,7 +25,8 @@ needs (split dq and dk/dv kernels recompute ``s`` and ``dp`` in both: seven).
 Partial last blocks hold garbage rows (even NaN): out-of-range query rows and their output
 gradients, and out-of-range keys, are zeroed before the matmuls that sum over them, and the
 probabilities and their gradients are masked. A pair on the causal diagonal computes, for each
-key sub-block, only the query rows at or below its first key.
+key sub-block, only the query rows at or below its first key, and masks only the square tile
+of those rows on the diagonal.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from pallas_flash_pallas.block_sizes import (
     dq_vmem_bytes,
     vmem_limit_bytes,
 )
-from pallas_flash_pallas.kernel_helpers import both, lanes, when
+from pallas_flash_pallas.kernel_helpers import both, lanes, mask_diagonal_tile, when
 from pallas_flash_pallas.schedule import BlockKind, QSchedule
 
 _F32 = jnp.float32
@@ -115,9 +116,12 @@ def _kernel(
     partial_q = schedule.q_len % block_q != 0
     partial_kv = schedule.kv_len % block_kv != 0
 
-    def fold_keys(first_key: int, num_keys: int, first_row: int, masked: bool) -> None:
-        """Folds rows ``first_row ..`` of the query block into keys ``first_key ..`` of the kv
-        block; ``masked`` applies the causal, window and range masks."""
+    def fold_keys(first_key: int, num_keys: int, kind: BlockKind) -> None:
+        """Folds the query block's rows into keys ``first_key ..`` of the kv block: all rows,
+        masked by the causal, window and range rules unless ``kind`` is FULL; on the DIAGONAL
+        only the rows from ``first_key`` on, masked in the diagonal tile only."""
+        first_row = first_key if kind == BlockKind.DIAGONAL else 0
+        masked = kind == BlockKind.MASKED
         keys, rows = pl.ds(first_key, num_keys), pl.ds(first_row, block_q - first_row)
         k, v, q, do = k_ref[keys, :], v_ref[keys, :], q_ref[rows, :], do_ref[rows, :]
         key_pos = j * block_kv + first_key
@@ -144,6 +148,8 @@ def _kernel(
         p_t = jnp.exp(s_t - lse_ref[:, rows])
         if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
             p_t = jnp.where(visible, p_t, 0.0)
+        if kind == BlockKind.DIAGONAL:
+            p_t = mask_diagonal_tile(p_t, 0, keys_on_rows=True, fill=0.0)
         dv_acc[keys, :] += lax.dot_general(
             p_t.astype(do.dtype), do, _NN, preferred_element_type=_F32, precision=precision
         )
@@ -165,13 +171,9 @@ def _kernel(
     def fold(kind: BlockKind) -> None:
         """Folds the query block in, one key sub-block after another (unrolled)."""
         for first_key in range(0, block_kv, block_kv_compute):
-            num_keys = min(block_kv_compute, block_kv - first_key)
-            first_row = 0
-            if kind == BlockKind.DIAGONAL:  # relative key c is seen by relative rows >= c
-                first_row = first_key
-                if first_row >= block_q:
-                    break
-            fold_keys(first_key, num_keys, first_row, masked=kind != BlockKind.FULL)
+            if kind == BlockKind.DIAGONAL and first_key >= block_q:
+                break  # relative key c is seen by relative rows >= c only
+            fold_keys(first_key, min(block_kv_compute, block_kv - first_key), kind)
 
     visited = schedule.is_visited(c, j, s)
     kinds = schedule.kinds
@@ -245,7 +247,8 @@ def flash_backward(
       out: the forward's output ``[batch, q_heads, q_len, head_dim]``.
       lse: the forward's log-sum-exp, ``[batch, q_heads, 1, q_len]`` float32.
       dout: the gradient of the output, like ``out``.
-      block_sizes: block sizes before clamping; default `BlockSizes()`.
+      block_sizes: block sizes (None sizes: the v5e defaults), before clamping; default
+        `BlockSizes()`.
 
     Returns:
       ``(dq, dk, dv)``, shaped and typed like q, k and v.
@@ -276,7 +279,7 @@ def _flash_backward(
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    blocks = block_sizes.clamped(q_len, kv_len)
+    blocks = block_sizes.for_call(spec, q_len, kv_len)
     bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
     num_q_blocks = math.ceil(q_len / bq)
     chunk_blocks = _chunk_blocks(blocks, num_q_blocks, head_dim, q.dtype, group)

@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 
+from pallas_flash.specs import AttentionSpec
+
 LANES = 128
 """Lanes of a vreg: the minor dimension of every VMEM tile."""
 
@@ -22,16 +24,24 @@ DQ_VMEM_BUDGET_BYTES = 64 * 1024 * 1024
 sequences are processed in chunks of query blocks that fit."""
 
 
+_SIZES = (
+    "block_q",
+    "block_kv",
+    "block_q_compute",
+    "backward_block_q",
+    "backward_block_kv",
+    "backward_block_kv_compute",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """How the kernels tile one call.
 
-    A block at least as long as its sequence is clamped to the sequence length (a block equal
-    to the full dimension is always legal). A shorter block must be a multiple of 128; the
-    sequence is then split into ``ceil(len / block)`` blocks, the last one possibly partial.
-
-    The defaults are the best compromise of sweeps of the static v5e schedule (B=1, H=16,
-    N=4096, head_dim 128, bfloat16; see the package README).
+    A size left None takes the v5e default for the call (`v5e_defaults`). A block at least as
+    long as its sequence is clamped to the sequence length (a block equal to the full
+    dimension is always legal). A shorter block must be a multiple of 128; the sequence is
+    then split into ``ceil(len / block)`` blocks, the last one possibly partial.
 
     Attributes:
       block_q: forward: query rows resident in VMEM while the K/V blocks stream past.
@@ -49,52 +59,67 @@ class BlockSizes:
         once; None: all of them if they fit in `DQ_VMEM_BUDGET_BYTES`, else as many as fit.
     """
 
-    block_q: int = 1024
-    block_kv: int = 1024
-    block_q_compute: int = 256
-    backward_block_q: int = 1024
-    backward_block_kv: int = 1024
-    backward_block_kv_compute: int = 256
+    block_q: int | None = None
+    block_kv: int | None = None
+    block_q_compute: int | None = None
+    backward_block_q: int | None = None
+    backward_block_kv: int | None = None
+    backward_block_kv_compute: int | None = None
     backward_chunk_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "backward_chunk_blocks" and value is None:
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}")
         for name in ("block_q_compute", "backward_block_kv_compute"):
-            if getattr(self, name) % LANES:
-                raise ValueError(
-                    f"BlockSizes.{name} must be a multiple of {LANES}, got {getattr(self, name)}"
-                )
+            value = getattr(self, name)
+            if value is not None and value % LANES:
+                raise ValueError(f"BlockSizes.{name} must be a multiple of {LANES}, got {value}")
 
-    def clamped(self, q_len: int, kv_len: int) -> BlockSizes:
-        """The sizes for one call: each block at most its sequence's length.
+    def for_call(self, spec: AttentionSpec, q_len: int, kv_len: int) -> BlockSizes:
+        """The sizes for one call: every None size replaced by its `v5e_defaults`, then each
+        block at most its sequence's length.
 
         Raises:
           ValueError: a block shorter than its sequence is not a multiple of 128.
         """
+        defaults = v5e_defaults(spec)
+        sizes = {name: getattr(self, name) or getattr(defaults, name) for name in _SIZES}
         for name, length in (
             ("block_q", q_len),
             ("block_kv", kv_len),
             ("backward_block_q", q_len),
             ("backward_block_kv", kv_len),
         ):
-            block = getattr(self, name)
+            block = sizes[name]
             if block < length and block % LANES:
                 raise ValueError(
                     f"BlockSizes.{name}={block} is shorter than the sequence ({length}) and so "
                     f"must be a multiple of {LANES}"
                 )
-        return dataclasses.replace(
-            self,
-            block_q=min(self.block_q, q_len),
-            block_kv=min(self.block_kv, kv_len),
-            backward_block_q=min(self.backward_block_q, q_len),
-            backward_block_kv=min(self.backward_block_kv, kv_len),
-        )
+            sizes[name] = min(block, length)
+        return dataclasses.replace(self, **sizes)
+
+
+def v5e_defaults(spec: AttentionSpec) -> BlockSizes:
+    """The block sizes tuned on the static v5e schedule (B=1, H=16, head_dim 128, bfloat16,
+    N = 4k..16k; the package README has the sweep).
+
+    Forward: 2048-row query blocks; kv blocks of 1024 without a mask (the most MXU-bound
+    steps), of 2048 for causal attention (a 2048 x 2048 diagonal block wastes least of its
+    half), of 1024 with a sliding window (fewer keys computed past its edges).
+    Backward: 1024 x 1024 block pairs in key sub-blocks of 256 (MXU-bound without a mask).
+    """
+    if spec.window is not None:
+        block_q, block_kv = 1024, 1024
+    elif spec.causal:
+        block_q, block_kv = 2048, 2048
+    else:
+        block_q, block_kv = 2048, 1024
+    return BlockSizes(block_q, block_kv, 256, 1024, 1024, 256)
 
 
 def _tile_bytes(rows: int, cols: int, dtype: np.dtype) -> int:

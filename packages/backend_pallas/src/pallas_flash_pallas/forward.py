@@ -15,12 +15,15 @@ zeroed, and out-of-range query rows are never written back.
 
 Per visited block (online softmax, in float32): ``s = softcap(q k^T * sm_scale)``, masked to
 ``-inf`` where hidden; ``m' = max(m, rowmax(s))``; ``p = exp(s - m')``;
-``l' = l exp(m - m') + rowsum(p)``; ``acc' = acc exp(m - m') + p v``. After the last step the
+``l' = l exp(m - m') + rowsum(p)``; ``acc' = acc exp(m - m') + p v``; the first visited block
+writes ``m = rowmax(s)``, ``l = rowsum(p)``, ``acc = p v`` instead, so nothing is
+zero-initialised (except for a query block that sees no key at all). After the last step the
 output is ``acc / l`` and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros
 and a log-sum-exp of ``-inf``. The block is folded in row sub-blocks of ``block_q_compute``
 rows, in straight-line code, so the compiler overlaps the matmuls of one sub-block with the
 softmax of another. Only blocks that cross a mask boundary build a mask
-(`schedule.BlockKind`); on the causal diagonal each row sub-block stops at its last row's key.
+(`schedule.BlockKind`); on the causal diagonal each row sub-block stops at its last row's key
+and masks only its square tile on the diagonal.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas import interpret
 from pallas_flash_pallas.block_sizes import LANES, BlockSizes, forward_vmem_bytes, vmem_limit_bytes
-from pallas_flash_pallas.kernel_helpers import both, lanes, when
+from pallas_flash_pallas.kernel_helpers import both, lanes, mask_diagonal_tile, when
 from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
 _F32 = jnp.float32
@@ -73,17 +76,29 @@ def _kernel(
     head_dim = acc_ref.shape[1]
     kv_block = schedule.kv_block(i, j)
 
-    @pl.when(j == 0)
-    def _start() -> None:
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-        l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
-        if segment_ids:  # the queries' ids, a row of lanes, turned into equal-lane columns
+    if segment_ids:
+
+        @pl.when(j == 0)
+        def _start() -> None:  # the queries' ids, a row of lanes, as equal-lane columns
             ids_ref[...] = jnp.broadcast_to(q_ids_ref[...], (LANES, block_q)).T
 
-    def fold_rows(first_row: int, num_rows: int, num_keys: int, masked: bool) -> None:
-        """Folds keys ``0 .. num_keys-1`` of the kv block into rows ``first_row ...`` of the
-        query block; ``masked`` applies the causal, window and key-range mask."""
+    if not schedule.visits_every_step:  # a block that sees no key is never folded into
+
+        @pl.when((j == 0) & (schedule.count(i) == 0))
+        def _start_unseen() -> None:
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+            l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+
+    def fold_rows(first_row: int, num_rows: int, kind: BlockKind, first: bool) -> None:
+        """Folds the kv block's keys into rows ``first_row ...`` of the query block: all of
+        them, masked by the causal, window and key-range rules unless ``kind`` is FULL; on the
+        DIAGONAL only the keys up to the last row, masked in the diagonal tile only. The
+        ``first`` block of a query block writes the running max, sum and accumulator instead
+        of updating them."""
+        num_keys = block_kv
+        if kind == BlockKind.DIAGONAL:  # relative row r sees relative keys <= r only
+            num_keys = min(block_kv, first_row + num_rows)
         rows, keys = pl.ds(first_row, num_rows), pl.ds(0, num_keys)
         v = v_ref[keys, :]
         s = lax.dot_general(
@@ -91,7 +106,7 @@ def _kernel(
         )  # [num_rows, num_keys]
         s = apply_softcap(s * spec.sm_scale, spec.softcap)
         visible = None
-        if masked:
+        if kind == BlockKind.MASKED:
             first_key = kv_block * block_kv
             q_pos = i * block_q + first_row + lax.broadcasted_iota(jnp.int32, s.shape, 0)
             kv_pos = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -104,39 +119,47 @@ def _kernel(
             visible = both(visible, lanes(ids_ref[rows, :], num_keys) == kv_ids_ref[:, keys])
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
-        m_prev = m_ref[rows, :]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        if kind == BlockKind.DIAGONAL and first_row < block_kv:
+            s = mask_diagonal_tile(s, first_row, keys_on_rows=False, fill=-jnp.inf)
+        m_next = jnp.max(s, axis=1, keepdims=True)
+        if first:
+            m_next = jnp.broadcast_to(m_next, (num_rows, LANES))
+        else:
+            m_prev = m_ref[rows, :]
+            m_next = jnp.maximum(m_prev, m_next)
         m_shift = m_next
         if visible is not None:  # a row that has seen no key yet has max -inf: shift by 0
             m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         p = jnp.exp(s - lanes(m_shift, num_keys))
-        alpha = jnp.exp(m_prev - m_shift)
         m_ref[rows, :] = m_next
-        l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=1, keepdims=True)
+        total = jnp.sum(p, axis=1, keepdims=True)
         pv = lax.dot_general(
             p.astype(v.dtype), v, _NN, preferred_element_type=_F32, precision=precision
         )
-        acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, head_dim) + pv
+        if first:
+            l_ref[rows, :] = jnp.broadcast_to(total, (num_rows, LANES))
+            acc_ref[rows, :] = pv
+        else:
+            alpha = jnp.exp(m_prev - m_shift)
+            l_ref[rows, :] = alpha * l_ref[rows, :] + total
+            acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, head_dim) + pv
 
-    def fold(kind: BlockKind) -> None:
+    def fold(kind: BlockKind, first: bool) -> None:
         """Folds the kv block in, one row sub-block after another (unrolled): the rows are
         independent, so the compiler overlaps one sub-block's matmuls with another's softmax."""
         for first_row in range(0, block_q, block_q_compute):
-            num_rows = min(block_q_compute, block_q - first_row)
-            num_keys = block_kv
-            if kind == BlockKind.DIAGONAL:  # relative row r sees relative keys <= r only
-                num_keys = min(block_kv, first_row + num_rows)
-            fold_rows(first_row, num_rows, num_keys, masked=kind != BlockKind.FULL)
+            fold_rows(first_row, min(block_q_compute, block_q - first_row), kind, first)
 
     visited = True if schedule.visits_every_step else schedule.is_visited(i, j)
-    kinds = schedule.kinds
-    if len(kinds) == 1:
-        (kind,) = kinds
-        when(visited, functools.partial(fold, kind))
-    elif kinds:
-        kind = schedule.kind(i, kv_block)
-        for each in sorted(kinds):
-            when(visited & (kind == each), functools.partial(fold, each))
+    for first, kinds in ((True, schedule.step_kinds(first=True)), (False, schedule.step_kinds())):
+        step = (j == 0) if first else (j > 0)
+        if len(kinds) == 1:
+            (kind,) = kinds
+            when(visited & step, functools.partial(fold, kind, first))
+        elif kinds:
+            kind = schedule.kind(i, kv_block)
+            for each in sorted(kinds):
+                when(visited & step & (kind == each), functools.partial(fold, each, first))
 
     @pl.when(j == schedule.num_steps - 1)
     def _finish() -> None:
@@ -184,8 +207,8 @@ def flash_forward(
       v: ``[batch, kv_heads, kv_len, head_dim]``, dtype of q.
       segment_ids: int32 ``q [batch, q_len]`` and ``kv [batch, kv_len]``, or None.
       spec: the call's settings.
-      block_sizes: block sizes before clamping to the sequence lengths; default
-        `BlockSizes()`.
+      block_sizes: block sizes (None sizes: the v5e defaults), before clamping to the
+        sequence lengths; default `BlockSizes()`.
 
     Returns:
       ``(out, lse)``: ``out [batch, q_heads, q_len, head_dim]`` in q's dtype and
@@ -214,7 +237,7 @@ def _flash_forward(
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    blocks = block_sizes.clamped(q_len, kv_len)
+    blocks = block_sizes.for_call(spec, q_len, kv_len)
     schedule = KvSchedule(spec, q_len, kv_len, blocks.block_q, blocks.block_kv)
     has_ids = segment_ids is not None
     limit = vmem_limit_bytes(

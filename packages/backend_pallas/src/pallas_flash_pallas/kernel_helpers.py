@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_flash_pallas.block_sizes import LANES
@@ -31,3 +32,23 @@ def when(condition: bool | jax.Array, body: Callable[[], None]) -> None:
         body()
     else:
         pl.when(condition)(body)
+
+
+def mask_diagonal_tile(
+    x: jax.Array, first_col: int, *, keys_on_rows: bool, fill: float
+) -> jax.Array:
+    """``x [m, n]`` with its square causal tile masked: the columns ``first_col ..
+    first_col + m - 1`` (fewer if ``n`` ends first), where tile row ``r`` and column ``c``
+    stay if ``c <= r`` (columns are keys) or ``r <= c`` (``keys_on_rows``), else become
+    ``fill``. The other columns are left as they are: only the tile pays for the mask.
+
+    ``first_col`` must be a multiple of 128 (whole vregs).
+    """
+    width = min(x.shape[0], x.shape[1] - first_col)
+    tile = x[:, first_col : first_col + width]
+    rows = lax.broadcasted_iota(jnp.int32, tile.shape, 0)
+    cols = lax.broadcasted_iota(jnp.int32, tile.shape, 1)
+    keep = rows <= cols if keys_on_rows else cols <= rows
+    tile = jnp.where(keep, tile, jnp.asarray(fill, x.dtype))
+    parts = [x[:, :first_col], tile, x[:, first_col + width :]]
+    return jnp.concatenate([p for p in parts if p.shape[1]], axis=1)

@@ -37,9 +37,10 @@ class BlockKind(enum.IntEnum):
     MASKED = 1
     """Some key is hidden by the causal or window rule or lies past the end: masked."""
     DIAGONAL = 2
-    """Causal, and the block's first key sits at the position of the query block's first row:
-    row ``r`` of the block sees at most its keys ``0..r``, so each row sub-block computes only
-    the keys up to its last row (and masks them)."""
+    """Causal without a window, both blocks whole, and the block's first key sits at the
+    position of the query block's first row: row ``r`` of the block sees exactly its keys
+    ``0..r``. Each row sub-block computes only the keys up to its last row and masks only the
+    square tile on the diagonal."""
 
 
 def _min(a: Index, b: Index) -> Index:
@@ -109,10 +110,14 @@ class Tiling:
         """The `BlockKind` of ``kv_block`` for query block ``i`` (a traced int32 for traced
         indices)."""
         needs_mask = self.needs_mask(i, kv_block)
-        if not self.spec.causal:
+        if not self.spec.causal or self.spec.window is not None:
             return _where(needs_mask, BlockKind.MASKED, BlockKind.FULL)
         first_pos, _ = self._positions(i)
         diagonal = first_pos == kv_block * self.block_kv
+        if self.q_len % self.block_q:
+            diagonal = diagonal & ((i + 1) * self.block_q <= self.q_len)
+        if self.kv_len % self.block_kv:
+            diagonal = diagonal & ((kv_block + 1) * self.block_kv <= self.kv_len)
         return _where(
             needs_mask, _where(diagonal, BlockKind.DIAGONAL, BlockKind.MASKED), BlockKind.FULL
         )
@@ -188,6 +193,16 @@ class KvSchedule(Tiling):
         """
         last_step = _max(self.count(i) - 1, 0)
         return _min(self.first(i) + _min(j, last_step), self.num_kv_blocks - 1)
+
+    def step_kinds(self, first: bool = False) -> frozenset[BlockKind]:
+        """The kinds of the visited pairs at the first step of their query block (``first``)
+        or at the later steps."""
+        return frozenset(
+            BlockKind(self.kind(i, self.first(i) + j))
+            for i in range(self.num_q_blocks)
+            for j in range(self.count(i))
+            if (j == 0) == first
+        )
 
     @property
     def visits_every_step(self) -> bool:
