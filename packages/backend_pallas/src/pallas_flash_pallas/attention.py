@@ -9,7 +9,7 @@ import jax
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.backward import flash_backward
 from pallas_flash_pallas.block_sizes import BlockSizes
-from pallas_flash_pallas.forward import flash_forward
+from pallas_flash_pallas.forward import flash_forward, flash_output
 
 _Residuals = tuple[jax.Array, jax.Array, jax.Array, SegmentIds | None, jax.Array, jax.Array]
 
@@ -34,11 +34,11 @@ def flash_attention(
       block_sizes: the kernels' block sizes.
 
     Returns:
-      ``[batch, q_heads, q_len, head_dim]`` in q's dtype. The backward pass saves q, k, v, the
-      output and the log-sum-exp: nothing of size ``q_len x kv_len``.
+      ``[batch, q_heads, q_len, head_dim]`` in q's dtype. Undifferentiated, the forward kernel
+      skips the log-sum-exp; the backward pass saves q, k, v, the output and the log-sum-exp:
+      nothing of size ``q_len x kv_len``.
     """
-    out, _ = flash_forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes)
-    return out
+    return flash_output(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes)
 
 
 def _forward(

@@ -55,6 +55,7 @@ def _kernel(
     schedule: KvSchedule,
     block_q_compute: int,
     segment_ids: bool,
+    with_lse: bool,
     precision: lax.Precision | None,
 ) -> None:
     """One grid step ``(b, h, i, j)``: folds kv block ``schedule.kv_block(i, j)`` into the
@@ -62,13 +63,16 @@ def _kernel(
 
     Refs: inputs q ``[block_q, head_dim]``, k and v ``[block_kv, head_dim]``, with segment ids
     those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``; outputs
-    ``[block_q, head_dim]`` and log-sum-exp ``[1, block_q]``; scratch: running max and sum
-    ``[block_q, 128]`` (equal lanes) and accumulator ``[block_q, head_dim]``, all float32, and
-    with segment ids the queries' ids as equal-lane columns ``[block_q, 128]`` int32.
+    ``[block_q, head_dim]`` and, ``with_lse``, log-sum-exp ``[1, block_q]``; scratch: running
+    max and sum ``[block_q, 128]`` (equal lanes) and accumulator ``[block_q, head_dim]``, all
+    float32, and with segment ids the queries' ids as equal-lane columns ``[block_q, 128]``
+    int32.
     """
     num_inputs = 5 if segment_ids else 3
     q_ref, k_ref, v_ref, *id_refs = refs[:num_inputs]
-    o_ref, lse_ref, m_ref, l_ref, acc_ref, *id_scratch = refs[num_inputs:]
+    o_ref, *refs = refs[num_inputs:]
+    lse_ref = refs.pop(0) if with_lse else None
+    m_ref, l_ref, acc_ref, *id_scratch = refs
     q_ids_ref, kv_ids_ref = id_refs or (None, None)
     ids_ref = id_scratch[0] if id_scratch else None
     i, j = pl.program_id(2), pl.program_id(3)
@@ -167,9 +171,9 @@ def _kernel(
         seen = total > 0.0  # the sum is >= 1 once a row has seen a key
         inverse = jnp.where(seen, pl.reciprocal(total, full_range=False), 0.0)
         o_ref[...] = (acc_ref[...] * lanes(inverse, head_dim)).astype(o_ref.dtype)
-        # The log-sum-exp in rows of lanes: transposing first needs 128x fewer logs.
-        total_row, max_row = total.T[:1], m_ref[...].T[:1]  # [1, block_q]
-        lse_ref[...] = jnp.where(total_row > 0.0, max_row + jnp.log(total_row), -jnp.inf)
+        if with_lse:  # in rows of lanes: transposing first needs 128x fewer logs
+            total_row, max_row = total.T[:1], m_ref[...].T[:1]  # [1, block_q]
+            lse_ref[...] = jnp.where(total_row > 0.0, max_row + jnp.log(total_row), -jnp.inf)
 
 
 def _cost(q: jax.Array, k: jax.Array, schedule: KvSchedule, segment_ids: bool) -> pl.CostEstimate:
@@ -220,7 +224,23 @@ def flash_forward(
       ValueError: the block sizes are illegal for these lengths or do not fit in VMEM.
     """
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
-    return _forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes)
+    return _forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes, with_lse=True)
+
+
+def flash_output(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: SegmentIds | None = None,
+    *,
+    spec: AttentionSpec,
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """The output of `flash_forward` alone: the kernel then neither computes nor writes the
+    log-sum-exp (for calls that are not differentiated)."""
+    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    (out,) = _forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes, with_lse=False)
+    return out
 
 
 def _flash_forward(
@@ -231,9 +251,11 @@ def _flash_forward(
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes,
+    with_lse: bool,
     interpret: pltpu.InterpretParams | None,
-) -> tuple[jax.Array, jax.Array]:
-    """`flash_forward` with the interpreter's settings, or None for Mosaic."""
+) -> tuple[jax.Array, ...]:
+    """``(out, lse)`` of `flash_forward`, or ``(out,)`` without ``with_lse``; ``interpret``:
+    the interpreter's settings, or None for Mosaic."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -279,17 +301,20 @@ def _flash_forward(
         schedule=schedule,
         block_q_compute=blocks.block_q_compute,
         segment_ids=has_ids,
+        with_lse=with_lse,
         precision=precision,
     )
-    out, lse = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [q_spec]
+    if with_lse:  # lane-dense rows
+        out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, 1, q_len), _F32))
+        out_specs.append(pl.BlockSpec((None, None, 1, blocks.block_q), lse_map))
+    return pl.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, q_heads, 1, q_len), _F32),  # lane-dense rows
-        ),
+        out_shape=tuple(out_shape),
         grid=(batch, q_heads, schedule.num_q_blocks, schedule.num_steps),
         in_specs=in_specs,
-        out_specs=(q_spec, pl.BlockSpec((None, None, 1, blocks.block_q), lse_map)),
+        out_specs=tuple(out_specs),
         scratch_shapes=[
             pltpu.VMEM((blocks.block_q, LANES), _F32),
             pltpu.VMEM((blocks.block_q, LANES), _F32),
@@ -304,7 +329,6 @@ def _flash_forward(
         interpret=False if interpret is None else interpret,
         name="pallas_flash_forward",
     )(*args)
-    return out, lse
 
 
-_forward = interpret.jit_kernel(_flash_forward, ("spec", "block_sizes"))
+_forward = interpret.jit_kernel(_flash_forward, ("spec", "block_sizes", "with_lse"))
