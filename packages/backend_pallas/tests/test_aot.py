@@ -26,8 +26,8 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
 import pallas_flash as pf
+from pallas_flash.interpret import INTERPRET_ENV_VAR
 from pallas_flash_bench import hlo
-from pallas_flash_pallas.interpret import INTERPRET_ENV_VAR
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"

@@ -15,9 +15,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_flash as pf
+from pallas_flash.interpret import DETECT_RACES_ENV_VAR, INTERPRET_ENV_VAR, interpret_params
 from pallas_flash_conformance import inputs
 from pallas_flash_pallas import BlockSizes, flash_attention
-from pallas_flash_pallas.interpret import DETECT_RACES_ENV_VAR, INTERPRET_ENV_VAR, interpret_params
 
 RACE = "RACE DETECTED"
 

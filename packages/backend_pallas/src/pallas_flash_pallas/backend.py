@@ -14,7 +14,7 @@ class PallasBackend(pf.Backend):
     computes dq, dk and dv in one pass.
 
     On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas's TPU interpreter
-    (see `pallas_flash_pallas.interpret` for the environment variables that force either).
+    (see `pallas_flash.interpret` for the environment variables that force either).
 
     Args:
       block_sizes: the kernels' block sizes; default `BlockSizes()`: the v5e defaults of each

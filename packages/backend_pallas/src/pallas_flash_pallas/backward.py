@@ -41,9 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_flash import interpret
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas import interpret
 from pallas_flash_pallas.block_sizes import (
     DQ_VMEM_BUDGET_BYTES,
     LANES,

@@ -37,9 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_flash import interpret
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas import interpret
 from pallas_flash_pallas.block_sizes import LANES, BlockSizes, forward_vmem_bytes, vmem_limit_bytes
 from pallas_flash_pallas.kernel_helpers import both, lanes, mask_diagonal_tile, when
 from pallas_flash_pallas.schedule import BlockKind, KvSchedule

@@ -1,4 +1,5 @@
-"""Whether a kernel runs as Mosaic (TPU machine code) or in Pallas's TPU interpreter.
+"""Whether a Pallas kernel of any backend runs as Mosaic (TPU machine code) or in Pallas's
+TPU interpreter.
 
 The choice is made at trace time, in Python: ``lax.platform_dependent`` cannot hold an
 interpreted kernel (the interpreter's ordered callbacks break the ``cond`` lowering).
