@@ -28,9 +28,14 @@ BACKENDS = {
 }
 """Backend name -> package folder, for every backend package that exists."""
 
-RACE_CHECKED = {"pallas": "test_gradients or test_features"}
+RACE_CHECKED = {"pallas": "test_gradients or test_features", "splitkv": "test_decode"}
 """Backends whose kernels run in Pallas's TPU interpreter off TPU -> the conformance tests
 (``-k``) run a second time with its race detector on."""
+
+MULTI_DEVICE = {"splitkv"}
+"""Backends that declare ``multi_device``: their conformance suite also runs with 4 host
+devices (set before jax initialises, in the pytest process's environment)."""
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=4"
 
 
 def _install(session: nox.Session, *requirements: str) -> None:
@@ -63,6 +68,8 @@ def conformance(session: nox.Session, backend: str) -> None:
     session.chdir(session.create_tmp())  # import the installed packages, not the source tree
     suite = ("pytest", "--pyargs", "pallas_flash_conformance", "--backend", backend)
     session.run(*suite, *session.posargs)
+    if backend in MULTI_DEVICE:
+        session.run(*suite, *session.posargs, env={"XLA_FLAGS": HOST_DEVICES_FLAG})
     if backend in RACE_CHECKED and not session.posargs:
         # The detector prints "RACE DETECTED" and does not raise: capture its output (-s).
         output = session.run(

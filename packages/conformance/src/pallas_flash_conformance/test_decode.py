@@ -26,12 +26,22 @@ SHAPES = {
 }
 
 
-def _params() -> list:
+# Caches whose length every device count up to 8 divides; with several devices the lengths
+# leave some devices' slices of a sequence empty, or partly filled.
+MESH_SHAPES = {
+    "mha-ragged-0-max": (3, 4, 4, 512, 64, [0, 130, 512]),
+    "gqa4": (2, 8, 2, 256, 128, [256, 65]),
+    "gqa8-one-token": (2, 16, 2, 512, 64, [1, 300]),
+    "mqa": (3, 8, 1, 1024, 128, [1024, 0, 700]),
+}
+
+
+def _params(shapes: dict = SHAPES) -> list:
     return [
         pytest.param(
             shape, id=name, marks=[pytest.mark.requires("gqa")] if shape[1] != shape[2] else []
         )
-        for name, shape in SHAPES.items()
+        for name, shape in shapes.items()
     ]
 
 
@@ -44,6 +54,7 @@ def _check(
     q_scale=1.0,
     jit=False,
     tolerance=FORWARD_TOLERANCE,
+    mesh=None,
 ) -> np.ndarray:
     batch, q_heads, kv_heads, max_len, head_dim, lengths = shape
     q = inputs.normal(0, (batch, q_heads, head_dim), dtype, scale=q_scale)
@@ -52,7 +63,7 @@ def _check(
     lengths = np.asarray(lengths, dtype=np.int32)
 
     def call(q, k_cache, v_cache, lengths):
-        return pf.decode(q, k_cache, v_cache, lengths, softcap=softcap, backend=backend)
+        return pf.decode(q, k_cache, v_cache, lengths, softcap=softcap, backend=backend, mesh=mesh)
 
     out = (jax.jit(call) if jit else call)(q, k_cache, v_cache, lengths)
     expected = reference.decode(
@@ -70,6 +81,24 @@ def test_decode(backend, shape, dtype: str) -> None:
     for b, length in enumerate(shape[-1]):
         if length == 0:
             assert (out[b] == 0).all(), "a sequence with no cached token must give zeros"
+
+
+@pytest.mark.requires("multi_device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", _params(MESH_SHAPES))
+def test_decode_over_a_mesh(backend, shape, dtype: str) -> None:
+    """The cache's sequence axis split over every device (one device: no split)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("kv",))
+    out = _check(backend.name, shape, dtype, mesh=mesh)
+    for b, length in enumerate(shape[-1]):
+        if length == 0:
+            assert (out[b] == 0).all(), "a sequence with no cached token must give zeros"
+
+
+@pytest.mark.requires("multi_device")
+def test_decode_over_a_mesh_under_jit(backend) -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("kv",))
+    _check(backend.name, MESH_SHAPES["mha-ragged-0-max"], "float32", jit=True, mesh=mesh)
 
 
 def test_lengths_traced_under_jit(backend) -> None:

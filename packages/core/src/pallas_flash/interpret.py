@@ -10,6 +10,13 @@ Environment variables:
   the interpreter elsewhere.
   ``PALLAS_FLASH_DETECT_RACES``: ``1`` turns on the interpreter's race detector, which prints
   ``RACE DETECTED`` for every data race it sees.
+
+A kernel that runs inside ``shard_map`` on several devices is interpreted by Pallas's generic
+interpreter instead (``interpret=True``): the TPU interpreter makes its simulated devices meet
+at ``threading.Barrier``s, which need one host thread per device at once and deadlock on a
+host with fewer cores than devices (a 2-core machine with 4 host devices). The generic
+interpreter runs the same kernel body, index maps and scalar prefetch as plain XLA ops, without
+simulating DMAs or detecting races; the single-device runs of the same kernel cover those.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ def _flag(name: str) -> bool | None:
     return None if value == "" else value == "1"
 
 
-def interpret_params() -> pltpu.InterpretParams | None:
+def interpret_params(devices: int = 1) -> pltpu.InterpretParams | bool | None:
     """The ``interpret=`` argument of ``pl.pallas_call``: None for Mosaic, else the
-    interpreter's settings.
+    interpreter's settings, or True (the generic interpreter) for a kernel that runs on
+    ``devices > 1`` devices at once (see the module doc).
 
     Raises:
       ValueError: an environment variable holds something other than 0, 1 or nothing.
@@ -47,6 +55,8 @@ def interpret_params() -> pltpu.InterpretParams | None:
     detect_races = bool(_flag(DETECT_RACES_ENV_VAR))
     if not interpret:
         return None
+    if devices > 1:
+        return True
     return pltpu.InterpretParams(detect_races=detect_races)
 
 
@@ -59,16 +69,18 @@ def jit_kernel(fn: Callable[..., Any], static_argnames: Sequence[str]) -> Callab
     """``jax.jit`` of ``fn(*arrays, interpret=..., **static)``, a function that builds a
     ``pallas_call``, with ``interpret`` filled in by `interpret_params` at each call.
 
-    A call at the top level (no traced argument) of an interpreted kernel compiles with
-    `INTERPRET_COMPILER_OPTIONS`; compiler options are not allowed inside another trace.
+    The returned function takes a keyword ``devices`` (default 1): how many devices run the
+    kernel at once (inside ``shard_map``). A call at the top level (no traced argument) of an
+    interpreted kernel compiles with `INTERPRET_COMPILER_OPTIONS`; compiler options are not
+    allowed inside another trace.
     """
     names = (*static_argnames, "interpret")
     compiled = jax.jit(fn, static_argnames=names)
     interpreted = jax.jit(fn, static_argnames=names, compiler_options=INTERPRET_COMPILER_OPTIONS)
 
     @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        params = interpret_params()
+    def call(*args: Any, devices: int = 1, **kwargs: Any) -> Any:
+        params = interpret_params(devices)
         top_level = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
         chosen = interpreted if params is not None and top_level else compiled
         return chosen(*args, interpret=params, **kwargs)

@@ -1,0 +1,13 @@
+"""The Split-KV backend of Pallas-Flash (backend name ``splitkv``): FlashDecoding for TPU v5e.
+
+Public API: `SplitKvBackend` (the backend), `DecodeBlocks` (its tiling), `split_kv_decode`
+(decoding of validated inputs, on one device or a mesh), `KVCache` (a preallocated cache with
+an in-place append).
+"""
+
+from pallas_flash_splitkv.backend import SplitKvBackend
+from pallas_flash_splitkv.blocks import DecodeBlocks
+from pallas_flash_splitkv.cache import KVCache
+from pallas_flash_splitkv.decode import split_kv_decode
+
+__all__ = ["DecodeBlocks", "KVCache", "SplitKvBackend", "split_kv_decode"]

@@ -1,0 +1,56 @@
+"""The ``splitkv`` backend: Split-KV FlashDecoding for TPU v5e, on one chip or a mesh."""
+
+from __future__ import annotations
+
+import jax
+
+import pallas_flash as pf
+from pallas_flash_splitkv.blocks import DecodeBlocks
+from pallas_flash_splitkv.decode import default_mesh, split_kv_decode
+
+
+class SplitKvBackend(pf.Backend):
+    """Decoding (one query token per sequence) with a Pallas Split-KV kernel.
+
+    With ``mesh=None`` the cache's sequence axis is split over all local devices when they
+    divide it (`decode.default_mesh`); pass a mesh to choose the devices.
+
+    Args:
+      blocks: the kernel's tiling; default `DecodeBlocks()`.
+      name: the name to select this instance by.
+    """
+
+    name = "splitkv"
+    capabilities = frozenset(
+        {
+            pf.Capability.DECODE,
+            pf.Capability.GQA,
+            pf.Capability.SOFTCAP,
+            pf.Capability.MULTI_DEVICE,
+        }
+    )
+    platforms = frozenset({"tpu"})
+    priority = 100
+
+    def __init__(self, blocks: DecodeBlocks | None = None, *, name: str = "splitkv") -> None:
+        self.blocks = DecodeBlocks() if blocks is None else blocks
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"SplitKvBackend({self.blocks!r}, name={self.name!r})"
+
+    def decode(
+        self,
+        q: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        lengths: jax.Array,
+        spec: pf.DecodeSpec,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> jax.Array:
+        if mesh is None:
+            mesh = default_mesh(k_cache.shape[2])
+        return split_kv_decode(
+            q, k_cache, v_cache, lengths, spec=spec, blocks=self.blocks, mesh=mesh
+        )

@@ -1,0 +1,115 @@
+"""`KVCache`: a preallocated decode cache whose append writes in place.
+
+A decode loop that rebuilds its cache with ``jnp.concatenate`` copies the whole cache every
+token. `KVCache.append` instead writes each sequence's new K/V row at position
+``lengths[b]`` with ``dynamic_update_slice`` inside a jit that donates the old cache, so XLA
+updates the buffers in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flash as pf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys, values and lengths of a batch of sequences being decoded.
+
+    Attributes:
+      k: ``[batch, kv_heads, max_len, head_dim]``.
+      v: ``[batch, kv_heads, max_len, head_dim]``.
+      lengths: ``[batch]`` int32; positions ``>= lengths[b]`` of sequence ``b`` are unused.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def empty(
+        cls,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: jnp.dtype = jnp.bfloat16,
+        sharding: jax.sharding.Sharding | None = None,
+    ) -> KVCache:
+        """A zero cache of ``max_len`` positions per sequence, all lengths 0.
+
+        Args:
+          sharding: placement of k and v, e.g. ``NamedSharding(mesh, P(None, None, "kv"))``
+            to split the sequence axis over a mesh as `decode` does.
+        """
+        shape = (batch, kv_heads, max_len, head_dim)
+        k = jnp.zeros(shape, dtype, device=sharding)
+        v = jnp.zeros(shape, dtype, device=sharding)
+        return cls(k, v, jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def append(self, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+        """The cache with one more token per sequence, written in place.
+
+        This cache's buffers are donated: do not use it afterwards, only the returned one.
+
+        Args:
+          k_new: ``[batch, kv_heads, head_dim]``, the new token's keys.
+          v_new: ``[batch, kv_heads, head_dim]``, its values.
+
+        Raises:
+          pf.InvalidInputError: ``k_new`` or ``v_new`` does not match the cache, or (when the
+            lengths are on the host, not traced) a sequence is already full. Under a trace a
+            full sequence is left unchanged: stop appending at ``max_len``.
+        """
+        expected = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(jnp.shape(x)) != expected:
+                raise pf.InvalidInputError(
+                    f"{name}: expected shape {expected} [batch, kv_heads, head_dim], "
+                    f"got {tuple(jnp.shape(x))}"
+                )
+        if not isinstance(self.lengths, jax.core.Tracer):
+            full = np.flatnonzero(np.asarray(self.lengths) >= self.max_len)
+            if full.size:
+                raise pf.InvalidInputError(
+                    f"lengths: expected room for one more token, got full sequences "
+                    f"{full.tolist()} (max_len={self.max_len})"
+                )
+        return _append(self, k_new, v_new)
+
+    def decode(self, q: jax.Array, **kwargs: object) -> jax.Array:
+        """``pf.decode(q, self.k, self.v, self.lengths, **kwargs)``."""
+        return pf.decode(q, self.k, self.v, self.lengths, **kwargs)
+
+
+def _write(cache: jax.Array, row: jax.Array, position: jax.Array) -> jax.Array:
+    """``cache [kv_heads, max_len, head_dim]`` with ``row [kv_heads, head_dim]`` at
+    ``position``."""
+    return jax.lax.dynamic_update_slice(
+        cache, row[:, None, :].astype(cache.dtype), (0, position, 0)
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    """`KVCache.append` without the checks; a full sequence keeps its last row."""
+    room = cache.lengths < cache.max_len
+    position = jnp.minimum(cache.lengths, cache.max_len - 1)
+    keep_k = jax.vmap(lambda c, p: c[:, p, :])(cache.k, position)
+    keep_v = jax.vmap(lambda c, p: c[:, p, :])(cache.v, position)
+    k_row = jnp.where(room[:, None, None], k_new, keep_k)
+    v_row = jnp.where(room[:, None, None], v_new, keep_v)
+    k = jax.vmap(_write)(cache.k, k_row, position)
+    v = jax.vmap(_write)(cache.v, v_row, position)
+    return KVCache(k, v, cache.lengths + room.astype(jnp.int32))

@@ -1,0 +1,123 @@
+"""Split-KV decoding on one device or with the cache's sequence axis split over a mesh.
+
+Layouts: q ``[batch, q_heads, head_dim]``; the caches ``[batch, kv_heads, max_len,
+head_dim]``; ``lengths [batch]`` int32; the output ``[batch, q_heads, head_dim]`` in q's dtype.
+
+On one device the kernel's splits are merged by their log-sum-exps (`merge.merge`). Over a
+mesh, ``shard_map`` gives each device a contiguous ``max_len / devices`` slice of every
+sequence's cache and the query (replicated); each device runs the kernel on its slice with its
+part of ``lengths`` (``clip(lengths - first position, 0, slice)``: a device past a sequence's
+end sees no position of it and contributes weight 0), and the devices' partial outputs are
+merged with one ``pmax`` and one ``psum`` of ``[batch, q_heads, head_dim]``-sized values
+(`merge.merge_across`): the cache never crosses the interconnect.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+import pallas_flash as pf
+from pallas_flash.specs import DecodeSpec
+from pallas_flash_splitkv.blocks import DecodeBlocks
+from pallas_flash_splitkv.kernel import split_partials
+from pallas_flash_splitkv.merge import merge, merge_across
+
+
+def _local(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    spec: DecodeSpec,
+    blocks: DecodeBlocks,
+    devices: int = 1,
+) -> tuple[jax.Array, jax.Array]:
+    """Output ``[batch, q_heads, head_dim]`` float32 and log-sum-exp ``[batch, q_heads]`` of
+    one device's cache; ``devices``: how many devices run this at once."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    grouped = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    out, lse = split_partials(
+        grouped, k_cache, v_cache, lengths, spec=spec, blocks=blocks, devices=devices
+    )
+    out, lse = merge(out, lse, axis=2)
+    return out.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
+
+
+def default_mesh(max_len: int) -> Mesh | None:
+    """All local devices in a 1-D mesh (axis ``"kv"``) when they divide ``max_len``, else None
+    (one device)."""
+    devices = jax.local_devices()
+    if len(devices) == 1 or max_len % len(devices):
+        return None
+    return Mesh(devices, ("kv",))
+
+
+def split_kv_decode(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    spec: DecodeSpec,
+    blocks: DecodeBlocks,
+    mesh: Mesh | None,
+) -> jax.Array:
+    """Decode output of validated inputs (layouts in the module doc).
+
+    Args:
+      q, k_cache, v_cache, lengths, spec: as ``pf.Backend.decode``.
+      blocks: the kernel's tiling of each device's slice.
+      mesh: the devices to split the sequence axis over, all its axes flattened; None or one
+        device: no split.
+
+    Raises:
+      pf.InvalidInputError: the mesh's devices do not divide ``max_len``.
+    """
+    if mesh is None or mesh.size == 1:
+        out, _ = _local(q, k_cache, v_cache, lengths, spec, blocks)
+        return out.astype(q.dtype)
+    max_len = k_cache.shape[2]
+    if max_len % mesh.size:
+        raise pf.InvalidInputError(
+            f"k_cache: expected max_len divisible by the mesh's {mesh.size} devices, "
+            f"got max_len={max_len}"
+        )
+    return _sharded(q, k_cache, v_cache, lengths, spec=spec, blocks=blocks, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "mesh"))
+def _sharded(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    spec: DecodeSpec,
+    blocks: DecodeBlocks,
+    mesh: Mesh,
+) -> jax.Array:
+    """`split_kv_decode` over a mesh, as one SPMD program (jitted: every device runs its
+    kernel at once, which the TPU interpreter's simulated devices also need)."""
+    axes = tuple(mesh.axis_names)
+    part = k_cache.shape[2] // mesh.size
+
+    def on_device(q, k_cache, v_cache, lengths):
+        first = jax.lax.axis_index(axes) * part
+        mine = jnp.clip(lengths - first, 0, part)
+        out, lse = _local(q, k_cache, v_cache, mine, spec, blocks, mesh.size)
+        out, _ = merge_across(out, lse, axes)
+        return out.astype(q.dtype)
+
+    cache = PartitionSpec(None, None, axes, None)
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), cache, cache, PartitionSpec()),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )(q, k_cache, v_cache, lengths)
