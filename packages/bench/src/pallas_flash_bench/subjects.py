@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.metadata
+import importlib.util
 import math
+import pathlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
+from pallas_flash import hookspecs
 from pallas_flash_bench.workloads import Workload
 
 ArraySpec = tuple[tuple[int, ...], str]
@@ -80,6 +84,33 @@ def _backend_build(info: pf.BackendInfo, workload: Workload) -> Callable[..., ob
     return forward if workload.op == "forward" else _with_backward(forward)
 
 
+def _sources_digest(package: str) -> str:
+    """A digest of the Python sources of an importable package (its directory's ``*.py``)."""
+    spec = importlib.util.find_spec(package)
+    digest = hashlib.sha256()
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(pathlib.Path(location).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _backend_version(distribution: str | None) -> str:
+    """The providing distribution's version and a digest of its sources and core's, so that
+    cached rows of an edited (e.g. editable) install are recompiled."""
+    if distribution is None:
+        return ""
+    dist = importlib.metadata.distribution(distribution)
+    packages = sorted(
+        {
+            ep.module.split(".")[0]
+            for ep in dist.entry_points
+            if ep.group == hookspecs.ENTRY_POINT_GROUP
+        }
+    )
+    digests = "-".join(_sources_digest(p) for p in ["pallas_flash", *packages])
+    return f"{dist.version}+{digests}"
+
+
 def backend_subjects(names: list[str] | None = None) -> list[Subject]:
     """The installed backends (or those named), as subjects."""
     infos = [i for i in pf.list_backends() if names is None or i.name in names]
@@ -88,7 +119,7 @@ def backend_subjects(names: list[str] | None = None) -> list[Subject]:
             name=info.name,
             kind="backend",
             config="",
-            version=importlib.metadata.version(info.distribution) if info.distribution else "",
+            version=_backend_version(info.distribution),
             build=functools.partial(_backend_build, info),
         )
         for info in infos
