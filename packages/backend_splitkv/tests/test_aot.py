@@ -1,0 +1,110 @@
+"""Ahead-of-time compilation of decode for a TPU v5e chip and a v5e-4 slice by the real
+compilers (libtpu; no TPU needed, skipped without it).
+
+One chip: one decode kernel, nothing that copies or re-lays-out the cache (the partials, a few
+KiB, may be), no cache-sized temporary.
+Four chips (``shard_map`` over the 2x2 topology): each chip's program holds a quarter of the
+cache, and its collectives carry only ``[batch, q_heads, head_dim]``-sized partials.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import pallas_flash as pf
+from pallas_flash.interpret import INTERPRET_ENV_VAR
+from pallas_flash_bench import hlo
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
+)
+
+BATCH, Q_HEADS, KV_HEADS, MAX_LEN, HEAD_DIM = 2, 32, 8, 32768, 128
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+@pytest.fixture(scope="module")
+def v5e_devices() -> list[jax.Device]:
+    """The four chips of a v5e 2x2 topology (no hardware needed)."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name="v5e:2x2",
+        chip_config_name="default",
+        chips_per_host_bounds=(2, 2, 1),
+        num_slices=1,
+    )
+    return list(topology.devices)
+
+
+@pytest.fixture(autouse=True)
+def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INTERPRET_ENV_VAR, "0")
+
+
+def _compile(mesh: Mesh, cache_spec: PartitionSpec, use_mesh: bool) -> jax.stages.Compiled:
+    replicated = NamedSharding(mesh, PartitionSpec())
+    cache = NamedSharding(mesh, cache_spec)
+    args = (
+        jax.ShapeDtypeStruct((BATCH, Q_HEADS, HEAD_DIM), jnp.bfloat16, sharding=replicated),
+        jax.ShapeDtypeStruct((BATCH, KV_HEADS, MAX_LEN, HEAD_DIM), jnp.bfloat16, sharding=cache),
+        jax.ShapeDtypeStruct((BATCH, KV_HEADS, MAX_LEN, HEAD_DIM), jnp.bfloat16, sharding=cache),
+        jax.ShapeDtypeStruct((BATCH,), jnp.int32, sharding=replicated),
+    )
+
+    def decode(q, k_cache, v_cache, lengths):
+        mesh_arg = mesh if use_mesh else None
+        return pf.decode(q, k_cache, v_cache, lengths, backend="splitkv", mesh=mesh_arg)
+
+    lowered = jax.jit(decode).trace(*args).lower(lowering_platforms=("tpu",))
+    return lowered.compile()
+
+
+PARTIAL_BYTES = BATCH * Q_HEADS * (HEAD_DIM + 1) * 4
+"""A float32 output and log-sum-exp per query head: what may be copied or exchanged."""
+
+
+def _large_relayouts(text: str) -> list[hlo.HloOp]:
+    trap = hlo.find_copy_trap(text)
+    return [op for op in trap if op.relayout is not False and op.bytes > PARTIAL_BYTES]
+
+
+def _collective_bytes(text: str) -> list[int]:
+    ops = [op for comp in hlo.parse_computations(text).values() for op in comp.ops]
+    return [op.bytes for op in ops if op.opcode.removesuffix("-start") in COLLECTIVES]
+
+
+def test_one_chip(v5e_devices: list[jax.Device]) -> None:
+    mesh = Mesh(np.array(v5e_devices[:1]), ("kv",))
+    compiled = _compile(mesh, PartitionSpec(), use_mesh=False)
+    text = compiled.as_text()
+    assert [op.name.split(".")[0] for op in hlo.kernel_calls(text)] == [
+        "pallas_flash_split_kv_decode"
+    ]
+    assert not _large_relayouts(text)
+    assert not _collective_bytes(text)
+    cache_bytes = BATCH * KV_HEADS * MAX_LEN * HEAD_DIM * 2
+    assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 64
+
+
+def test_four_chips_hold_a_quarter_each_and_exchange_only_partials(
+    v5e_devices: list[jax.Device],
+) -> None:
+    mesh = Mesh(np.array(v5e_devices), ("kv",))
+    compiled = _compile(mesh, PartitionSpec(None, None, "kv", None), use_mesh=True)
+    text = compiled.as_text()
+    assert len(hlo.kernel_calls(text)) == 1
+    quarter = f"bf16[{BATCH},{KV_HEADS},{MAX_LEN // 4},{HEAD_DIM}]"
+    params = [op for op in hlo.parse_entry(text) if op.opcode == "parameter"]
+    assert sum(op.shape.startswith(quarter) for op in params) == 2, params
+    collectives = _collective_bytes(text)
+    assert collectives, "the partials must be merged across the chips"
+    assert max(collectives) <= PARTIAL_BYTES, collectives
+    assert not _large_relayouts(text)

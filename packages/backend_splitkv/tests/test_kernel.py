@@ -1,0 +1,44 @@
+"""The decode kernel with several blocks and splits per sequence, in the interpreter off TPU:
+ragged lengths (0, inside a block, on a block edge, the whole cache), stale NaN slots, GQA."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_flash_splitkv import DecodeBlocks, split_kv_decode
+
+import pallas_flash as pf
+from pallas_flash_conformance import inputs, reference
+from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
+
+BLOCKS = [DecodeBlocks(128, 1), DecodeBlocks(128, 3), DecodeBlocks(256, 2), DecodeBlocks()]
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matches_reference_with_stale_nan_slots(blocks: DecodeBlocks, dtype: str) -> None:
+    batch, q_heads, kv_heads, max_len, head_dim = 5, 8, 2, 1000, 64
+    lengths = np.array([0, 1, 128, 999, 1000], np.int32)
+    q = inputs.normal(0, (batch, q_heads, head_dim), dtype)
+    k = np.array(inputs.normal(1, (batch, kv_heads, max_len, head_dim), dtype), np.float32)
+    v = np.array(inputs.normal(2, (batch, kv_heads, max_len, head_dim), dtype), np.float32)
+    scale = 1 / math.sqrt(head_dim)
+    expected = reference.decode(q, k, v, lengths, sm_scale=scale, softcap=2.0)
+    for b, length in enumerate(lengths):
+        k[b, :, length:] = np.nan
+        v[b, :, length:] = np.nan
+    out = split_kv_decode(
+        q,
+        jnp.asarray(k, q.dtype),
+        jnp.asarray(v, q.dtype),
+        jnp.asarray(lengths),
+        spec=pf.DecodeSpec(sm_scale=scale, softcap=2.0),
+        blocks=blocks,
+        mesh=None,
+    )
+    assert out.dtype == q.dtype
+    assert_close(out, expected, FORWARD_TOLERANCE[dtype])
+    assert (np.asarray(out[0], np.float32) == 0).all()
