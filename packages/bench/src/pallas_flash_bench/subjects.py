@@ -180,6 +180,39 @@ def _splash_build(blocks: tuple[int, int], workload: Workload) -> Callable[..., 
     return forward if workload.op == "forward" else _with_backward(forward)
 
 
+PAGE_SIZE = 128
+"""Cache positions per page of jax's ``paged_attention``."""
+
+
+def _paged_build(pages_per_block: int, workload: Workload) -> Callable[..., object] | None:
+    """jax's ``paged_attention`` on the workload's cache, for batch 1 only: there the
+    contiguous ``[1, kv_heads, max_len, head_dim]`` cache is, by a free reshape, the pages
+    ``[kv_heads, max_len / 128, 128, head_dim]`` of one sequence in order."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    w = workload
+    if w.op != "decode" or w.batch != 1 or w.seq_len % (PAGE_SIZE * pages_per_block):
+        return None
+    pages = w.seq_len // PAGE_SIZE
+    scale = 1 / math.sqrt(w.head_dim)
+
+    def decode(q, k_cache, v_cache, lengths):  # paged_attention applies no scale
+        shape = (w.kv_heads, pages, PAGE_SIZE, w.head_dim)
+        page_indices = jnp.arange(pages, dtype=jnp.int32)[None]
+        return paged_attention(
+            q * jnp.asarray(scale, q.dtype),
+            k_cache.reshape(shape),
+            v_cache.reshape(shape),
+            lengths,
+            page_indices,
+            pages_per_compute_block=pages_per_block,
+        )
+
+    return decode
+
+
+PAGED_BLOCKS = {"quick": [16], "default": [8, 16]}
+"""jax ``paged_attention`` pages per compute block to try (of 128 positions each)."""
 FLASH_BLOCKS = {"quick": [None, 512], "default": [None, 512, 1024]}
 """jax ``flash_attention`` block sizes to try (None: its default, 128)."""
 SPLASH_BLOCKS = {
@@ -192,7 +225,8 @@ compile (its VMEM scratch overflows the default scoped limit)."""
 
 
 def reference_subjects(sweep: str) -> list[Subject]:
-    """jax's flash_attention (default and larger blocks) and splash_attention."""
+    """jax's flash_attention (default and larger blocks), splash_attention and, for decode,
+    paged_attention."""
     version = jax.__version__
     flash = [
         Subject(
@@ -214,7 +248,17 @@ def reference_subjects(sweep: str) -> list[Subject]:
         )
         for bq, bkv in SPLASH_BLOCKS[sweep]
     ]
-    return flash + splash
+    paged = [
+        Subject(
+            name="jax-paged",
+            kind="reference",
+            config=f"blocks of {pages} pages",
+            version=version,
+            build=functools.partial(_paged_build, pages),
+        )
+        for pages in PAGED_BLOCKS[sweep]
+    ]
+    return flash + splash + paged
 
 
 def all_subjects(sweep: str, backends: list[str] | None, references: bool) -> dict[str, Subject]:
