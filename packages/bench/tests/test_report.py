@@ -264,3 +264,22 @@ def test_write_report_writes_the_rendered_text(
     path = tmp_path / "out" / "report.md"
     write_report(results, path)
     assert path.read_text(encoding="utf-8") == render_report(results)
+
+
+def test_against_references_picks_the_fastest_reference(results: dict[str, Any]) -> None:
+    (splash,) = [r for r in results["rows"] if r.get("kind") == "reference"]
+    slower = copy.deepcopy(splash)
+    slower["config"] = "blocks 512/512"
+    slower["figures"]["latency_seconds"]["value"] = 0.0003
+    mine = copy.deepcopy(splash)
+    mine.update(subject="mine", kind="backend", config="")
+    mine["figures"]["latency_seconds"]["value"] = 0.0001
+    results["rows"] += [slower, mine]
+    section = _section(render_report(results), "Against jax's kernels")
+    row = _row_for(section, "mine")
+    assert row[4] == "jax_splash" and row[5] == "0.15 ms (static)" and row[7] == "1.50x"
+    assert len(_table_rows(section)) == 2  # the header and the one backend row
+
+
+def test_against_references_is_left_out_without_a_shared_workload(report: str) -> None:
+    assert "## Against jax's kernels" not in report

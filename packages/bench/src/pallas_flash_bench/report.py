@@ -6,6 +6,7 @@ Every figure carries the tag of where it came from (``static``, ``model``, ``com
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -346,6 +347,52 @@ def _results_tables(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each backend's row beside the fastest reference kernel of the same workload."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(json.dumps(_workload(row), sort_keys=True), []).append(row)
+    table = []
+    for group in groups.values():
+        timed = [r for r in group if _figure(r, "latency_seconds")[0] is not None]
+        references = [r for r in timed if r.get("kind") == "reference"]
+        if not references:
+            continue
+        fastest = min(references, key=lambda r: _figure(r, "latency_seconds")[0])
+        fastest_latency = _figure(fastest, "latency_seconds")[0]
+        for row in sorted((r for r in timed if r.get("kind") != "reference"), key=_sort_key):
+            latency = _figure(row, "latency_seconds")[0]
+            table.append(
+                [
+                    _label(row),
+                    _subject(row),
+                    _tagged(row, "latency_seconds", _ms),
+                    _tagged(row, "mfu", _percent),
+                    _subject(fastest).removesuffix(" [reference]"),
+                    _tagged(fastest, "latency_seconds", _ms),
+                    _tagged(fastest, "mfu", _percent),
+                    f"{fastest_latency / latency:.2f}x" if latency else MISSING,
+                ]
+            )
+    if not table:
+        return []
+    header = [
+        "Workload",
+        "Backend",
+        "Est. latency",
+        "MFU",
+        "Fastest jax kernel",
+        "Its latency",
+        "Its MFU",
+        "Speed-up",
+    ]
+    intro = (
+        "Each backend against the fastest of jax's own kernels on the same workload, through "
+        "the same analysis (speed-up: the jax kernel's estimated latency over the backend's)."
+    )
+    return ["## Against jax's kernels", "", intro, "", *_table(header, table), ""]
+
+
 def _fits_table(fits: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["## Longest sequence that fits", ""]
     if not fits:
@@ -493,6 +540,7 @@ def render_report(results: Mapping[str, Any]) -> str:
     lines = [
         *_header(results),
         *_results_tables(rows),
+        *_against_references_table(rows),
         *_fits_table(list(results.get("fits") or [])),
         *_kernels_table(rows),
         *_copies_section(rows),
