@@ -22,7 +22,7 @@ WINDOW = pf.AttentionSpec(sm_scale=1.0, causal=True, window=(512, 0))
 
 
 def test_defaults_and_clamping() -> None:
-    assert BlockSizes().for_call(FULL, 8192, 8192) == BlockSizes(2048, 1024, 256, 1024, 1024, 256)
+    assert BlockSizes().for_call(FULL, 8192, 8192) == BlockSizes(4096, 1024, 256, 1024, 1024, 256)
     assert BlockSizes().for_call(CAUSAL, 8192, 8192) == BlockSizes(2048, 2048, 256, 1024, 1024, 256)
     assert BlockSizes().for_call(WINDOW, 8192, 8192).block_kv == 1024
     assert BlockSizes().for_call(FULL, 130, 7) == BlockSizes(130, 7, 256, 130, 7, 256)

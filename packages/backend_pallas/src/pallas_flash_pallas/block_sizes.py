@@ -108,9 +108,10 @@ def v5e_defaults(spec: AttentionSpec) -> BlockSizes:
     """The block sizes tuned on the static v5e schedule (B=1, H=16, head_dim 128, bfloat16,
     N = 4k..16k; the package README has the sweep).
 
-    Forward: 2048-row query blocks; kv blocks of 1024 without a mask (the most MXU-bound
-    steps), of 2048 for causal attention (a 2048 x 2048 diagonal block wastes least of its
-    half), of 1024 with a sliding window (fewer keys computed past its edges).
+    Forward: without a mask, 4096 x 1024 (the longest query blocks amortise each step's fixed
+    cost over the most MXU work); causal, 2048 x 2048 (every block that straddles the
+    diagonal starts on it, and a 4096 x 4096 configuration overflows VMEM at 16k); with a
+    sliding window, 1024 x 1024 (fewer keys computed past its edges).
     Backward: 1024 x 1024 block pairs in key sub-blocks of 256 (MXU-bound without a mask).
     """
     if spec.window is not None:
@@ -118,7 +119,7 @@ def v5e_defaults(spec: AttentionSpec) -> BlockSizes:
     elif spec.causal:
         block_q, block_kv = 2048, 2048
     else:
-        block_q, block_kv = 2048, 1024
+        block_q, block_kv = 4096, 1024
     return BlockSizes(block_q, block_kv, 256, 1024, 1024, 256)
 
 
