@@ -61,6 +61,12 @@ _NN = (((1,), (0,)), ((), ()))  # a b
 _TN = (((0,), (0,)), ((), ()))  # a^T b
 
 
+def _head_and_step(t: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
+    """Step ``t`` of the grid's last axis as ``(query head within the group, step of that
+    head's schedule)``: each head of the group takes ``steps`` consecutive steps."""
+    return lax.div(t, jnp.int32(steps)), lax.rem(t, jnp.int32(steps))
+
+
 def _zero_rows_from(x: jax.Array, first: jax.Array, end: int) -> jax.Array:
     """``x [rows, cols]`` with rows at positions ``>= end`` zeroed, row 0 at ``first``."""
     pos = first + lax.broadcasted_iota(jnp.int32, x.shape, 0)
@@ -96,7 +102,7 @@ def _kernel(
     ids_ref = id_scratch[0] if id_scratch else None
     c, j, t = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     steps = schedule.num_steps
-    g, s = lax.div(t, jnp.int32(steps)), lax.rem(t, jnp.int32(steps))
+    g, s = _head_and_step(t, steps)
     block_q, block_kv = schedule.block_q, schedule.block_kv
     q_block = schedule.q_block(c, j, s)
     local_block = q_block - c * schedule.blocks_per_chunk
@@ -296,7 +302,7 @@ def _flash_backward(
 
     # Index maps of the grid (b, kv head, chunk c, kv block j, step t) to block indices.
     def q_head_and_block(kvh, c, j, t):
-        g, s = lax.div(t, jnp.int32(steps)), lax.rem(t, jnp.int32(steps))
+        g, s = _head_and_step(t, steps)
         return kvh * group + g, schedule.q_block(c, j, s)
 
     def q_map(b, kvh, c, j, t):
