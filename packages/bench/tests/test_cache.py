@@ -5,7 +5,8 @@ from __future__ import annotations
 from pallas_flash_bench.cache import ResultCache
 
 JOB = {"id": 3, "kind": "row", "subject": "jax-flash[blocks 512]", "version": "0.10.2",
-       "workload": {"op": "forward", "seq_len": 1024}, "target": "v5e-1", "sweep": "quick",
+       "workload": {"op": "forward", "seq_len": 1024}, "target": "v5e-1", "topology": "v5e:2x2",
+       "sweep": "quick",
        "backends": None, "references": True}  # fmt: skip
 VERSIONS = {"jax": "0.10.2", "libtpu": "0.0.42.1", "analysis": "2"}
 
@@ -15,11 +16,15 @@ def test_key_ignores_how_the_subject_was_found() -> None:
     assert ResultCache.key(other_run, VERSIONS) == ResultCache.key(JOB, VERSIONS)
 
 
-def test_key_changes_with_subject_version_workload_target_and_toolchain() -> None:
+def test_targets_of_one_topology_share_results() -> None:
+    assert ResultCache.key({**JOB, "target": "v5e-4"}, VERSIONS) == ResultCache.key(JOB, VERSIONS)
+
+
+def test_key_changes_with_subject_version_workload_topology_and_toolchain() -> None:
     key = ResultCache.key(JOB, VERSIONS)
     assert ResultCache.key({**JOB, "version": "0.11.0"}, VERSIONS) != key
     assert ResultCache.key({**JOB, "workload": {"op": "forward", "seq_len": 2048}}, VERSIONS) != key
-    assert ResultCache.key({**JOB, "target": "v6e"}, VERSIONS) != key
+    assert ResultCache.key({**JOB, "target": "v6e", "topology": "v6e:2x2"}, VERSIONS) != key
     assert ResultCache.key(JOB, {**VERSIONS, "libtpu": "0.0.51"}) != key
     assert ResultCache.key(JOB, {**VERSIONS, "analysis": "3"}) != key
 

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+import pallas_flash as pf
 from pallas_flash_bench import aot, cli, runner, worker
 from pallas_flash_bench.subjects import all_subjects
 from pallas_flash_bench.targets import TARGETS
@@ -37,7 +38,7 @@ def test_bench_writes_the_report_and_static_figures_repeat(tmp_path) -> None:
         )
     first, second = (json.loads((tmp_path / r / "results.json").read_text()) for r in "ab")
     assert _static(first) == _static(second)
-    assert (tmp_path / "a" / "report.md").read_text().startswith("# Pallas-Flash benchmark: v5e-1")
+    assert (tmp_path / "a" / "report.md").read_text().startswith("# Pallas-Flash benchmark: v5e-4")
     assert (tmp_path / "a" / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {(r["subject"], r["config"]): r for r in first["rows"]}
     assert rows[("xla", "")]["compiled"] and rows[("xla", "")]["kernels"] == []
@@ -46,6 +47,44 @@ def test_bench_writes_the_report_and_static_figures_repeat(tmp_path) -> None:
     assert flash["kernels"][0]["cycles_from"] == "exact: every predicated region decided"
     assert 0.3 < flash["figures"]["mfu"]["value"] < 1.0
     assert flash["figures"]["mfu"]["source"] == "static"
+
+
+@needs_libtpu
+@pytest.mark.skipif(
+    "splitkv" not in {b.name for b in pf.list_backends()}, reason="splitkv is not installed"
+)
+def test_decoding_over_the_slice_compiles_one_quarter_per_chip(tmp_path) -> None:
+    """On v5e-4 the sweep decodes on one chip and on four: the four-chip program holds a
+    quarter of the cache per chip, exchanges only the partials, and its latency is one chip's
+    quarter of the HBM time plus the modelled collectives."""
+    args = ["bench", "--ops", "decode", "--seq-lens", "32768", "--backends", "splitkv",
+            "--no-reference", "--no-measure", "--no-fit", "--no-cache",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["workload"]["q_heads"], r["workload"]["chips"]): r for r in results["rows"]}
+    assert set(rows) == {(16, 1), (16, 4), (32, 1), (32, 4)}
+    one, four = rows[(32, 1)], rows[(32, 4)]
+    assert one["collectives"] == []
+    partials = 32 * (128 + 1) * 4  # a float32 output and log-sum-exp per query head
+    assert four["collectives"] and all(c["bytes"] <= partials for c in four["collectives"])
+    assert four["hbm"]["argument"] < one["hbm"]["argument"] / 3.9
+    figures = four["figures"]
+    assert figures["memory_seconds"]["value"] == pytest.approx(  # + small partials' copies
+        one["figures"]["memory_seconds"]["value"] / 4, rel=1e-3
+    )
+    target = TARGETS["v5e-4"]
+    assert figures["collective_seconds"]["value"] >= len(four["collectives"]) * (
+        target.collective_latency
+    )
+    assert figures["latency_seconds"] == {
+        "value": pytest.approx(
+            max(figures["compute_seconds"]["value"], figures["memory_seconds"]["value"])
+            + figures["collective_seconds"]["value"]
+        ),
+        "source": "model",
+    }
+    assert "decode L=32768 H32/8 on 4 chips" in (tmp_path / "report.md").read_text()
 
 
 @needs_libtpu

@@ -135,3 +135,37 @@ def test_xla_programs_keep_the_compilers_bytes_with_a_static_schedule() -> None:
     assert figures["hbm_bytes"] == {"value": 3.4e9, "source": "compiler"}
     assert figures["compute_seconds"]["source"] == "static"
     assert figures["latency_seconds"]["value"] == pytest.approx(3.4e9 / V5E.hbm_bandwidth)
+
+
+V5E_4 = TARGETS["v5e-4"]
+
+
+def test_a_collective_costs_its_latency_and_its_ring_traffic() -> None:
+    seconds = estimate.collective_seconds([("all-reduce", 33_024), ("all-gather", 4000)], 4, V5E_4)
+    ring = (2 * 0.75 * 33_024 + 0.75 * 4000) / V5E_4.ici_link_bandwidth
+    assert seconds == pytest.approx(2 * V5E_4.collective_latency + ring)
+    assert V5E_4.ici_link_bandwidth == 50e9 and V5E_4.collective_latency == 10e-6
+
+
+def test_decode_over_four_chips_splits_the_bytes_and_adds_its_collectives() -> None:
+    one = Workload("decode", 131072, q_heads=32, kv_heads=8)
+    four = Workload("decode", 131072, q_heads=32, kv_heads=8, chips=4)
+    collectives = [("all-reduce", 128), ("all-reduce", 16_512)]
+    figures = estimate.derive(
+        four, V5E_4, 1.2, static_cycles=150_000, has_kernels=True, compiler_flops=None,
+        compiler_bytes=None, copy_bytes=0, collectives=collectives,
+    )  # fmt: skip
+    memory = one.min_hbm_bytes / V5E_4.hbm_bandwidth / 4
+    exchange = estimate.collective_seconds(collectives, 4, V5E_4)
+    assert figures["memory_seconds"]["value"] == pytest.approx(memory)
+    assert figures["collective_seconds"] == {"value": pytest.approx(exchange), "source": "model"}
+    latency = {"value": pytest.approx(memory + exchange), "source": "model"}
+    assert figures["latency_seconds"] == latency
+    compute = 150_000 / V5E_4.clock_hz
+    assert figures["latency_no_overlap_seconds"]["value"] == pytest.approx(
+        compute + memory + exchange
+    )
+    dollars_per_second = 4 * 1.2 / 3600
+    assert figures["tokens_per_dollar"]["value"] == pytest.approx(
+        1 / (memory + exchange) / dollars_per_second
+    )

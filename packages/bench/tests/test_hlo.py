@@ -169,3 +169,33 @@ def test_toy_module_every_kind_of_copy():
 def test_no_entry_computation():
     with pytest.raises(ValueError, match="ENTRY"):
         hlo.parse_entry("HloModule empty\n")
+
+
+COLLECTIVE_TOY = """HloModule collectives
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[1,32,128], m: f32[1,32]) -> f32[4,32,128] {
+  %x = f32[1,32,128]{2,1,0} parameter(0)
+  %m = f32[1,32]{1,0} parameter(1)
+  %pmax = f32[1,32]{1,0} all-reduce(%m), replica_groups={{0,1,2,3}}, to_apply=%sum
+  %psum = (f32[1,32,128]{2,1,0}, f32[1,32]{1,0}) all-reduce(%x, %pmax), to_apply=%sum
+  %y = f32[1,32,128]{2,1,0} get-tuple-element(%psum), index=0
+  %ag = f32[4,32,128]{2,1,0} all-gather-start(%y), dimensions={0}
+  ROOT %agd = f32[4,32,128]{2,1,0} all-gather-done(%ag)
+}
+"""
+
+
+def test_collectives_in_program_order_with_their_bytes():
+    got = [(op.name, op.opcode, op.bytes) for op in hlo.collectives(COLLECTIVE_TOY)]
+    assert got == [
+        ("pmax", "all-reduce", 32 * 4),
+        ("psum", "all-reduce", (32 * 128 + 32) * 4),
+        ("ag", "all-gather-start", 4 * 32 * 128 * 4),  # the pair counts once
+    ]
+    assert hlo.collectives(TOY) == []

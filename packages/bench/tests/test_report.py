@@ -48,7 +48,7 @@ def _row_for(text: str, *needles: str) -> list[str]:
     return matches[0]
 
 
-def test_header_has_target_versions_run_and_sources(report: str) -> None:
+def test_header_has_target_versions_run_and_sources(results: dict[str, Any], report: str) -> None:
     assert report.startswith("# Pallas-Flash benchmark: v5e-1\n")
     for text in (
         "197 TFLOP/s",
@@ -62,8 +62,11 @@ def test_header_has_target_versions_run_and_sources(report: str) -> None:
         "Sweep: quick",
         "$1.20 per chip-hour (source: text)",
         "measured on CPU",
+        "**v5e-1**, 1 chip",
     ):
         assert text in report, text
+    results["meta"]["target"].update(name="v5e-4", chips=4)
+    assert "**v5e-4**, a slice of 4 chips: a call runs on one" in render_report(results)
     how = _section(report, "How to read this")
     for source in ("`static`", "`model`", "`compiler`", "`measured-cpu`", "`measured-tpu`"):
         assert source in how
@@ -85,6 +88,7 @@ def test_sections_come_in_order(report: str) -> None:
         "Forward",
         "Forward + backward",
         "Decode",
+        "Decoding one sequence",
         "Longest sequence that fits",
         "Kernel schedules",
         "Copy trap",
@@ -94,7 +98,7 @@ def test_sections_come_in_order(report: str) -> None:
 
 def test_every_table_line_has_as_many_cells_as_its_header(report: str) -> None:
     tables = re.findall(r"((?:^\|.*\n)+)", report, re.M)
-    assert len(tables) == 6  # three ops, fits, kernels, copies
+    assert len(tables) == 7  # three ops, decoding, fits, kernels, copies
     for table in tables:
         widths = {len(row) for row in _table_rows(table)}
         assert len(widths) == 1, table
@@ -278,7 +282,59 @@ def test_against_references_picks_the_fastest_reference(results: dict[str, Any])
     section = _section(render_report(results), "Against jax's kernels")
     row = _row_for(section, "mine")
     assert row[4] == "jax_splash" and row[5] == "0.15 ms (static)" and row[7] == "1.50x"
+    assert row[8] == "—"  # the sample has no no-overlap figures
     assert len(_table_rows(section)) == 2  # the header and the one backend row
+
+
+def test_against_references_without_overlap_takes_the_least_serial_reference(
+    results: dict[str, Any],
+) -> None:
+    (splash,) = [r for r in results["rows"] if r.get("kind") == "reference"]
+    other = copy.deepcopy(splash)
+    other["config"] = "blocks 512/512"
+    mine = copy.deepcopy(splash)
+    mine.update(subject="mine", kind="backend", config="")
+    for row, serial in ((splash, 0.0006), (other, 0.0005), (mine, 0.0004)):
+        row["figures"]["latency_no_overlap_seconds"] = {"value": serial, "source": "model"}
+    results["rows"] += [other, mine]
+    row = _row_for(_section(render_report(results), "Against jax's kernels"), "mine")
+    assert row[8] == "1.25x"
+
+
+def _decode_row(chips: int, latency: float, memory: float, collectives: float) -> dict:
+    workload = {"op": "decode", "seq_len": 131072, "causal": False, "batch": 1,
+                "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16",
+                "chips": chips}  # fmt: skip
+    figures = {
+        "latency_seconds": {"value": latency, "source": "model"},
+        "memory_seconds": {"value": memory, "source": "model"},
+        "collective_seconds": {"value": collectives, "source": "model"},
+        "tokens_per_second": {"value": 1 / latency, "source": "model"},
+        "tokens_per_dollar": {"value": 3600 / latency / (1.2 * chips), "source": "model"},
+    }
+    label = "decode L=131072 H32/8" + (f" on {chips} chips" if chips > 1 else "")
+    return {"subject": "splitkv", "kind": "backend", "config": "", "workload": workload,
+            "label": label, "compiled": True, "figures": figures}  # fmt: skip
+
+
+def test_decoding_table_compares_chips_and_the_hbm_time(results: dict[str, Any]) -> None:
+    results["meta"]["target"].update(ici_link_bandwidth=50e9, collective_latency=10e-6)
+    results["rows"] += [
+        _decode_row(1, 0.000656, 0.000656, 0.0),
+        _decode_row(4, 0.000184, 0.000164, 0.0000205),
+    ]
+    section = _section(render_report(results), "Decoding one sequence")
+    assert "assumed 10 us" in section and "50 GB/s" in section
+    one = _row_for(section, "decode L=131072 H32/8")
+    assert one[2:6] == ["0.656 ms (model)", "1.00x", "none", "—"]
+    four = _row_for(section, "decode L=131072 H32/8 on 4 chips")
+    assert four[2:6] == ["0.184 ms (model)", "1.12x", "20.5 us", "3.57x"]
+    assert four[6] == "5435 (model)"
+
+
+def test_decoding_table_is_left_out_without_decode_rows(results: dict[str, Any]) -> None:
+    results["rows"] = [r for r in results["rows"] if r["workload"]["op"] != "decode"]
+    assert "## Decoding one sequence" not in render_report(results)
 
 
 def test_against_references_is_left_out_without_a_shared_workload(report: str) -> None:

@@ -124,10 +124,20 @@ def test_title_says_estimated_unless_measured(results: dict[str, Any]) -> None:
     assert "not measured" not in title
 
 
-def test_ceilings_scale_with_chips(results: dict[str, Any]) -> None:
+def test_roof_and_points_are_per_chip(results: dict[str, Any]) -> None:
     results["meta"]["target"].update(name="v5e-4", chips=4)
+    (row,) = [r for r in results["rows"] if r["figures"].get("latency_seconds")][:1]
+    key = (row["subject"], row["config"], row["label"])
+
+    def achieved() -> dict[tuple[str, str, str], float]:
+        points = roofline_points(results)
+        return {(p.subject, p.config, p.label): p.flops_per_second for p in points}
+
+    one_chip = achieved()[key]
+    row["workload"]["chips"] = 4
+    assert achieved()[key] == pytest.approx(one_chip / 4)
     axes = roofline_figure(results).axes[0]
     labels = [line.get_label() for line in axes.get_lines()]
-    assert "peak 788 TFLOP/s" in labels
-    assert "HBM bandwidth 3276 GB/s" in labels
-    assert "v5e-4 (4 chips)" in axes.get_title()
+    assert "peak 197 TFLOP/s" in labels
+    assert "HBM bandwidth 819 GB/s" in labels
+    assert "v5e-4, per chip" in axes.get_title()

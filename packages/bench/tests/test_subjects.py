@@ -6,9 +6,14 @@ import importlib
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
+import pallas_flash as pf
 from pallas_flash_bench import subjects
+from pallas_flash_bench.workloads import Workload
 
 
 def test_the_sources_digest_changes_with_any_source(
@@ -31,3 +36,20 @@ def test_installed_backends_carry_their_sources_digest() -> None:
     versions = {s.name: s.version for s in subjects.backend_subjects()}
     version, digests = versions["xla"].split("+")
     assert version and len(digests.split("-")) == 2  # core's and the backend's
+
+
+def test_over_a_mesh_only_multi_device_backends_decode() -> None:
+    mesh = Mesh(np.array(jax.devices()[:1]), ("chips",))  # any mesh: builds only check for one
+    four = Workload("decode", 8192, chips=4)
+    every = subjects.all_subjects("default", None, True)
+    built = {sid for sid, s in every.items() if s.build(four, mesh) is not None}
+    multi_device = {i.name for i in pf.list_backends() if "multi_device" in i.capabilities}
+    assert built == multi_device
+    assert every["xla"].build(Workload("decode", 8192), None) is not None
+
+
+def test_the_paged_reference_runs_its_blocks_as_grid_steps() -> None:
+    (paged,) = subjects.reference_subjects("quick")[-1:]
+    assert paged.config == "grid of 16-page blocks"
+    assert paged.build(Workload("decode", 8192), None) is not None
+    assert paged.build(Workload("decode", 8192, batch=2), None) is None

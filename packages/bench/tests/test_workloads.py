@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep
 
 
@@ -45,3 +47,22 @@ def test_labels_are_unique_in_the_default_sweep() -> None:
 def test_quick_sweep_is_a_small_subset_of_the_default() -> None:
     assert len(quick_sweep()) < len(default_sweep()) / 4
     assert set(quick_sweep()) <= set(default_sweep())
+
+
+def test_only_decode_runs_on_several_chips() -> None:
+    assert Workload("decode", 8192, chips=4).label == "decode L=8192 on 4 chips"
+    with pytest.raises(ValueError, match="chips"):
+        Workload("forward", 8192, chips=4)
+    with pytest.raises(ValueError, match="chips"):
+        Workload("decode", 8192, chips=0)
+
+
+def test_a_slice_adds_decoding_over_all_its_chips() -> None:
+    assert {w.chips for w in default_sweep()} == {1}
+    over_four = [w for w in default_sweep(4) if w.chips == 4]
+    assert {(w.seq_len, w.q_heads) for w in over_four} == {
+        (n, q) for n in (8192, 32768, 131072) for q in (16, 32)
+    }
+    quick = [w for w in quick_sweep(4) if w.op == "decode" and w.seq_len == 131072]
+    assert sorted(w.chips for w in quick) == [1, 4]
+    assert set(quick_sweep(4)) <= set(default_sweep(4))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pallas_flash_bench.subjects import ArraySpec
 from pallas_flash_bench.targets import Target
@@ -49,12 +50,44 @@ def target_devices(target: Target) -> tuple[jax.Device, ...]:
     return tuple(topology.devices[: target.chips])
 
 
+MESH_AXIS = "chips"
+
+
+def mesh_of(devices: Sequence[jax.Device], chips: int) -> Mesh | None:
+    """A 1-D mesh (axis `MESH_AXIS`) of the first ``chips`` devices; None for one chip."""
+    if chips == 1:
+        return None
+    if chips > len(devices):
+        raise ValueError(f"chips: expected at most the {len(devices)} devices, got {chips}")
+    return Mesh(np.array(devices[:chips]), (MESH_AXIS,))
+
+
+def call_mesh(target: Target, chips: int) -> Mesh | None:
+    """`mesh_of` the target's devices: where a call on ``chips`` chips is compiled."""
+    return None if chips == 1 else mesh_of(target_devices(target), chips)
+
+
+def sharding(spec: ArraySpec, mesh: Mesh) -> NamedSharding:
+    """How an argument lies on the mesh: split along its ``split_axis``, else replicated."""
+    axes = [None] * len(spec.shape)
+    if spec.split_axis is not None:
+        axes[spec.split_axis] = MESH_AXIS
+    return NamedSharding(mesh, PartitionSpec(*axes))
+
+
 def compile_for(
-    fn: Callable[..., object], specs: list[ArraySpec], target: Target
+    fn: Callable[..., object], specs: list[ArraySpec], target: Target, mesh: Mesh | None = None
 ) -> jax.stages.Compiled:
-    """Compiles ``fn`` for the target's first device, with arguments of the given shapes."""
-    sharding = SingleDeviceSharding(target_devices(target)[0])
+    """Compiles ``fn`` with arguments of the given shapes for the target's first device or,
+    given a mesh of its devices (`call_mesh`), as one SPMD program over the mesh with each
+    argument split along its ``split_axis`` (replicated without one)."""
+    if mesh is None:
+        device = SingleDeviceSharding(target_devices(target)[0])
+        shardings = [device] * len(specs)
+    else:
+        shardings = [sharding(spec, mesh) for spec in specs]
     structs = [
-        jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding) for shape, dtype in specs
+        jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype), sharding=sharding)
+        for spec, sharding in zip(specs, shardings, strict=True)
     ]
     return jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compile()

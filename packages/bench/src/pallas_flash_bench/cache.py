@@ -1,7 +1,9 @@
-"""A disk cache of compile results keyed by (subject and version, workload, target, toolchain).
+"""A disk cache of compile results keyed by (subject and version, workload, topology, toolchain).
 
-The key holds the whole job (subject id and version, workload, target) and the versions of
-jax, jaxlib, libtpu, pallas-flash and of the analysis itself (``runner.ANALYSIS_VERSION``).
+The key holds the whole job (subject id and version, workload, the target's topology) and the
+versions of jax, jaxlib, libtpu, pallas-flash and of the analysis itself
+(``runner.ANALYSIS_VERSION``). Targets of one topology (v5e-1, v5e-4) share their results: the
+workload says how many of its chips a call uses.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def default_dir() -> pathlib.Path:
     return pathlib.Path(root) / "pallas-flash" / "bench"
 
 
-_NOT_KEYS = ("id", "sweep", "backends", "references")
+_NOT_KEYS = ("id", "sweep", "backends", "references", "target")
 
 
 class ResultCache:
@@ -29,7 +31,8 @@ class ResultCache:
 
     @staticmethod
     def key(job: dict, versions: dict[str, str | None]) -> str:
-        # sweep, backends and references only tell the worker how to find the subject by id
+        # sweep, backends and references only tell the worker how to find the subject by id,
+        # and the target's name which topology to compile for (the job's "topology")
         relevant = {k: v for k, v in job.items() if k not in _NOT_KEYS}
         payload = json.dumps([relevant, versions], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:32]

@@ -46,22 +46,26 @@ def _parser() -> argparse.ArgumentParser:
         "--op", choices=["forward", "forward_backward", "decode"], default="forward"
     )
     inspect.add_argument("--causal", action="store_true")
+    inspect.add_argument(
+        "--chips", type=int, default=1, help="decode: split the cache over this many chips"
+    )
     inspect.add_argument("--dtype", default="bfloat16")
     inspect.add_argument("--target", choices=sorted(TARGETS), default=DEFAULT_TARGET)
     return parser
 
 
 def _workloads(args: argparse.Namespace) -> list[Workload]:
-    sweep = quick_sweep() if args.quick else default_sweep()
+    chips = TARGETS[args.target].chips
+    sweep = quick_sweep(chips) if args.quick else default_sweep(chips)
     if args.ops:
         ops = set(args.ops.split(","))
         sweep = [w for w in sweep if w.op in ops]
     if args.seq_lens:
         lengths = [int(n) for n in args.seq_lens.split(",")]
-        shapes = {(w.op, w.causal, w.q_heads, w.kv_heads) for w in sweep}
+        shapes = {(w.op, w.causal, w.q_heads, w.kv_heads, w.chips) for w in sweep}
         sweep = [
-            Workload(op, n, causal, q_heads=q, kv_heads=kv)
-            for op, causal, q, kv in sorted(shapes)
+            Workload(op, n, causal, q_heads=q, kv_heads=kv, chips=c)
+            for op, causal, q, kv, c in sorted(shapes)
             for n in lengths
         ]
     if args.dtype:
@@ -99,7 +103,7 @@ def _inspect(args: argparse.Namespace) -> int:
     batch, heads, seq, head_dim = (int(x) for x in args.shape.lower().split("x"))
     workload = Workload(
         args.op, seq, args.causal, batch=batch, q_heads=heads,
-        kv_heads=args.kv_heads or heads, head_dim=head_dim, dtype=args.dtype,
+        kv_heads=args.kv_heads or heads, head_dim=head_dim, dtype=args.dtype, chips=args.chips,
     )  # fmt: skip
     print(inspect_kernel(args.backend, workload, TARGETS[args.target]))
     return 0

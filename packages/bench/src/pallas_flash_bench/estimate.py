@@ -8,6 +8,7 @@ schedule), ``model`` (roofline arithmetic), ``compiler`` (its memory or cost ana
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
@@ -70,6 +71,23 @@ def kernel_cycles(
     return cycles, how
 
 
+RING_TRAFFIC = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
+"""Bytes each chip sends per byte of a collective's result, times ``chips / (chips - 1)``, on a
+ring: an all-reduce is a reduce-scatter and an all-gather. Other collectives: 1."""
+
+
+def collective_seconds(collectives: Sequence[tuple[str, int]], chips: int, target: Target) -> float:
+    """Modelled time of a program's collectives, ``(opcode, result bytes)`` each, on ``chips``
+    chips in a ring: per collective, the target's assumed ``collective_latency`` plus its ring
+    traffic over one ICI link in one direction (see `pallas_flash_bench.targets`)."""
+    share = (chips - 1) / chips
+    return sum(
+        target.collective_latency
+        + RING_TRAFFIC.get(opcode, 1.0) * share * size / target.ici_link_bandwidth
+        for opcode, size in collectives
+    )
+
+
 def derive(
     workload: Workload,
     target: Target,
@@ -80,6 +98,7 @@ def derive(
     compiler_flops: float | None,
     compiler_bytes: float | None,
     copy_bytes: int,
+    collectives: Sequence[tuple[str, int]] = (),
 ) -> dict[str, Figure]:
     """The row's estimated figures.
 
@@ -88,31 +107,45 @@ def derive(
     peak (model). HBM bytes: for programs with Pallas kernels, whose byte count is only their
     own declared estimate, the least the workload must move plus twice the copy-trap bytes
     (read and write) (model); else the compiler's count. Latency is the larger of compute and
-    memory time.
+    memory time: HBM transfers hidden under compute or the reverse. Without any overlap it
+    would be their sum, ``latency_no_overlap_seconds``: the two bracket a kernel whose
+    transfers and compute overlap in part, which a static schedule cannot tell.
+
+    A workload on several chips runs one program per chip: its static cycles and copy bytes
+    are one chip's, its HBM bytes are spread over the chips' bandwidth, and its collectives
+    (`collective_seconds`, model) follow the kernels, so their time adds to the latency.
+    Prices, peak FLOP/s and bandwidth are those of all its chips.
     """
     useful = workload.useful_flops
+    chips = workload.chips
     if static_cycles is not None:
         compute = figure(static_cycles / target.clock_hz, "static")
     else:
-        compute = figure((compiler_flops or useful) / target.peak_flops, "model")
+        compute = figure((compiler_flops or useful) / target.peak_flops / chips, "model")
     if compiler_bytes and not has_kernels:
-        hbm_bytes = figure(max(compiler_bytes, workload.min_hbm_bytes), "compiler")
+        hbm_bytes = figure(max(compiler_bytes * chips, workload.min_hbm_bytes), "compiler")
     else:
-        hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes, "model")
-    memory = figure(hbm_bytes["value"] / target.hbm_bandwidth, "model")
+        hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes * chips, "model")
+    memory = figure(hbm_bytes["value"] / target.hbm_bandwidth / chips, "model")
     latency = max(compute, memory, key=lambda f: f["value"])
+    exchange = figure(collective_seconds(collectives, chips, target), "model")
+    if exchange["value"]:
+        latency = figure(latency["value"] + exchange["value"], "model")
+    no_overlap = figure(compute["value"] + memory["value"] + exchange["value"], "model")
     seconds = latency["value"]
     tokens_per_second = workload.tokens / seconds
-    dollars_per_second = price_per_chip_hour * target.chips / 3600
+    dollars_per_second = price_per_chip_hour * chips / 3600
     return {
         "useful_flops": figure(useful, "model"),
         "hbm_bytes": hbm_bytes,
         "compute_seconds": compute,
         "memory_seconds": memory,
+        "collective_seconds": exchange,
         "latency_seconds": latency,
-        "mfu": figure(useful / seconds / (target.peak_flops * target.chips), latency["source"]),
+        "latency_no_overlap_seconds": no_overlap,
+        "mfu": figure(useful / seconds / (target.peak_flops * chips), latency["source"]),
         "hbm_bandwidth_use": figure(
-            hbm_bytes["value"] / seconds / (target.hbm_bandwidth * target.chips), latency["source"]
+            hbm_bytes["value"] / seconds / (target.hbm_bandwidth * chips), latency["source"]
         ),
         "tokens_per_second": figure(tokens_per_second, latency["source"]),
         "tokens_per_dollar": figure(tokens_per_second / dollars_per_second, latency["source"]),

@@ -463,6 +463,21 @@ def kernel_calls(text: str) -> list[HloOp]:
     ]
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+"""Opcodes of the ops that move data between devices (asynchronous ones end in ``-start``)."""
+
+
+def collectives(text: str) -> list[HloOp]:
+    """The ops of every computation that move data between devices, in program order; an
+    asynchronous pair counts once, as its ``-start`` op."""
+    return [
+        op
+        for comp in parse_computations(text).values()
+        for op in comp.ops
+        if op.opcode.removesuffix("-start") in COLLECTIVES
+    ]
+
+
 def cost_estimate(op: HloOp) -> dict[str, int] | None:
     """The kernel's ``cost_estimate`` (flops, transcendentals, bytes_accessed, ...) if declared."""
     m = re.search(r'"cost_estimate"\s*:\s*(\{[^{}]*\})', op.attributes)

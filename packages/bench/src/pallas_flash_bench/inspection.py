@@ -21,7 +21,7 @@ def inspect_kernel(subject_id: str, workload: Workload, target: Target) -> str:
         raise SystemExit(f"pallas-flash inspect: unknown --backend {subject_id!r}; known: {known}")
     job = {"id": 0, "kind": "row", "subject": subject_id, "workload": workload.to_json(),
            "sweep": "default", "backends": None, "references": True, "target": target.name,
-           "keep_hlo": True}  # fmt: skip
+           "topology": target.topology, "keep_hlo": True}  # fmt: skip
     with tqdm(total=1, desc=f"compiling for {target.name}", leave=False) as progress:
         row = run_workers([job], 1, progress)[0]
     if row is None:
@@ -49,6 +49,11 @@ def inspect_kernel(subject_id: str, workload: Workload, target: Target) -> str:
     ]
     if not row["copies"]:
         lines.append("  none: no copy, transpose or pad in the entry computation")
+    if workload.chips > 1:
+        lines.append("\n## Collectives (what crosses the interconnect, per chip)")
+        lines += [f"  {c['opcode']} {c['name']}: {c['bytes']} bytes" for c in row["collectives"]]
+        if not row["collectives"]:
+            lines.append("  none")
     lines.append("\n## Kernels (static VLIW schedule)")
     for k in row["kernels"]:
         use = ", ".join(f"{unit} {100 * frac:.0f}%" for unit, frac in k["utilization"].items())

@@ -28,11 +28,11 @@ def random_arrays(specs: list[ArraySpec], seq_len: int) -> list[jax.Array]:
     """Normal floats for q/k/v; integer arguments (decode lengths) are the full length."""
     rng = np.random.default_rng(0)
     arrays = []
-    for shape, dtype in specs:
-        if jnp.issubdtype(jnp.dtype(dtype), jnp.integer):
-            arrays.append(jnp.full(shape, seq_len, dtype=dtype))
+    for spec in specs:
+        if jnp.issubdtype(jnp.dtype(spec.dtype), jnp.integer):
+            arrays.append(jnp.full(spec.shape, seq_len, dtype=spec.dtype))
         else:
-            arrays.append(jnp.asarray(rng.standard_normal(shape), dtype=dtype))
+            arrays.append(jnp.asarray(rng.standard_normal(spec.shape), dtype=spec.dtype))
     return arrays
 
 

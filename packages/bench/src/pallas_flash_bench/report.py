@@ -241,6 +241,18 @@ def _hbm(row: Mapping[str, Any]) -> tuple[str, str]:
 # --- sections -----------------------------------------------------------------------------------
 
 
+def _chips_text(chips: Any) -> str:
+    """What the target's chip count means for the rows."""
+    if not chips:
+        return ""
+    if chips == 1:
+        return ", 1 chip"
+    return (
+        f", a slice of {chips} chips: a call runs on one of them unless its workload says "
+        '"on N chips"; prices, MFU and bandwidth use count the chips a call runs on'
+    )
+
+
 def _header(results: Mapping[str, Any]) -> list[str]:
     meta = results.get("meta") or {}
     target = meta.get("target") or {}
@@ -252,7 +264,7 @@ def _header(results: Mapping[str, Any]) -> list[str]:
     lines += [
         "## Target",
         "",
-        f"- **{name}**" + (f", {chips} chip{'s' if chips != 1 else ''}" if chips else ""),
+        f"- **{name}**" + _chips_text(chips),
         f"- Peak compute: {_si(target.get('peak_flops'), 'FLOP/s')} per chip",
         f"- HBM: {_bytes(target.get('hbm_bytes'))} at {_si(target.get('hbm_bandwidth'), 'B/s')}"
         " per chip",
@@ -360,8 +372,11 @@ def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             continue
         fastest = min(references, key=lambda r: _figure(r, "latency_seconds")[0])
         fastest_latency = _figure(fastest, "latency_seconds")[0]
+        serial = [_figure(r, "latency_no_overlap_seconds")[0] for r in references]
+        fastest_serial = min((t for t in serial if t is not None), default=None)
         for row in sorted((r for r in timed if r.get("kind") != "reference"), key=_sort_key):
             latency = _figure(row, "latency_seconds")[0]
+            row_serial = _figure(row, "latency_no_overlap_seconds")[0]
             table.append(
                 [
                     _label(row),
@@ -372,6 +387,9 @@ def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                     _tagged(fastest, "latency_seconds", _ms),
                     _tagged(fastest, "mfu", _percent),
                     f"{fastest_latency / latency:.2f}x" if latency else MISSING,
+                    f"{fastest_serial / row_serial:.2f}x"
+                    if fastest_serial and row_serial
+                    else MISSING,
                 ]
             )
     if not table:
@@ -385,12 +403,90 @@ def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "Its latency",
         "Its MFU",
         "Speed-up",
+        "Speed-up, no overlap",
     ]
     intro = (
         "Each backend against the fastest of jax's own kernels on the same workload, through "
-        "the same analysis (speed-up: the jax kernel's estimated latency over the backend's)."
+        "the same analysis (speed-up: the jax kernel's estimated latency over the backend's). "
+        "The estimate takes a kernel's HBM transfers and its compute to overlap fully; the last "
+        "column takes them not to overlap at all (latency: compute + memory time, against the "
+        "jax kernel with the least of it). A kernel that overlaps them in part lies between "
+        "the two: memory-bound kernels tie in the first and differ by their compute in the "
+        "second."
     )
     return ["## Against jax's kernels", "", intro, "", *_table(header, table), ""]
+
+
+def _one_chip_twin(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> Any:
+    """The same subject's row of the same workload on one chip, or None."""
+    single = {**_workload(row), "chips": 1}
+    for other in rows:
+        same_subject = (other.get("subject"), other.get("config")) == (
+            row.get("subject"),
+            row.get("config"),
+        )
+        if same_subject and {"chips": 1, **_workload(other)} == single:
+            return other
+    return None
+
+
+def _decoding_table(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each backend's decode rows: latency against the HBM time, the collectives' share, the
+    speed-up of several chips over one, tokens/s and tokens per dollar."""
+    decode = sorted(
+        (
+            r
+            for r in rows
+            if _workload(r).get("op") == "decode"
+            and r.get("kind") != "reference"
+            and _figure(r, "latency_seconds")[0] is not None
+        ),
+        key=lambda r: (_sort_key(r), _workload(r).get("chips", 1)),
+    )
+    if not decode:
+        return []
+    table = []
+    for row in decode:
+        latency = _figure(row, "latency_seconds")[0]
+        memory = _figure(row, "memory_seconds")[0]
+        collective = _figure(row, "collective_seconds")[0]
+        twin = _one_chip_twin(row, rows) if _workload(row).get("chips", 1) > 1 else None
+        twin_latency = _figure(twin, "latency_seconds")[0] if twin else None
+        table.append(
+            [
+                _label(row),
+                _subject(row),
+                _tagged(row, "latency_seconds", _ms),
+                f"{latency / memory:.2f}x" if memory else MISSING,
+                f"{_num(collective * 1e6)} us" if collective else "none",
+                f"{twin_latency / latency:.2f}x" if twin_latency else MISSING,
+                _tagged(row, "tokens_per_second", _num),
+                _tagged(row, "tokens_per_dollar", _num),
+            ]
+        )
+    header = [
+        "Workload",
+        "Backend",
+        "Est. latency",
+        "Latency / HBM time",
+        "Collectives",
+        "Speed-up over one chip",
+        "Tokens/s",
+        "Tokens/$",
+    ]
+    target = (results.get("meta") or {}).get("target") or {}
+    link, wait = target.get("ici_link_bandwidth"), finite_number(target.get("collective_latency"))
+    intro = (
+        "One new token of one sequence. HBM time: the cache's bytes over the HBM bandwidth of "
+        "the chips holding it, the roofline a decode step cannot beat. Several chips run the "
+        "kernel on their share of the cache, then merge the partials with collectives, which "
+        "are modelled, not scheduled: each costs an assumed "
+        f"{_num(wait * 1e6) + ' us' if wait is not None else MISSING} plus its ring traffic "
+        "over one ICI link "
+        f"at {_si(link, 'B/s')} (`pallas_flash_bench.targets`). Tokens per dollar pay for every "
+        "chip the call uses."
+    )
+    return ["## Decoding one sequence", "", intro, "", *_table(header, table), ""]
 
 
 def _fits_table(fits: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -541,6 +637,7 @@ def render_report(results: Mapping[str, Any]) -> str:
         *_header(results),
         *_results_tables(rows),
         *_against_references_table(rows),
+        *_decoding_table(results, rows),
         *_fits_table(list(results.get("fits") or [])),
         *_kernels_table(rows),
         *_copies_section(rows),

@@ -1,7 +1,8 @@
 """Roofline plot of a benchmark run: ``roofline.png`` from the results dict of ``results.json``.
 
-x is arithmetic intensity (useful flops / HBM bytes), y the achieved FLOP/s (useful flops /
-latency); the roof is ``min(peak_flops, hbm_bandwidth * x)``. Drawn with matplotlib's object API
+x is arithmetic intensity (useful flops / HBM bytes), y the achieved FLOP/s per chip (useful
+flops / latency / the chips the call runs on); the roof is one chip's
+``min(peak_flops, hbm_bandwidth * x)``. Drawn with matplotlib's object API
 on an Agg canvas, so it touches no global pyplot state and needs no display.
 """
 
@@ -34,7 +35,7 @@ class RooflinePoint:
     op: str
     label: str
     intensity: float  # FLOP / byte
-    flops_per_second: float  # achieved FLOP/s
+    flops_per_second: float  # achieved FLOP/s per chip
     source: str | None  # source tag of the latency the point uses
 
 
@@ -64,6 +65,7 @@ def roofline_points(results: Mapping[str, Any]) -> list[RooflinePoint]:
         if flops is None or hbm_bytes is None or latency is None:
             continue
         workload = row.get("workload") or {}
+        chips = _positive_number(workload.get("chips")) or 1
         points.append(
             RooflinePoint(
                 subject=str(row.get("subject") or "?"),
@@ -71,7 +73,7 @@ def roofline_points(results: Mapping[str, Any]) -> list[RooflinePoint]:
                 op=str(workload.get("op") or "?"),
                 label=str(row.get("label") or ""),
                 intensity=flops / hbm_bytes,
-                flops_per_second=flops / latency,
+                flops_per_second=flops / latency / chips,
                 source=source,
             )
         )
@@ -106,12 +108,8 @@ def _x_range(points: Sequence[RooflinePoint], ridge: float | None) -> tuple[floa
 def roofline_figure(results: Mapping[str, Any]) -> Figure:
     """The roofline ``Figure`` (on an Agg canvas) of a results dict."""
     target = (results.get("meta") or {}).get("target") or {}
-    # Per-chip figures times chips, as the estimates use them.
-    chips = _positive_number(target.get("chips")) or 1
-    peak = _positive_number(target.get("peak_flops"))
+    peak = _positive_number(target.get("peak_flops"))  # one chip's: points are per chip
     bandwidth = _positive_number(target.get("hbm_bandwidth"))
-    peak = peak * chips if peak else None
-    bandwidth = bandwidth * chips if bandwidth else None
     ridge = peak / bandwidth if peak and bandwidth else None
     points = roofline_points(results)
 
@@ -198,12 +196,10 @@ def roofline_figure(results: Mapping[str, Any]) -> Figure:
     if handles:
         axes.legend(handles=handles, fontsize=8, loc="lower right")
 
-    name = target.get("name") or "unknown target"
-    if chips > 1:
-        name += f" ({chips:g} chips)"
+    name = (target.get("name") or "unknown target") + ", per chip"
     axes.set_title(f"Roofline: {name}\n{_sources_text(points)}", fontsize=11)
     axes.set_xlabel("arithmetic intensity (useful FLOP / HBM byte)")
-    axes.set_ylabel("achieved FLOP/s (useful FLOP / latency)")
+    axes.set_ylabel("achieved FLOP/s per chip (useful FLOP / latency / chips)")
     axes.grid(True, which="both", linewidth=0.3, alpha=0.5)
     if not points:
         axes.text(

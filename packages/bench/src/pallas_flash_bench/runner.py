@@ -48,7 +48,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 3
+ANALYSIS_VERSION = 4
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 
@@ -66,7 +66,8 @@ def versions() -> dict[str, str | None]:
 
 def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
     common = {"sweep": options.sweep, "backends": options.backends,
-              "references": options.references, "target": options.target.name}  # fmt: skip
+              "references": options.references, "target": options.target.name,
+              "topology": options.target.topology}  # fmt: skip
     jobs = [
         {"kind": "row", "subject": sid, "version": s.version, "workload": w.to_json(), **common}
         for w in options.workloads
@@ -158,8 +159,18 @@ def _measure(row: dict, subject: Subject, workload: Workload) -> dict | None:
         if heads_rows * w.seq_len * 4 * factor > measure.CPU_SCORE_BYTES_LIMIT:
             row["notes"].append("not timed on CPU: the score matrix is too large for this host")
             return None
-    fn = subject.build(workload)
-    seconds = measure.median_seconds(fn, measure.random_arrays(array_specs(w), w.seq_len))
+    devices = jax.devices()
+    if w.chips > len(devices):
+        row["notes"].append(f"not timed: it needs {w.chips} chips, this host has {len(devices)}")
+        return None
+    mesh = aot.mesh_of(devices, w.chips)
+    fn = subject.build(workload, mesh)
+    specs = array_specs(w)
+    arrays = measure.random_arrays(specs, w.seq_len)
+    if mesh is not None:
+        shardings = [aot.sharding(spec, mesh) for spec in specs]
+        arrays = [jax.device_put(a, s) for a, s in zip(arrays, shardings, strict=True)]
+    seconds = measure.median_seconds(fn, arrays)
     return estimate.figure(seconds, f"measured-{platform}")
 
 
@@ -272,6 +283,7 @@ def _with_figures(row: dict, subject: Subject, workload: Workload, options: Benc
             compiler_flops=cost.get("flops"),
             compiler_bytes=cost.get("bytes"),
             copy_bytes=sum(c["bytes"] for c in row["copies"]),
+            collectives=[(c["opcode"], c["bytes"]) for c in row.get("collectives", [])],
         )
     else:
         row["figures"] = {}

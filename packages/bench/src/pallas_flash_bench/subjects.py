@@ -15,25 +15,41 @@ import importlib.util
 import math
 import pathlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 import pallas_flash as pf
 from pallas_flash import hookspecs
 from pallas_flash_bench.workloads import Workload
 
-ArraySpec = tuple[tuple[int, ...], str]
+
+class ArraySpec(NamedTuple):
+    """One argument: its shape, dtype and, for a call over several chips, the axis split
+    over them (None: every chip holds all of it)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    split_axis: int | None = None
 
 
 def array_specs(workload: Workload) -> list[ArraySpec]:
-    """Shapes and dtypes of the arguments: ``q, k, v`` or ``q, k_cache, v_cache, lengths``."""
+    """The arguments: ``q, k, v`` or ``q, k_cache, v_cache, lengths`` (the caches split along
+    their sequence axis when the call runs on several chips)."""
     w = workload
     if w.op == "decode":
-        cache = ((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
-        return [((w.batch, w.q_heads, w.head_dim), w.dtype), cache, cache, ((w.batch,), "int32")]
-    kv = ((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
-    return [((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), kv, kv]
+        split = 2 if w.chips > 1 else None
+        cache = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype, split)
+        return [
+            ArraySpec((w.batch, w.q_heads, w.head_dim), w.dtype),
+            cache,
+            cache,
+            ArraySpec((w.batch,), "int32"),
+        ]
+    kv = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
+    return [ArraySpec((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), kv, kv]
 
 
 def _with_backward(forward: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
@@ -54,22 +70,27 @@ class Subject:
       kind: ``backend`` (a Pallas-Flash backend) or ``reference`` (a jax kernel).
       config: block sizes or other settings, ``""`` for none.
       version: the providing distribution's version (part of the cache key).
-      build: ``workload -> function of its arrays``, or None when unsupported.
+      build: ``(workload, mesh) -> function of its arrays``, or None when unsupported;
+        ``mesh``: the chips a multi-chip workload runs on (`aot.call_mesh`), None for one.
     """
 
     name: str
     kind: str
     config: str
     version: str
-    build: Callable[[Workload], Callable[..., object] | None]
+    build: Callable[[Workload, Mesh | None], Callable[..., object] | None]
 
     @property
     def id(self) -> str:
         return f"{self.name}[{self.config}]" if self.config else self.name
 
 
-def _backend_build(info: pf.BackendInfo, workload: Workload) -> Callable[..., object] | None:
+def _backend_build(
+    info: pf.BackendInfo, workload: Workload, mesh: Mesh | None
+) -> Callable[..., object] | None:
     needed = {"decode"} if workload.op == "decode" else {"attention"}
+    if mesh is not None:
+        needed.add("multi_device")
     if workload.op == "forward_backward":
         needed.add("grad")
     if workload.causal:
@@ -79,7 +100,7 @@ def _backend_build(info: pf.BackendInfo, workload: Workload) -> Callable[..., ob
     if not needed <= info.capabilities:
         return None
     if workload.op == "decode":
-        return functools.partial(pf.decode, backend=info.name)
+        return functools.partial(pf.decode, backend=info.name, mesh=mesh)
     forward = functools.partial(pf.attention, causal=workload.causal, backend=info.name)
     return forward if workload.op == "forward" else _with_backward(forward)
 
@@ -124,6 +145,17 @@ def backend_subjects(names: list[str] | None = None) -> list[Subject]:
         )
         for info in infos
     ]
+
+
+def _on_one_chip(
+    build: Callable[[Workload], Callable[..., object] | None],
+) -> Callable[[Workload, Mesh | None], Callable[..., object] | None]:
+    """A jax kernel's build: it runs on one chip, so it supports no workload over a mesh."""
+
+    def on_one_chip(workload: Workload, mesh: Mesh | None) -> Callable[..., object] | None:
+        return build(workload) if mesh is None else None
+
+    return on_one_chip
 
 
 def _jax_flash_build(block: int | None, workload: Workload) -> Callable[..., object] | None:
@@ -187,7 +219,11 @@ PAGE_SIZE = 128
 def _paged_build(pages_per_block: int, workload: Workload) -> Callable[..., object] | None:
     """jax's ``paged_attention`` on the workload's cache, for batch 1 only: there the
     contiguous ``[1, kv_heads, max_len, head_dim]`` cache is, by a free reshape, the pages
-    ``[kv_heads, max_len / 128, 128, head_dim]`` of one sequence in order."""
+    ``[kv_heads, max_len / 128, 128, head_dim]`` of one sequence in order.
+
+    Its blocks of pages run as grid steps (``inline_seq_dim=False``). jax's default runs them
+    in a loop inside each step whose trip count reads ``lengths``: a static schedule counts
+    that loop's body once, so its cycles would cover one block of the sequence, not all."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
     w = workload
@@ -206,6 +242,7 @@ def _paged_build(pages_per_block: int, workload: Workload) -> Callable[..., obje
             lengths,
             page_indices,
             pages_per_compute_block=pages_per_block,
+            inline_seq_dim=False,
         )
 
     return decode
@@ -234,7 +271,7 @@ def reference_subjects(sweep: str) -> list[Subject]:
             kind="reference",
             config=f"blocks {block}" if block else "default blocks",
             version=version,
-            build=functools.partial(_jax_flash_build, block),
+            build=_on_one_chip(functools.partial(_jax_flash_build, block)),
         )
         for block in FLASH_BLOCKS[sweep]
     ]
@@ -244,7 +281,7 @@ def reference_subjects(sweep: str) -> list[Subject]:
             kind="reference",
             config=f"blocks {bq}/{bkv}",
             version=version,
-            build=functools.partial(_splash_build, (bq, bkv)),
+            build=_on_one_chip(functools.partial(_splash_build, (bq, bkv))),
         )
         for bq, bkv in SPLASH_BLOCKS[sweep]
     ]
@@ -252,9 +289,9 @@ def reference_subjects(sweep: str) -> list[Subject]:
         Subject(
             name="jax-paged",
             kind="reference",
-            config=f"blocks of {pages} pages",
+            config=f"grid of {pages}-page blocks",
             version=version,
-            build=functools.partial(_paged_build, pages),
+            build=_on_one_chip(functools.partial(_paged_build, pages)),
         )
         for pages in PAGED_BLOCKS[sweep]
     ]

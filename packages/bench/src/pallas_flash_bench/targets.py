@@ -4,6 +4,13 @@ Figures are Google's published per-chip specifications. ``clock_hz`` is derived,
 published: peak bf16 FLOP/s / (MXUs x 128 x 128 x 2 flops per multiply-add), e.g. v5e:
 197e12 / (4 x 128 x 128 x 2) = 1.5 GHz.
 
+Collectives between chips are modelled, not scheduled (see ``estimate.collective_seconds``):
+each costs ``collective_latency`` plus its ring traffic over one ICI link in one direction,
+``ici_link_bandwidth``. v5e: 1,600 Gbit/s per chip over 4 links is 50 GB/s per link and
+direction. ``collective_latency`` is an assumption, not a published figure: 10 us per
+collective, an allowance for the synchronisation and the hops of a small all-reduce on a 2x2
+slice (a few hops of about a microsecond each, plus the barrier).
+
 Prices are on-demand list prices per chip-hour from the Google Cloud TPU pricing page as last
 recorded by this project (2025; not re-checked when this table was written, 2026-11-21, as no
 network was available); pass ``--price`` to use your own.
@@ -19,7 +26,8 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One TPU slice to compile for; ``chips`` devices of the topology are used."""
+    """One TPU slice to compile for: a call runs on one chip, or on up to ``chips`` chips of
+    the topology (see ``Workload.chips``)."""
 
     name: str
     topology: str
@@ -34,7 +42,11 @@ class Target:
     vmem_bytes: int
     clock_hz: float
     ici_bandwidth: float
-    """Interconnect bytes/s out of one chip, all links together."""
+    """Interconnect bytes/s out of one chip, all links together, one direction."""
+    ici_link_bandwidth: float
+    """Interconnect bytes/s of one link in one direction."""
+    collective_latency: float
+    """Assumed seconds each collective costs beyond its bytes (see the module docstring)."""
     price_per_chip_hour: float
     """US dollars, on-demand list price (see the module docstring)."""
 
@@ -51,6 +63,8 @@ _V5E = dict(
     vmem_bytes=128 * MiB,
     clock_hz=197e12 / (4 * 128 * 128 * 2),
     ici_bandwidth=1600e9 / 8,  # 1,600 Gbit/s per chip
+    ici_link_bandwidth=1600e9 / 8 / 4,
+    collective_latency=10e-6,
     price_per_chip_hour=1.20,
 )
 
@@ -70,6 +84,8 @@ TARGETS = {
         vmem_bytes=16 * MiB,
         clock_hz=275e12 / (2 * 4 * 128 * 128 * 2),
         ici_bandwidth=2400e9 / 8,
+        ici_link_bandwidth=2400e9 / 8 / 6,
+        collective_latency=10e-6,
         price_per_chip_hour=3.22 / 2,
     ),
     "v5p": Target(
@@ -83,6 +99,8 @@ TARGETS = {
         vmem_bytes=64 * MiB,
         clock_hz=459e12 / (2 * 4 * 128 * 128 * 2),
         ici_bandwidth=4800e9 / 8,
+        ici_link_bandwidth=4800e9 / 8 / 6,
+        collective_latency=10e-6,
         price_per_chip_hour=4.20,
     ),
     "v6e": Target(
@@ -96,7 +114,10 @@ TARGETS = {
         vmem_bytes=128 * MiB,
         clock_hz=918e12 / (2 * 256 * 256 * 2),
         ici_bandwidth=3584e9 / 8,
+        ici_link_bandwidth=3584e9 / 8 / 4,
+        collective_latency=10e-6,
         price_per_chip_hour=2.70,
     ),
 }
-DEFAULT_TARGET = "v5e-1"
+DEFAULT_TARGET = "v5e-4"
+"""A v5e slice of 2x2 chips: calls on one chip, and decoding over all four."""

@@ -42,7 +42,8 @@ def analyse_row(
     from pallas_flash_bench import aot, hlo, llo
     from pallas_flash_bench.subjects import array_specs
 
-    fn = subject.build(workload)
+    mesh = aot.call_mesh(target, workload.chips)
+    fn = subject.build(workload, mesh)
     if fn is None:
         return None
     row = {
@@ -56,6 +57,7 @@ def analyse_row(
         "error": None,
         "hbm": None,
         "copies": [],
+        "collectives": [],
         "kernels": [],
         "other_ops": None,
         "cost": None,
@@ -65,7 +67,7 @@ def analyse_row(
         shutil.rmtree(dump_dir, ignore_errors=True)
         dump_dir.mkdir(parents=True)
     try:
-        compiled = aot.compile_for(fn, array_specs(workload), target)
+        compiled = aot.compile_for(fn, array_specs(workload), target, mesh)
     except Exception as exc:  # noqa: BLE001 - a compiler error is a result, not a crash
         row["error"] = _error_text(exc)
         return row
@@ -94,6 +96,10 @@ def analyse_row(
         for op in hlo.find_copy_trap(text)
         if op.relayout is not False  # copies into VMEM (S(1)) are prefetches, not re-layouts
     ]
+    row["collectives"] = [
+        {"name": op.name, "opcode": op.opcode.removesuffix("-start"), "bytes": op.bytes}
+        for op in hlo.collectives(text)
+    ]
     if dump_dir is None:
         row["notes"].append("no LLO dump was requested: no static schedule")
         return row
@@ -108,7 +114,14 @@ def analyse_row(
             row["kernels"].append(_kernel_entry(schedules[call.name], workload))
         else:
             row["notes"].append(f"no bundle dump for kernel {call.name}: no static schedule")
-    row["other_ops"] = _other_ops(schedules, {call.name for call in calls})
+    row["other_ops"] = _other_ops(
+        schedules, {call.name for call in calls}, {c["name"] for c in row["collectives"]}
+    )
+    if row["collectives"]:
+        row["notes"].append(
+            "collectives are modelled from their bytes (estimate.collective_seconds), "
+            "not from their schedules, whose waits on the interconnect have no static length"
+        )
     if row["other_ops"]["undetermined"]:
         names = ", ".join(row["other_ops"]["undetermined"])
         row["notes"].append(f"ops with loops of unknown trip count, counted once: {names}")
@@ -146,23 +159,25 @@ def _kernel_entry(schedule, workload) -> dict:
     }
 
 
-def _other_ops(schedules: dict, kernel_names: set[str]) -> dict:
-    """Static cycles of every other op of the program (XLA fusions, copies, reductions).
+def _other_ops(schedules: dict, kernel_names: set[str], collective_names: set[str]) -> dict:
+    """Static cycles of every other op of the program (XLA fusions, copies, reductions), but
+    its collectives.
 
     Ops whose loops have a trip count the schedule does not give are counted with each loop
     body run once, a lower bound, and listed as undetermined.
     """
-    cycles, undetermined = 0, []
+    cycles, undetermined, counted = 0, [], 0
     for name, schedule in schedules.items():
-        if name in kernel_names:
+        if name in kernel_names or name in collective_names:
             continue
+        counted += 1
         if schedule.executed_bundles_max is not None:  # MXU-bound ops: their busiest MXU
             cycles += max(schedule.executed_bundles_max, schedule.executed_mxu_cycles_max or 0)
         else:
             cycles += schedule.bundles
             undetermined.append(name)
     return {
-        "ops": len(schedules) - len(kernel_names),
+        "ops": counted,
         "cycles": cycles,
         "undetermined": undetermined,
     }
@@ -177,7 +192,7 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
     def fits(n: int) -> int | None:
         """Total HBM bytes at length n if it compiles and fits, else None."""
         workload = Workload(op, n)
-        fn = subject.build(workload)
+        fn = subject.build(workload, None)
         try:
             memory = aot.compile_for(fn, array_specs(workload), target).memory_analysis()
         except Exception:  # noqa: BLE001 - out of memory shows up as a compiler error too
@@ -189,7 +204,7 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
 
     result = {"subject": subject.id, "op": op, "longest_seq_len": None, "limit_searched": limit,
               "hbm_total_at_limit": None, "source": "compiler", "note": ""}  # fmt: skip
-    if subject.build(Workload(op, step)) is None:
+    if subject.build(Workload(op, step), None) is None:
         result["note"] = "unsupported"
         return result
     low, high = 0, step  # low fits (0 trivially); grow high until it does not fit

@@ -15,7 +15,9 @@ Op = Literal["forward", "forward_backward", "decode"]
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """One call: ``op`` at ``seq_len`` (queries = keys for attention; cached tokens for decode)."""
+    """One call: ``op`` at ``seq_len`` (queries = keys for attention; cached tokens for decode),
+    on ``chips`` chips of the target (decode only: the cache's sequence axis split over a 1-D
+    mesh of them)."""
 
     op: Op
     seq_len: int
@@ -25,12 +27,18 @@ class Workload:
     kv_heads: int = 16
     head_dim: int = 128
     dtype: str = "bfloat16"
+    chips: int = 1
+
+    def __post_init__(self) -> None:
+        if self.chips < 1 or (self.chips > 1 and self.op != "decode"):
+            raise ValueError(f"chips: expected 1, or more for decode only; got {self.chips}")
 
     @property
     def label(self) -> str:
         heads = "" if self.q_heads == 16 == self.kv_heads else f" H{self.q_heads}/{self.kv_heads}"
         if self.op == "decode":
-            return f"decode L={self.seq_len}{heads}"
+            chips = f" on {self.chips} chips" if self.chips > 1 else ""
+            return f"decode L={self.seq_len}{heads}{chips}"
         return f"{self.op} N={self.seq_len}{' causal' if self.causal else ''}{heads}"
 
     @property
@@ -68,9 +76,10 @@ class Workload:
         return dataclasses.asdict(self)
 
 
-def default_sweep() -> list[Workload]:
+def default_sweep(chips: int = 1) -> list[Workload]:
     """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k, causal and not, forward and
-    forward+backward; decode 1k..128k cached tokens, 16/16 and 32/8 heads."""
+    forward+backward; decode 1k..128k cached tokens, 16/16 and 32/8 heads, on one chip and,
+    given a slice of ``chips`` > 1, from 8k on over all of them."""
     attention = [
         Workload(op, n, causal)
         for op in ("forward", "forward_backward")
@@ -82,15 +91,25 @@ def default_sweep() -> list[Workload]:
         for n in (1024, 8192, 32768, 131072)
         for q, kv in ((16, 16), (32, 8))
     ]
+    if chips > 1:
+        decode += [
+            Workload("decode", n, q_heads=q, kv_heads=kv, chips=chips)
+            for n in (8192, 32768, 131072)
+            for q, kv in ((16, 16), (32, 8))
+        ]
     return attention + decode
 
 
-def quick_sweep() -> list[Workload]:
-    """A few points of the default sweep, for a run of a few minutes on a 2-core CPU."""
-    return [
+def quick_sweep(chips: int = 1) -> list[Workload]:
+    """A few points of the default sweep, for a run of a few minutes on a 2-core CPU: given a
+    slice of ``chips`` > 1, decoding 128k tokens on one chip and on all of them."""
+    quick = [
         Workload("forward", 1024),
         Workload("forward", 4096),
         Workload("forward", 4096, causal=True),
         Workload("forward_backward", 2048, causal=True),
         Workload("decode", 8192),
     ]
+    if chips > 1:
+        quick += [Workload("decode", 131072, q_heads=32, kv_heads=8, chips=n) for n in (1, chips)]
+    return quick
