@@ -12,6 +12,8 @@ import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pallas_flash_bench.workloads import Workload
+
 MISSING = "—"
 OPS = ("forward", "forward_backward", "decode")
 OP_TITLES = {
@@ -430,6 +432,16 @@ def _one_chip_twin(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) ->
     return None
 
 
+def _hbm_time(workload: Mapping[str, Any], bandwidth: float | None) -> float | None:
+    """The least HBM time of a workload: the bytes it must move over the bandwidth of the
+    chips it runs on; None when the workload or the bandwidth is not known."""
+    try:
+        least = Workload(**workload).min_hbm_bytes
+    except (TypeError, ValueError):
+        return None
+    return least / bandwidth / int(workload.get("chips", 1)) if bandwidth else None
+
+
 def _decoding_table(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Each backend's decode rows: latency against the HBM time, the collectives' share, the
     speed-up of several chips over one, tokens/s and tokens per dollar."""
@@ -445,10 +457,12 @@ def _decoding_table(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
     )
     if not decode:
         return []
+    target = (results.get("meta") or {}).get("target") or {}
+    bandwidth = finite_number(target.get("hbm_bandwidth"))
     table = []
     for row in decode:
         latency = _figure(row, "latency_seconds")[0]
-        memory = _figure(row, "memory_seconds")[0]
+        memory = _hbm_time(_workload(row), bandwidth)
         collective = _figure(row, "collective_seconds")[0]
         twin = _one_chip_twin(row, rows) if _workload(row).get("chips", 1) > 1 else None
         twin_latency = _figure(twin, "latency_seconds")[0] if twin else None
@@ -474,7 +488,6 @@ def _decoding_table(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
         "Tokens/s",
         "Tokens/$",
     ]
-    target = (results.get("meta") or {}).get("target") or {}
     link, wait = target.get("ici_link_bandwidth"), finite_number(target.get("collective_latency"))
     intro = (
         "One new token of one sequence. HBM time: the cache's bytes over the HBM bandwidth of "
