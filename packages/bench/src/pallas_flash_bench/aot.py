@@ -87,7 +87,7 @@ def compile_for(
     else:
         shardings = [sharding(spec, mesh) for spec in specs]
     structs = [
-        jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype), sharding=sharding)
-        for spec, sharding in zip(specs, shardings, strict=True)
+        jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype), sharding=placed)
+        for spec, placed in zip(specs, shardings, strict=True)
     ]
     return jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compile()
