@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 INTERPRET_ENV_VAR = "PALLAS_FLASH_INTERPRET"
@@ -65,18 +66,48 @@ INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 about a third faster without backend optimisation and runs as fast."""
 
 
+def fold_vmap_into_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn(*args)``, whose array arguments and results all lead with a batch axis, with a
+    batching rule that folds a vmapped axis into that batch axis: under ``jax.vmap`` of size
+    ``n`` it runs ``fn`` once on ``[n * batch, ...]`` arrays (an argument that is not mapped is
+    broadcast first) and splits the results back into ``[n, batch, ...]``.
+
+    A kernel then never sees a batched grid: Pallas's own ``pallas_call`` batching rule adds a
+    grid axis that Mosaic handles but the TPU interpreter rejects.
+    """
+    folded = jax.custom_batching.custom_vmap(fn)
+
+    @folded.def_vmap
+    def _rule(axis_size: int, in_batched: Sequence[Any], *args: Any) -> tuple[Any, Any]:
+        def fold(x: jax.Array, batched: bool) -> jax.Array:
+            x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+        outs = folded(*jax.tree.map(fold, list(args), list(in_batched)))  # nested vmaps fold too
+        outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return folded
+
+
 def jit_kernel(fn: Callable[..., Any], static_argnames: Sequence[str]) -> Callable[..., Any]:
     """``jax.jit`` of ``fn(*arrays, interpret=..., **static)``, a function that builds a
-    ``pallas_call``, with ``interpret`` filled in by `interpret_params` at each call.
+    ``pallas_call`` whose array arguments and results all lead with the batch axis, with
+    ``interpret`` filled in by `interpret_params` at each call.
 
     The returned function takes a keyword ``devices`` (default 1): how many devices run the
     kernel at once (inside ``shard_map``). A call at the top level (no traced argument) of an
     interpreted kernel compiles with `INTERPRET_COMPILER_OPTIONS`; compiler options are not
-    allowed inside another trace.
+    allowed inside another trace. Under ``jax.vmap`` the mapped axis is folded into the batch
+    axis (`fold_vmap_into_batch`), on TPU and in the interpreter alike.
     """
     names = (*static_argnames, "interpret")
-    compiled = jax.jit(fn, static_argnames=names)
-    interpreted = jax.jit(fn, static_argnames=names, compiler_options=INTERPRET_COMPILER_OPTIONS)
+
+    def kernel(*args: Any, **static: Any) -> Any:
+        return fold_vmap_into_batch(functools.partial(fn, **static))(*args)
+
+    compiled = jax.jit(kernel, static_argnames=names)
+    interpreted = jax.jit(kernel, static_argnames=names, compiler_options=INTERPRET_COMPILER_OPTIONS)
 
     @functools.wraps(fn)
     def call(*args: Any, devices: int = 1, **kwargs: Any) -> Any:
