@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,3 +43,27 @@ def test_matches_reference_with_stale_nan_slots(blocks: DecodeBlocks, dtype: str
     assert out.dtype == q.dtype
     assert_close(out, expected, FORWARD_TOLERANCE[dtype])
     assert (np.asarray(out[0], np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("blocks", [DecodeBlocks(128, 3), DecodeBlocks(256, 2)], ids=str)
+def test_traced_lengths_out_of_range_are_clipped(blocks: DecodeBlocks) -> None:
+    """Under jit lengths cannot be checked: past ``max_len`` counts as ``max_len`` (a partial
+    last block is not read as whole, no index map points past the cache), below 0 as 0."""
+    batch, q_heads, kv_heads, max_len, head_dim = 4, 4, 2, 1000, 64
+    lengths = np.array([1001, 1100, 2**31 - 1, -3], np.int32)
+    q = inputs.normal(0, (batch, q_heads, head_dim))
+    k = inputs.normal(1, (batch, kv_heads, max_len, head_dim))
+    v = inputs.normal(2, (batch, kv_heads, max_len, head_dim))
+    scale = 1 / math.sqrt(head_dim)
+    out = jax.jit(
+        lambda lengths: split_kv_decode(
+            q, k, v, lengths, spec=pf.DecodeSpec(sm_scale=scale), blocks=blocks, mesh=None
+        )
+    )(lengths)
+    clipped = np.clip(lengths, 0, max_len)
+    assert_close(
+        out, reference.decode(q, k, v, clipped, sm_scale=scale), FORWARD_TOLERANCE["float32"]
+    )
+    xla = jax.jit(lambda lengths: pf.decode(q, k, v, lengths, backend="xla"))(lengths)
+    assert_close(out, xla, FORWARD_TOLERANCE["float32"])
+    assert (np.asarray(out[3]) == 0).all()

@@ -11,10 +11,13 @@ Grid ``(batch, kv_heads, splits, blocks per split)``: the first three axes are p
 last sequential. Each step reads one ``[block_kv, head_dim]`` block of K and of V once for all
 ``group`` query heads of its kv head (GQA/MQA read each cache byte once) and folds it into a
 running max, sum and accumulator (the online softmax, float32). ``lengths`` is prefetched into
-SMEM: the index maps re-point the steps past ``ceil(lengths[b] / block_kv)`` blocks at the
-last valid block, so no DMA is issued for them, and the kernel skips them. Cache slots at and
-past ``lengths[b]`` may hold anything, NaN included: their scores are masked and their V rows
-zeroed. A split that sees no valid position yields output 0 and log-sum-exp ``-inf``.
+SMEM and clipped to ``[0, max_len]`` where it is read (the index maps and the kernel: traced
+lengths cannot be checked beforehand, and one past ``max_len`` would read a partial last block
+as whole, or point an index map past the cache). The index maps re-point the steps past
+``ceil(lengths[b] / block_kv)`` blocks at the last valid block, so no DMA is issued for them,
+and the kernel skips them. Cache slots at and past ``lengths[b]`` may hold anything, NaN
+included: their scores are masked and their V rows zeroed. A split that sees no valid
+position yields output 0 and log-sum-exp ``-inf``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ _NT = (((1,), (1,)), ((), ()))  # q k^T
 _NN = (((1,), (0,)), ((), ()))  # p v
 
 
+def _length(lengths_ref: jax.Ref, b: jax.Array, max_len: int) -> jax.Array:
+    """Sequence ``b``'s length clipped to ``[0, max_len]``."""
+    return jnp.clip(lengths_ref[b], 0, max_len)
+
+
 def _kernel(
     lengths_ref: jax.Ref,
     q_ref: jax.Ref,
@@ -50,6 +58,7 @@ def _kernel(
     acc_ref: jax.Ref,
     *,
     spec: DecodeSpec,
+    max_len: int,
     block_kv: int,
     blocks_per_split: int,
     precision: lax.Precision | None,
@@ -61,7 +70,7 @@ def _kernel(
     running max and sum ``[group, 128]`` and accumulator ``[group, head_dim]``, float32.
     """
     b, s, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    length = lengths_ref[b]
+    length = _length(lengths_ref, b, max_len)
     first = (s * blocks_per_split + t) * block_kv  # cache position of the block's first row
 
     @pl.when(t == 0)
@@ -122,7 +131,7 @@ def split_partials(
     Args:
       q: ``[batch, kv_heads, group, head_dim]``.
       k_cache, v_cache: ``[batch, kv_heads, max_len, head_dim]``, dtype of q.
-      lengths: ``[batch]`` int32 in ``[0, max_len]``.
+      lengths: ``[batch]`` int32; values past ``[0, max_len]`` count as the nearest end.
       spec: the call's settings.
       blocks: the tiling.
       devices: how many devices run the kernel at once (inside ``shard_map``).
@@ -154,7 +163,7 @@ def _split_partials_kernel(
     block_kv, splits, per_split = blocks.for_cache(max_len)
 
     def kv_map(b, h, s, t, lengths_ref):  # past the sequence's end: stay on its last block
-        last = jnp.maximum(pl.cdiv(lengths_ref[b], block_kv) - 1, 0)
+        last = jnp.maximum(pl.cdiv(_length(lengths_ref, b, max_len), block_kv) - 1, 0)
         return b, h, jnp.minimum(s * per_split + t, last), 0
 
     def q_map(b, h, s, t, lengths_ref):
@@ -166,6 +175,7 @@ def _split_partials_kernel(
     kernel = functools.partial(
         _kernel,
         spec=spec,
+        max_len=max_len,
         block_kv=block_kv,
         blocks_per_split=per_split,
         precision=lax.Precision.HIGHEST if q.dtype == np.float32 else None,

@@ -105,6 +105,22 @@ def test_lengths_traced_under_jit(backend) -> None:
     _check(backend.name, SHAPES["ragged-0-1-max"], "float32", jit=True)
 
 
+def test_traced_lengths_past_max_len_count_as_max_len(backend) -> None:
+    """Traced lengths cannot be range-checked: past ``max_len`` they count as ``max_len``
+    (nothing past the cache is read)."""
+    batch, q_heads, kv_heads, max_len, head_dim, _ = SHAPES["ragged-0-1-max"]
+    q = inputs.normal(0, (batch, q_heads, head_dim))
+    k_cache, v_cache = (inputs.normal(s, (batch, kv_heads, max_len, head_dim)) for s in (1, 2))
+    lengths = np.array([max_len + 1, 2 * max_len, 2**31 - 1, max_len], np.int32)
+    out = jax.jit(lambda lengths: pf.decode(q, k_cache, v_cache, lengths, backend=backend.name))(
+        lengths
+    )
+    expected = reference.decode(
+        q, k_cache, v_cache, np.full(batch, max_len), sm_scale=1 / math.sqrt(head_dim)
+    )
+    assert_close(out, expected, FORWARD_TOLERANCE["float32"])
+
+
 def test_all_lengths_zero(backend) -> None:
     out = _check(backend.name, (2, 2, 2, 64, 64, [0, 0]), "float32")
     assert (out == 0).all()
