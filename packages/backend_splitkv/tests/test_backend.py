@@ -1,4 +1,5 @@
-"""The ``splitkv`` backend's registration, its default mesh and its mesh check."""
+"""The ``splitkv`` backend's registration and its mesh check (placement without a mesh:
+`test_placement`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from pallas_flash_splitkv import DecodeBlocks, SplitKvBackend, split_kv_decode
-from pallas_flash_splitkv.decode import default_mesh
 
 import pallas_flash as pf
 
@@ -20,15 +20,6 @@ def test_registered_as_the_tpu_decode_backend() -> None:
     assert info.platforms == {"tpu"} and info.priority == 100
     assert info.capabilities == {"decode", "gqa", "softcap", "multi_device"}
     assert SplitKvBackend().blocks == DecodeBlocks()
-
-
-def test_default_mesh_uses_every_local_device_that_divides_the_cache() -> None:
-    devices = jax.local_devices()
-    if len(devices) == 1:
-        assert default_mesh(1024) is None
-    else:
-        assert default_mesh(1024 * len(devices)).size == len(devices)
-        assert default_mesh(1024 * len(devices) + 1) is None
 
 
 def test_a_mesh_that_does_not_divide_the_cache_raises() -> None:

@@ -6,14 +6,15 @@ import jax
 
 import pallas_flash as pf
 from pallas_flash_splitkv.blocks import DecodeBlocks
-from pallas_flash_splitkv.decode import default_mesh, split_kv_decode
+from pallas_flash_splitkv.decode import split_kv_decode
 
 
 class SplitKvBackend(pf.Backend):
     """Decoding (one query token per sequence) with a Pallas Split-KV kernel.
 
-    With ``mesh=None`` the cache's sequence axis is split over all local devices when they
-    divide it (`decode.default_mesh`); pass a mesh to choose the devices.
+    With ``mesh=None`` the cache is decoded where it is: on its one device, or over the mesh
+    of a ``NamedSharding`` that splits only its sequence axis (`placement.follow`); pass a
+    mesh to split the sequence axis over its devices.
 
     Args:
       blocks: the kernel's tiling; default `DecodeBlocks()`.
@@ -49,8 +50,6 @@ class SplitKvBackend(pf.Backend):
         *,
         mesh: jax.sharding.Mesh | None = None,
     ) -> jax.Array:
-        if mesh is None:
-            mesh = default_mesh(k_cache.shape[2])
         return split_kv_decode(
             q, k_cache, v_cache, lengths, spec=spec, blocks=self.blocks, mesh=mesh
         )

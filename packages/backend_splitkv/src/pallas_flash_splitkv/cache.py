@@ -3,19 +3,24 @@
 A decode loop that rebuilds its cache with ``jnp.concatenate`` copies the whole cache every
 token. `KVCache.append` instead writes each sequence's new K/V row at position
 ``lengths[b]`` with ``dynamic_update_slice`` inside a jit that donates the old cache, so XLA
-updates the buffers in place.
+updates the buffers in place. A cache whose sequence axis is split over a mesh
+(`placement.sequence_split`) is appended to inside ``shard_map``: each device writes the row
+only if the position falls in its slice, so an append moves no cache data between devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash_splitkv import placement
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +67,9 @@ class KVCache:
         """The cache with one more token per sequence, written in place.
 
         This cache's buffers are donated: do not use it afterwards, only the returned one.
+        A cache whose sequence axis is split by a ``NamedSharding`` is written by each device
+        in its own slice (no collective); under a trace its sharding is unknown and the write
+        is left to XLA's partitioner, so call ``append`` outside ``jit``.
 
         Args:
           k_new: ``[batch, kv_heads, head_dim]``, the new token's keys.
@@ -86,30 +94,61 @@ class KVCache:
                     f"lengths: expected room for one more token, got full sequences "
                     f"{full.tolist()} (max_len={self.max_len})"
                 )
-        return _append(self, k_new, v_new)
+        return _append(self, k_new, v_new, placement.sequence_split(self.k))
 
     def decode(self, q: jax.Array, **kwargs: object) -> jax.Array:
         """``pf.decode(q, self.k, self.v, self.lengths, **kwargs)``."""
         return pf.decode(q, self.k, self.v, self.lengths, **kwargs)
 
 
-def _write(cache: jax.Array, row: jax.Array, position: jax.Array) -> jax.Array:
-    """``cache [kv_heads, max_len, head_dim]`` with ``row [kv_heads, head_dim]`` at
-    ``position``."""
-    return jax.lax.dynamic_update_slice(
-        cache, row[:, None, :].astype(cache.dtype), (0, position, 0)
-    )
+def _write(cache: jax.Array, row: jax.Array, position: jax.Array, owns: jax.Array) -> jax.Array:
+    """``cache [kv_heads, length, head_dim]`` with ``row [kv_heads, head_dim]`` at
+    ``position`` if ``owns``, else unchanged (its row at the clipped position written back)."""
+    at = jnp.clip(position, 0, cache.shape[1] - 1)
+    keep = jax.lax.dynamic_slice_in_dim(cache, at, 1, axis=1)
+    row = jnp.where(owns, row[:, None, :].astype(cache.dtype), keep)
+    return jax.lax.dynamic_update_slice_in_dim(cache, row, at, axis=1)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
-    """`KVCache.append` without the checks; a full sequence keeps its last row."""
+def _write_all(
+    k: jax.Array,
+    v: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    positions: jax.Array,
+    room: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes each sequence's row at its position where it has room; caches ``[batch,
+    kv_heads, length, head_dim]``, rows ``[batch, kv_heads, head_dim]``, the rest ``[batch]``."""
+    owns = room & (positions >= 0) & (positions < k.shape[2])
+    return jax.vmap(_write)(k, k_new, positions, owns), jax.vmap(_write)(v, v_new, positions, owns)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="split")
+def _append(
+    cache: KVCache, k_new: jax.Array, v_new: jax.Array, split: placement.Split | None
+) -> KVCache:
+    """`KVCache.append` without the checks; a full sequence is left unchanged.
+
+    With a ``split`` (the cache's sequence axis split over a mesh) each device writes only the
+    positions in its own slice, so no cache row crosses the interconnect.
+    """
     room = cache.lengths < cache.max_len
-    position = jnp.minimum(cache.lengths, cache.max_len - 1)
-    keep_k = jax.vmap(lambda c, p: c[:, p, :])(cache.k, position)
-    keep_v = jax.vmap(lambda c, p: c[:, p, :])(cache.v, position)
-    k_row = jnp.where(room[:, None, None], k_new, keep_k)
-    v_row = jnp.where(room[:, None, None], v_new, keep_v)
-    k = jax.vmap(_write)(cache.k, k_row, position)
-    v = jax.vmap(_write)(cache.v, v_row, position)
+    if split is None:
+        k, v = _write_all(cache.k, cache.v, k_new, v_new, cache.lengths, room)
+    else:
+        mesh, axes = split
+        part = cache.max_len // math.prod(mesh.shape[name] for name in axes)
+
+        def on_device(k, v, k_new, v_new, lengths, room):
+            first = jax.lax.axis_index(axes) * part if axes else 0
+            return _write_all(k, v, k_new, v_new, lengths - first, room)
+
+        local = PartitionSpec(None, None, axes or None, None)
+        k, v = jax.shard_map(
+            on_device,
+            mesh=mesh,
+            in_specs=(local, local) + (PartitionSpec(),) * 4,
+            out_specs=(local, local),
+        )(cache.k, cache.v, k_new, v_new, cache.lengths, room)
     return KVCache(k, v, cache.lengths + room.astype(jnp.int32))

@@ -9,12 +9,14 @@ sequence's cache and the query (replicated); each device runs the kernel on its 
 part of ``lengths`` (``clip(lengths - first position, 0, slice)``: a device past a sequence's
 end sees no position of it and contributes weight 0), and the devices' partial outputs are
 merged with one ``pmax`` and one ``psum`` of ``[batch, q_heads, head_dim]``-sized values
-(`merge.merge_across`): the cache never crosses the interconnect.
+(`merge.merge_across`): the cache never crosses the interconnect. Without a mesh the cache
+stays where it is (`placement.follow`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash.specs import DecodeSpec
+from pallas_flash_splitkv import placement
 from pallas_flash_splitkv.blocks import DecodeBlocks
 from pallas_flash_splitkv.kernel import split_partials
 from pallas_flash_splitkv.merge import merge, merge_across
@@ -48,15 +51,6 @@ def _local(
     return out.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
 
 
-def default_mesh(max_len: int) -> Mesh | None:
-    """All local devices in a 1-D mesh (axis ``"kv"``) when they divide ``max_len``, else None
-    (one device)."""
-    devices = jax.local_devices()
-    if len(devices) == 1 or max_len % len(devices):
-        return None
-    return Mesh(devices, ("kv",))
-
-
 def split_kv_decode(
     q: jax.Array,
     k_cache: jax.Array,
@@ -72,25 +66,34 @@ def split_kv_decode(
     Args:
       q, k_cache, v_cache, lengths, spec: as ``pf.Backend.decode``.
       blocks: the kernel's tiling of each device's slice.
-      mesh: the devices to split the sequence axis over, all its axes flattened; None or one
-        device: no split.
+      mesh: the devices to split the sequence axis over, all its axes flattened; one device:
+        no split. None: follow the cache's placement (`placement.follow`): the device it is
+        on, or the mesh of a ``NamedSharding`` that splits only its sequence axis (a traced
+        cache: one device).
 
     Raises:
-      pf.InvalidInputError: the mesh's devices do not divide ``max_len``.
+      pf.InvalidInputError: the mesh's devices do not divide ``max_len``; with ``mesh=None``,
+        a cache on several devices that is not split only along its sequence axis.
     """
-    if mesh is None or mesh.size == 1:
+    if mesh is None:
+        split = placement.follow(k_cache, v_cache)
+    else:
+        split = None if mesh.size == 1 else (mesh, tuple(mesh.axis_names))
+    if split is None:
         out, _ = _local(q, k_cache, v_cache, lengths, spec, blocks)
         return out.astype(q.dtype)
+    mesh, axes = split
+    parts = math.prod(mesh.shape[name] for name in axes)
     max_len = k_cache.shape[2]
-    if max_len % mesh.size:
+    if max_len % parts:
         raise pf.InvalidInputError(
-            f"k_cache: expected max_len divisible by the mesh's {mesh.size} devices, "
+            f"k_cache: expected max_len divisible by the mesh's {parts} devices, "
             f"got max_len={max_len}"
         )
-    return _sharded(q, k_cache, v_cache, lengths, spec=spec, blocks=blocks, mesh=mesh)
+    return _sharded(q, k_cache, v_cache, lengths, spec=spec, blocks=blocks, mesh=mesh, axes=axes)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "blocks", "mesh"))
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "mesh", "axes"))
 def _sharded(
     q: jax.Array,
     k_cache: jax.Array,
@@ -100,20 +103,22 @@ def _sharded(
     spec: DecodeSpec,
     blocks: DecodeBlocks,
     mesh: Mesh,
+    axes: tuple[str, ...],
 ) -> jax.Array:
-    """`split_kv_decode` over a mesh, as one SPMD program (jitted: every device runs its
-    kernel at once, which the TPU interpreter's simulated devices also need)."""
-    axes = tuple(mesh.axis_names)
-    part = k_cache.shape[2] // mesh.size
+    """`split_kv_decode` over a mesh whose ``axes`` split the sequence (its other axes hold
+    copies; no axes: every device decodes the whole cache), as one SPMD program (jitted: every
+    device runs its kernel at once, which the TPU interpreter's simulated devices also need)."""
+    part = k_cache.shape[2] // math.prod(mesh.shape[name] for name in axes)
 
     def on_device(q, k_cache, v_cache, lengths):
-        first = jax.lax.axis_index(axes) * part
+        first = jax.lax.axis_index(axes) * part if axes else 0
         mine = jnp.clip(lengths - first, 0, part)
         out, lse = _local(q, k_cache, v_cache, mine, spec, blocks, mesh.size)
-        out, _ = merge_across(out, lse, axes)
+        if axes:
+            out, _ = merge_across(out, lse, axes)
         return out.astype(q.dtype)
 
-    cache = PartitionSpec(None, None, axes, None)
+    cache = PartitionSpec(None, None, axes or None, None)
     return jax.shard_map(
         on_device,
         mesh=mesh,

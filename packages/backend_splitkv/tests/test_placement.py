@@ -1,0 +1,176 @@
+"""Decoding and appending where the cache lives, with several local devices present.
+
+With ``mesh=None`` a cache on one device is decoded on that device (no copy to the others), a
+cache split along its sequence axis by a ``NamedSharding`` over its mesh, and one split along
+another axis is refused. An append to a split cache moves no data between devices.
+
+The multi-device tests need 4 host devices, which must be set before jax initialises:
+`test_on_four_host_devices` runs this file again in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (in a process that already has 4
+devices they run directly).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from pallas_flash_splitkv import KVCache, placement
+from pallas_flash_splitkv.cache import _append
+
+import pallas_flash as pf
+from pallas_flash_bench import hlo
+from pallas_flash_conformance import inputs, reference
+from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
+
+DEVICES = 4
+HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
+four_devices = pytest.mark.skipif(
+    jax.device_count() < DEVICES, reason=f"needs {DEVICES} devices (test_on_four_host_devices)"
+)
+
+BATCH, Q_HEADS, KV_HEADS, MAX_LEN, HEAD_DIM = 3, 4, 2, 512, 64
+LENGTHS = [0, 130, 512]  # empty; ends inside the second of four slices; full
+
+
+def _inputs() -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
+    q = inputs.normal(0, (BATCH, Q_HEADS, HEAD_DIM))
+    k = inputs.normal(1, (BATCH, KV_HEADS, MAX_LEN, HEAD_DIM))
+    v = inputs.normal(2, (BATCH, KV_HEADS, MAX_LEN, HEAD_DIM))
+    return q, k, v, np.asarray(LENGTHS, np.int32)
+
+
+def _expected(q, k, v, lengths) -> np.ndarray:
+    return reference.decode(q, k, v, lengths, sm_scale=1 / math.sqrt(HEAD_DIM))
+
+
+def test_on_four_host_devices() -> None:
+    if jax.device_count() >= DEVICES:
+        pytest.skip("this process has the devices: the tests run here")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}".strip()
+    others = ["-k", "not test_on_four_host_devices", "-p", "no:cacheprovider", __file__]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *others],
+        env={**os.environ, "XLA_FLAGS": flags},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+    assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]  # all ran
+
+
+def test_an_unplaced_or_traced_cache_stays_on_one_device() -> None:
+    def check(cache: jax.Array) -> jax.Array:
+        assert placement.follow(cache, cache) is None
+        return cache
+
+    cache = jnp.zeros((1, 1, 8, 64))
+    check(cache)
+    jax.jit(check)(cache)  # under jit its placement is unknown: one device
+
+
+@four_devices
+def test_a_cache_committed_to_one_device_is_decoded_there() -> None:
+    device = jax.devices()[2]
+    q, k, v, lengths = (jax.device_put(x, device) for x in _inputs())
+    with jax.transfer_guard_device_to_device("disallow"):  # no copy to another device
+        out = pf.decode(q, k, v, lengths, backend="splitkv")
+        assert out.sharding == SingleDeviceSharding(device)
+    assert_close(out, _expected(*_inputs()), FORWARD_TOLERANCE["float32"])
+
+
+@four_devices
+def test_append_to_a_cache_committed_to_one_device_stays_there() -> None:
+    device = jax.devices()[2]
+    sharding = SingleDeviceSharding(device)
+    cache = KVCache.empty(2, KV_HEADS, 16, HEAD_DIM, jnp.float32, sharding=sharding)
+    k_new, v_new = (inputs.normal(seed, (2, KV_HEADS, HEAD_DIM)) for seed in (3, 4))
+    cache = cache.append(k_new, v_new)
+    assert cache.k.sharding == cache.v.sharding == sharding
+    np.testing.assert_array_equal(cache.k[:, :, 0], k_new)
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    return Mesh(np.array(jax.devices()[: math.prod(shape)]).reshape(shape), names)
+
+
+@four_devices
+@pytest.mark.parametrize(
+    ("shape", "names", "spec", "axes"),
+    [
+        ((4,), ("kv",), PartitionSpec(None, None, "kv"), ("kv",)),
+        ((2, 2), ("data", "kv"), PartitionSpec(None, None, "kv", None), ("kv",)),
+        ((2, 2), ("x", "y"), PartitionSpec(None, None, ("x", "y")), ("x", "y")),
+        ((4,), ("kv",), PartitionSpec(), ()),
+    ],
+    ids=["sequence-over-4", "sequence-over-2-of-2x2", "sequence-over-2x2", "replicated"],
+)
+def test_a_cache_sharded_along_its_sequence_is_decoded_over_its_mesh(
+    shape: tuple[int, ...], names: tuple[str, ...], spec: PartitionSpec, axes: tuple[str, ...]
+) -> None:
+    mesh = _mesh(shape, names)
+    q, k, v, lengths = _inputs()
+    k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (k, v))
+    assert placement.follow(k, v) == (mesh, axes)
+    out = pf.decode(q, k, v, lengths, backend="splitkv")
+    assert out.sharding.mesh == mesh
+    assert_close(out, _expected(*_inputs()), FORWARD_TOLERANCE["float32"])
+
+
+@four_devices
+@pytest.mark.parametrize(
+    "spec", [PartitionSpec("kv"), PartitionSpec(None, "kv"), PartitionSpec(None, None, None, "kv")]
+)
+def test_a_cache_sharded_along_another_axis_raises(spec: PartitionSpec) -> None:
+    mesh = _mesh((2,), ("kv",))
+    q, k, v, lengths = _inputs()
+    k, v = (jax.device_put(x[:2], NamedSharding(mesh, spec)) for x in (k, v))
+    with pytest.raises(pf.InvalidInputError, match=r"k_cache: expected a cache on one device"):
+        pf.decode(q[:2], k, v, lengths[:2], backend="splitkv")
+
+
+@four_devices
+def test_k_and_v_placed_differently_raise() -> None:
+    q, k, v, lengths = _inputs()
+    k = jax.device_put(k, NamedSharding(_mesh((4,), ("kv",)), PartitionSpec(None, None, "kv")))
+    with pytest.raises(pf.InvalidInputError, match=r"v_cache: expected the placement of k_cache"):
+        pf.decode(q, k, jax.device_put(v, jax.devices()[1]), lengths, backend="splitkv")
+
+
+@four_devices
+def test_append_to_a_sequence_split_cache_stays_on_each_device() -> None:
+    """Each device writes only the positions in its own slice: the compiled append has no
+    collective, and the result equals a one-device append (a full sequence left unchanged)."""
+    mesh = _mesh((4,), ("kv",))
+    sharding = NamedSharding(mesh, PartitionSpec(None, None, "kv"))
+    k_new, v_new = (inputs.normal(seed, (4, KV_HEADS, HEAD_DIM)) for seed in (3, 4))
+
+    def cache(lengths: list[int], sharding: jax.sharding.Sharding | None) -> KVCache:
+        empty = KVCache.empty(4, KV_HEADS, MAX_LEN, HEAD_DIM, jnp.float32, sharding=sharding)
+        return KVCache(empty.k, empty.v, jnp.asarray(lengths, jnp.int32))
+
+    full = [0, 127, 128, 512]  # slice edges; a full sequence
+    compiled = _append.lower(cache(full, sharding), k_new, v_new, (mesh, ("kv",))).compile()
+    assert not hlo.collectives(compiled.as_text())
+    split, one = (
+        compiled(cache(full, sharding), k_new, v_new),
+        _append(cache(full, None), k_new, v_new, None),
+    )
+    np.testing.assert_array_equal(split.lengths, [1, 128, 129, 512])
+    for got, expected in ((split.k, one.k), (split.v, one.v)):
+        np.testing.assert_array_equal(got, expected)
+
+    lengths = [0, 127, 128, 511]
+    split = cache(lengths, sharding).append(k_new, v_new)
+    one = cache(lengths, None).append(k_new, v_new)
+    assert split.k.sharding == sharding and split.v.sharding == sharding
+    np.testing.assert_array_equal(split.k, one.k)
+    np.testing.assert_array_equal(split.v, one.v)
