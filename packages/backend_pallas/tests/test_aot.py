@@ -26,6 +26,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
 import pallas_flash as pf
+from pallas_flash import tpu
 from pallas_flash.interpret import INTERPRET_ENV_VAR
 from pallas_flash_bench import hlo
 
@@ -37,19 +38,24 @@ MAX_TEMP_BYTES = 1 << 20
 """Temporary HBM allowed: far below one head's ``N x N`` float32 scores at N=1000 (4 MB)."""
 
 
-@pytest.fixture(scope="module")
-def v5e() -> jax.Device:
-    """The first chip of a v5e 2x2 topology (no hardware needed)."""
+def _first_chip(topology_name: str) -> jax.Device:
+    """The first chip of a TPU topology (no hardware needed)."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(
         platform="tpu",
-        topology_name="v5e:2x2",
+        topology_name=topology_name,
         chip_config_name="default",
         chips_per_host_bounds=(2, 2, 1),
         num_slices=1,
     )
     return topology.devices[0]
+
+
+@pytest.fixture(scope="module")
+def v5e() -> jax.Device:
+    """The first chip of a v5e 2x2 topology."""
+    return _first_chip("v5e:2x2")
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +71,7 @@ def _compile(
     *,
     grad: bool = False,
     row_major: bool = True,
+    backend: str = "pallas",
     **kwargs,
 ) -> jax.stages.Compiled:
     """Compiles ``pf.attention(q, k, v, **kwargs)`` for arrays of ``shapes`` (q, k, v), or
@@ -77,7 +84,7 @@ def _compile(
     structs = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes]
 
     def attention(q, k, v):
-        return pf.attention(q, k, v, backend="pallas", **kwargs)
+        return pf.attention(q, k, v, backend=backend, **kwargs)
 
     def gradients(q, k, v, d_out):
         _, vjp = jax.vjp(attention, q, k, v)
@@ -175,3 +182,82 @@ def test_long_gqa_gradients_fit_in_chunks(v5e: jax.Device) -> None:
     assert not [op for op in hlo.find_copy_trap(text) if op.relayout is not False]
     # The float32 partials of dk and dv and the forward's output.
     assert compiled.memory_analysis().temp_size_in_bytes <= 2 * 4 * 8192 * 128 * 4 + (40 << 20)
+
+
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+"""Each TPU generation other than v5e (compiled above), and a topology of it."""
+
+GENERATION_CASES = {
+    # The default blocks at their longest (4096-row query blocks without a mask, at head_dim
+    # 256 in float32: the most VMEM), and a causal GQA call with its gradients.
+    "d256-f32": ((1, 2, 2, 8192, 8192, 256), jnp.float32, False, {}),
+    "causal-gqa-gradients": ((1, 4, 2, 4096, 4096, 128), jnp.bfloat16, True, {"causal": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATION_CASES))
+@pytest.mark.parametrize("generation", list(TOPOLOGIES))
+def test_compiles_for_each_generation(
+    monkeypatch: pytest.MonkeyPatch, generation: str, case: str
+) -> None:
+    """With ``PALLAS_FLASH_TPU`` naming the target, the default blocks and VMEM limits are
+    sized for it: Mosaic compiles the kernels for that chip without a VMEM overflow."""
+    monkeypatch.setenv(tpu.GENERATION_ENV_VAR, generation)
+    (batch, q_heads, kv_heads, q_len, kv_len, head_dim), dtype, grad, kwargs = GENERATION_CASES[
+        case
+    ]
+    q_shape, kv_shape = (batch, q_heads, q_len, head_dim), (batch, kv_heads, kv_len, head_dim)
+    device = _first_chip(TOPOLOGIES[generation])
+    assert tpu.for_device_kind(device.device_kind).name == generation
+    compiled = _compile(device, [q_shape, kv_shape, kv_shape], dtype, grad=grad, **kwargs)
+    _check(compiled, jax.ShapeDtypeStruct(q_shape, dtype) if grad else None)
+
+
+ESTIMATE_CASES = {
+    # name: (q and kv shape, dtype, gradients, block sizes, pf.attention kwargs)
+    "4096x4096-in-16-sub-blocks": ((1, 2, 8192, 128), jnp.bfloat16, False, (4096, 4096, 256), {}),
+    "defaults-d256-f32": ((1, 2, 8192, 256), jnp.float32, False, (None, None, None), {}),
+    "defaults-causal-gradients": (
+        (1, 2, 4096, 128),
+        jnp.bfloat16,
+        True,
+        (None, None, None),
+        {"causal": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ESTIMATE_CASES))
+def test_the_vmem_estimate_is_enough(
+    monkeypatch: pytest.MonkeyPatch, v5e: jax.Device, name: str
+) -> None:
+    """Compiled with a scoped-VMEM limit of exactly the estimate (no headroom, no minimum),
+    Mosaic finds room: the estimate bounds what the kernels allocate, so a configuration too
+    large for a core gets the estimate's named error before compiling, never Mosaic's
+    ``CompileTimeScopedVmemOom``."""
+    from pallas_flash_pallas import BlockSizes, PallasBackend, block_sizes
+
+    monkeypatch.setattr(block_sizes, "VMEM_HEADROOM", 1.0)
+    monkeypatch.setattr(block_sizes, "MIN_VMEM_LIMIT_BYTES", 0)
+    jax.clear_caches()  # kernels traced earlier carry their earlier limits
+    shape, dtype, grad, (block_q, block_kv, compute), kwargs = ESTIMATE_CASES[name]
+    sizes = BlockSizes(block_q, block_kv, compute)
+    plugin = _Plugin(PallasBackend(sizes, name="pallas-estimate"))
+    pf.register_plugin(plugin)
+    try:
+        compiled = _compile(v5e, [shape] * 3, dtype, grad=grad, backend="pallas-estimate", **kwargs)
+    finally:
+        pf.unregister_plugin(plugin)
+        jax.clear_caches()
+    _check(compiled, jax.ShapeDtypeStruct(shape, dtype) if grad else None)
+
+
+class _Plugin:
+    """Registers one backend instance."""
+
+    def __init__(self, backend: pf.Backend) -> None:
+        self.backend = backend
+
+    @pf.hookimpl
+    def pallas_flash_backends(self) -> list[pf.Backend]:
+        return [self.backend]

@@ -1,4 +1,5 @@
-"""Block sizes: validation, clamping to the sequence lengths and the VMEM-fit check."""
+"""Block sizes: validation, defaults per TPU generation, balancing and clamping to the
+sequence lengths, and the VMEM-fit check."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
+from pallas_flash import tpu
 from pallas_flash_pallas import BlockSizes, PallasBackend, flash_backward, flash_forward
 from pallas_flash_pallas.block_sizes import (
-    VMEM_CAPACITY_BYTES,
     backward_vmem_bytes,
+    balanced,
     forward_vmem_bytes,
     vmem_limit_bytes,
 )
+
+V5E = tpu.GENERATIONS["v5e"]
 
 FULL = pf.AttentionSpec(sm_scale=1.0)
 CAUSAL = pf.AttentionSpec(sm_scale=1.0, causal=True)
@@ -22,14 +26,83 @@ WINDOW = pf.AttentionSpec(sm_scale=1.0, causal=True, window=(512, 0))
 
 
 def test_defaults_and_clamping() -> None:
-    assert BlockSizes().for_call(FULL, 8192, 8192) == BlockSizes(4096, 1024, 256, 1024, 1024, 256)
-    assert BlockSizes().for_call(CAUSAL, 8192, 8192) == BlockSizes(2048, 2048, 256, 1024, 1024, 256)
-    assert BlockSizes().for_call(WINDOW, 8192, 8192).block_kv == 1024
-    assert BlockSizes().for_call(FULL, 130, 7) == BlockSizes(130, 7, 256, 130, 7, 256)
-    # Sizes given override the defaults, one by one.
-    assert BlockSizes(512, backward_block_kv=512).for_call(FULL, 1000, 4096) == BlockSizes(
-        512, 1024, 256, 1000, 512, 256
+    full = BlockSizes().for_call(FULL, 8192, 8192, V5E)
+    assert full == BlockSizes(4096, 1024, 1024, 1024, 1024, 256)
+    causal = BlockSizes().for_call(CAUSAL, 8192, 8192, V5E)
+    assert causal == BlockSizes(2048, 2048, 256, 1024, 1024, 256)
+    assert BlockSizes().for_call(WINDOW, 8192, 8192, V5E).block_kv == 1024
+    assert BlockSizes().for_call(FULL, 130, 7, V5E) == BlockSizes(130, 7, 1024, 130, 7, 256)
+    # Sizes given override the defaults, one by one, and are not balanced.
+    assert BlockSizes(512, backward_block_kv=512).for_call(FULL, 1000, 4096, V5E) == BlockSizes(
+        512, 1024, 1024, 1000, 512, 256
     )
+    assert BlockSizes(4096).for_call(FULL, 6144, 6144, V5E).block_q == 4096
+
+
+@pytest.mark.parametrize(
+    ("block", "length", "expected"),
+    [
+        (4096, 6144, 3072),  # two blocks, not 4096 + a half-empty 2048
+        (4096, 5120, 2560),
+        (2048, 5120, 1792),  # three blocks: 1792, 1792, 1536
+        (1024, 1536, 768),
+        (4096, 100_000, 4096),  # 25 blocks either way: 24 full, the last 1696 rows
+        (1024, 100_000, 1024),
+        (2048, 12288, 2048),
+        (4096, 4096, 4096),
+        (4096, 1000, 1000),  # one block: the whole sequence
+    ],
+)
+def test_balanced_blocks(block: int, length: int, expected: int) -> None:
+    got = balanced(block, length)
+    assert got == expected
+    count = -(-length // block)
+    assert -(-length // got) == count, "balancing never adds blocks"
+    assert got == length or got % 128 == 0
+
+
+def test_default_blocks_are_balanced_over_the_sequence() -> None:
+    assert BlockSizes().for_call(FULL, 6144, 6144, V5E) == BlockSizes(
+        3072, 1024, 1024, 1024, 1024, 256
+    )
+    assert BlockSizes().for_call(CAUSAL, 5120, 5120, V5E) == BlockSizes(
+        1792, 1792, 256, 1024, 1024, 256
+    )
+    assert BlockSizes().for_call(CAUSAL, 1536, 1536, V5E) == BlockSizes(
+        1536, 1536, 256, 768, 768, 256
+    )
+
+
+@pytest.mark.parametrize("generation", list(tpu.GENERATIONS.values()), ids=list(tpu.GENERATIONS))
+@pytest.mark.parametrize("spec", [FULL, CAUSAL, WINDOW], ids=["full", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("segment_ids", [False, True])
+def test_default_blocks_fit_every_generation(
+    generation: tpu.TpuGeneration, spec, head_dim: int, dtype, segment_ids: bool
+) -> None:
+    """The defaults of each generation fit its VMEM at every supported head_dim and dtype,
+    with and without segment ids: a default call never raises the VMEM error."""
+    blocks = BlockSizes().for_call(spec, 32768, 32768, generation)
+    dtype = np.dtype(dtype)
+    needs = [
+        forward_vmem_bytes(blocks, head_dim, dtype, segment_ids),
+        backward_vmem_bytes(
+            blocks, head_dim, dtype, segment_ids, group=1, chunk_rows=blocks.backward_block_q
+        ),
+    ]
+    for needed in needs:
+        assert vmem_limit_bytes(needed, "defaults", generation) <= generation.vmem_bytes
+
+
+def test_generations_with_less_vmem_get_shorter_blocks() -> None:
+    v4, v5p = tpu.GENERATIONS["v4"], tpu.GENERATIONS["v5p"]
+    assert BlockSizes().for_call(FULL, 8192, 8192, tpu.GENERATIONS["v6e"]) == BlockSizes(
+        4096, 1024, 1024, 1024, 1024, 256
+    )
+    assert BlockSizes().for_call(FULL, 8192, 8192, v5p).block_q < 4096
+    small = BlockSizes().for_call(CAUSAL, 8192, 8192, v4)
+    assert max(small.block_q, small.block_kv, small.backward_block_q) < 2048
 
 
 @pytest.mark.parametrize(
@@ -51,26 +124,28 @@ def test_invalid_sizes_raise(kwargs: dict) -> None:
 
 
 def test_a_block_shorter_than_its_sequence_must_be_a_multiple_of_128() -> None:
-    assert BlockSizes(block_q=100).for_call(FULL, 100, 512).block_q == 100
+    assert BlockSizes(block_q=100).for_call(FULL, 100, 512, V5E).block_q == 100
     with pytest.raises(ValueError, match="block_q=100 is shorter than the sequence"):
-        BlockSizes(block_q=100).for_call(FULL, 101, 512)
+        BlockSizes(block_q=100).for_call(FULL, 101, 512, V5E)
     with pytest.raises(ValueError, match="backward_block_kv=200 is shorter than the sequence"):
-        BlockSizes(backward_block_kv=200).for_call(FULL, 512, 512)
+        BlockSizes(backward_block_kv=200).for_call(FULL, 512, 512, V5E)
 
 
 def test_vmem_estimate_grows_with_blocks() -> None:
     bf16 = np.dtype(jnp.bfloat16)
     small = forward_vmem_bytes(BlockSizes(512, 512, 256), 128, bf16, segment_ids=False)
     large = forward_vmem_bytes(BlockSizes(2048, 2048, 256), 128, bf16, segment_ids=True)
-    assert 0 < small < large < VMEM_CAPACITY_BYTES
-    assert 32 << 20 <= vmem_limit_bytes(small, "blocks") <= VMEM_CAPACITY_BYTES
-    blocks = BlockSizes().for_call(FULL, 4096, 4096)
+    assert 0 < small < large < V5E.vmem_bytes
+    assert 32 << 20 <= vmem_limit_bytes(small, "blocks", V5E) <= V5E.vmem_bytes
+    v4 = tpu.GENERATIONS["v4"]
+    assert vmem_limit_bytes(small, "blocks", v4) <= v4.vmem_bytes
+    blocks = BlockSizes().for_call(FULL, 4096, 4096, V5E)
     backward = backward_vmem_bytes(blocks, 128, bf16, False, group=1, chunk_rows=4096)
     longer = backward_vmem_bytes(blocks, 128, bf16, False, group=4, chunk_rows=4096)
     # The query gradient dominates: a float32 accumulator and two output buffers per head.
     assert longer - backward == 3 * 4096 * 128 * (4 + 2 * 2)
-    with pytest.raises(ValueError, match=r"the blocks need about 129\.0 MiB"):
-        vmem_limit_bytes(129 << 20, "the blocks")
+    with pytest.raises(ValueError, match=r"the blocks need about 129\.0 MiB .* TPU v5e core"):
+        vmem_limit_bytes(129 << 20, "the blocks", V5E)
 
 
 def test_oversized_blocks_raise_before_compiling() -> None:

@@ -13,14 +13,17 @@ class PallasBackend(pf.Backend):
     """FlashAttention-2 in Pallas TPU kernels: a forward kernel and a backward kernel that
     computes dq, dk and dv in one pass.
 
+    Tuned for v5e; on v4, v5p and v6e the kernels size their blocks and VMEM for the chip
+    (`pallas_flash.tpu`).
+
     On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas's TPU interpreter
     (see `pallas_flash.interpret` for the environment variables that force either).
 
     Args:
-      block_sizes: the kernels' block sizes; default `BlockSizes()`: the v5e defaults of each
-        call (`block_sizes.v5e_defaults`). The installed ``pallas`` backend uses the
-        defaults; to use other sizes, register another instance under its own name (see the
-        package README) and select it by that name.
+      block_sizes: the kernels' block sizes; default `BlockSizes()`: the defaults of each
+        call and TPU generation (`block_sizes.default_block_sizes`). The installed
+        ``pallas`` backend uses the defaults; to use other sizes, register another instance
+        under its own name (see the package README) and select it by that name.
       name: the name to select this instance by.
     """
 

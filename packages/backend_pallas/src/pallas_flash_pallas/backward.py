@@ -11,7 +11,7 @@ every query head of its GQA group that see one of its keys (`schedule.QSchedule`
 past, so dk and dv are summed over the group in VMEM and written once. The query gradient of
 the group's heads is accumulated in VMEM over all kv blocks and written once per chunk; a
 chunk is every query block unless the accumulator would not fit in VMEM
-(`block_sizes.DQ_VMEM_BUDGET_BYTES`), in which case dk and dv of each chunk are written as
+(`block_sizes.dq_vmem_budget_bytes`), in which case dk and dv of each chunk are written as
 float32 partials and summed afterwards.
 
 Per visited pair, in the keys-as-rows orientation so that the log-sum-exp and ``di`` rows
@@ -41,14 +41,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import interpret
+from pallas_flash import interpret, tpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.block_sizes import (
-    DQ_VMEM_BUDGET_BYTES,
     LANES,
     BlockSizes,
     backward_vmem_bytes,
+    dq_vmem_budget_bytes,
     dq_vmem_bytes,
     vmem_limit_bytes,
 )
@@ -205,18 +205,23 @@ def _kernel(
 
 
 def _chunk_blocks(
-    blocks: BlockSizes, num_q_blocks: int, head_dim: int, dtype: np.dtype, group: int
+    blocks: BlockSizes,
+    num_q_blocks: int,
+    head_dim: int,
+    dtype: np.dtype,
+    group: int,
+    generation: tpu.TpuGeneration,
 ) -> int | None:
     """Query blocks per chunk: ``blocks.backward_chunk_blocks`` if set; else None (one chunk)
-    when the whole query gradient of a GQA group fits in `DQ_VMEM_BUDGET_BYTES`, else as many
+    when the whole query gradient of a GQA group fits in `dq_vmem_budget_bytes`, else as many
     blocks as fit (at least one)."""
     block_q = blocks.backward_block_q
+    budget = dq_vmem_budget_bytes(generation)
     if blocks.backward_chunk_blocks is not None:
         return min(blocks.backward_chunk_blocks, num_q_blocks)
-    if dq_vmem_bytes(num_q_blocks * block_q, head_dim, dtype, group) <= DQ_VMEM_BUDGET_BYTES:
+    if dq_vmem_bytes(num_q_blocks * block_q, head_dim, dtype, group) <= budget:
         return None
-    per_block = dq_vmem_bytes(block_q, head_dim, dtype, group)
-    return max(1, DQ_VMEM_BUDGET_BYTES // per_block)
+    return max(1, budget // dq_vmem_bytes(block_q, head_dim, dtype, group))
 
 
 def _cost(q: jax.Array, k: jax.Array, schedule: QSchedule) -> pl.CostEstimate:
@@ -253,8 +258,8 @@ def flash_backward(
       out: the forward's output ``[batch, q_heads, q_len, head_dim]``.
       lse: the forward's log-sum-exp, ``[batch, q_heads, 1, q_len]`` float32.
       dout: the gradient of the output, like ``out``.
-      block_sizes: block sizes (None sizes: the v5e defaults), before clamping; default
-        `BlockSizes()`.
+      block_sizes: block sizes (None sizes: the defaults of the TPU generation,
+        `block_sizes.default_block_sizes`), before clamping; default `BlockSizes()`.
 
     Returns:
       ``(dq, dk, dv)``, shaped and typed like q, k and v.
@@ -264,7 +269,18 @@ def flash_backward(
     """
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
     di = jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1)[:, :, None, :]
-    return _backward(q, k, v, segment_ids, lse, di, dout, spec=spec, block_sizes=block_sizes)
+    return _backward(
+        q,
+        k,
+        v,
+        segment_ids,
+        lse,
+        di,
+        dout,
+        spec=spec,
+        block_sizes=block_sizes,
+        generation=tpu.current_generation(),
+    )
 
 
 def _flash_backward(
@@ -278,17 +294,18 @@ def _flash_backward(
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes,
+    generation: tpu.TpuGeneration,
     interpret: pltpu.InterpretParams | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`flash_backward` with the row sums ``di [batch, q_heads, 1, q_len]`` float32, and the
-    interpreter's settings (None for Mosaic)."""
+    """`flash_backward` with the row sums ``di [batch, q_heads, 1, q_len]`` float32, built for
+    ``generation``, and the interpreter's settings (None for Mosaic)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    blocks = block_sizes.for_call(spec, q_len, kv_len)
+    blocks = block_sizes.for_call(spec, q_len, kv_len, generation)
     bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
     num_q_blocks = math.ceil(q_len / bq)
-    chunk_blocks = _chunk_blocks(blocks, num_q_blocks, head_dim, q.dtype, group)
+    chunk_blocks = _chunk_blocks(blocks, num_q_blocks, head_dim, q.dtype, group, generation)
     schedule = QSchedule(spec, q_len, kv_len, bq, bkv, chunk_blocks)
     chunked = schedule.num_chunks > 1
     dq_rows = 8 * math.ceil(schedule.blocks_per_chunk * bq / 8)  # per head, in the scratch
@@ -297,6 +314,7 @@ def _flash_backward(
         backward_vmem_bytes(blocks, head_dim, q.dtype, has_ids, group=group, chunk_rows=dq_rows),
         f"backward block sizes backward_block_q={bq}, backward_block_kv={bkv} with "
         f"head_dim={head_dim}, {q.dtype.name} and {group} query heads per kv head",
+        generation,
     )
     steps = schedule.num_steps
 
@@ -384,4 +402,4 @@ def _flash_backward(
     return dq, dk, dv
 
 
-_backward = interpret.jit_kernel(_flash_backward, ("spec", "block_sizes"))
+_backward = interpret.jit_kernel(_flash_backward, ("spec", "block_sizes", "generation"))

@@ -1,5 +1,5 @@
-"""Block sizes of the forward and backward kernels, their v5e defaults, and the VMEM-fit
-check."""
+"""Block sizes of the forward and backward kernels, their defaults per TPU generation, and
+the VMEM-fit check."""
 
 from __future__ import annotations
 
@@ -9,19 +9,24 @@ import math
 import numpy as np
 
 from pallas_flash.specs import AttentionSpec
+from pallas_flash.tpu import TpuGeneration
 
 LANES = 128
 """Lanes of a vreg: the minor dimension of every VMEM tile."""
 
-VMEM_CAPACITY_BYTES = 128 * 1024 * 1024
-"""VMEM of one TPU v5e TensorCore."""
-
 MIN_VMEM_LIMIT_BYTES = 32 * 1024 * 1024
-"""The smallest scoped-VMEM limit the kernel asks Mosaic for (its v5e default is 16 MiB)."""
+"""The smallest scoped-VMEM limit the kernels ask Mosaic for, where the core has that much
+(Mosaic's own default is 16 MiB on v4, v5e and v5p)."""
 
-DQ_VMEM_BUDGET_BYTES = 64 * 1024 * 1024
-"""VMEM the backward may give to its query-gradient accumulator and output block; longer
-sequences are processed in chunks of query blocks that fit."""
+
+VMEM_HEADROOM = 1.25
+"""The scoped-VMEM limit a kernel asks for, over its estimated need."""
+
+
+def dq_vmem_budget_bytes(generation: TpuGeneration) -> int:
+    """VMEM the backward may give to its query-gradient accumulator and output block: half the
+    core's (64 MiB on v5e); longer sequences are processed in chunks of query blocks that fit."""
+    return generation.vmem_bytes // 2
 
 
 _SIZES = (
@@ -38,10 +43,11 @@ _SIZES = (
 class BlockSizes:
     """How the kernels tile one call.
 
-    A size left None takes the v5e default for the call (`v5e_defaults`). A block at least as
-    long as its sequence is clamped to the sequence length (a block equal to the full
-    dimension is always legal). A shorter block must be a multiple of 128; the sequence is
-    then split into ``ceil(len / block)`` blocks, the last one possibly partial.
+    A size left None takes the default of the call and the TPU generation
+    (`default_block_sizes`), balanced over the sequence (`balanced`). A block at least as long
+    as its sequence is clamped to the sequence length (a block equal to the full dimension is
+    always legal). A shorter block must be a multiple of 128; the sequence is then split into
+    ``ceil(len / block)`` blocks, the last one possibly partial.
 
     Attributes:
       block_q: forward: query rows resident in VMEM while the K/V blocks stream past.
@@ -56,7 +62,7 @@ class BlockSizes:
       backward_block_kv_compute: backward: the kv block is processed in sub-blocks of this
         many keys, as ``block_q_compute`` in the forward.
       backward_chunk_blocks: backward: query blocks whose gradient is accumulated in VMEM at
-        once; None: all of them if they fit in `DQ_VMEM_BUDGET_BYTES`, else as many as fit.
+        once; None: all of them if they fit in `dq_vmem_budget_bytes`, else as many as fit.
     """
 
     block_q: int | None = None
@@ -79,48 +85,92 @@ class BlockSizes:
             if value is not None and value % LANES:
                 raise ValueError(f"BlockSizes.{name} must be a multiple of {LANES}, got {value}")
 
-    def for_call(self, spec: AttentionSpec, q_len: int, kv_len: int) -> BlockSizes:
-        """The sizes for one call: every None size replaced by its `v5e_defaults`, then each
-        block at most its sequence's length.
+    def for_call(
+        self, spec: AttentionSpec, q_len: int, kv_len: int, generation: TpuGeneration
+    ) -> BlockSizes:
+        """The sizes for one call on ``generation``: every None size replaced by its default
+        (`default_block_sizes`) balanced over its sequence (`balanced`); then every block at
+        most its sequence's length.
 
         Raises:
           ValueError: a block shorter than its sequence is not a multiple of 128.
         """
-        defaults = v5e_defaults(spec)
-        sizes = {name: getattr(self, name) or getattr(defaults, name) for name in _SIZES}
+        defaults = default_block_sizes(spec, generation)
+        sizes = {name: getattr(self, name) for name in _SIZES}
         for name, length in (
             ("block_q", q_len),
             ("block_kv", kv_len),
+            ("block_q_compute", None),
             ("backward_block_q", q_len),
             ("backward_block_kv", kv_len),
+            ("backward_block_kv_compute", None),
         ):
             block = sizes[name]
-            if block < length and block % LANES:
+            if block is None:
+                block = getattr(defaults, name)
+                block = block if length is None else balanced(block, length)
+            elif length is not None and block < length and block % LANES:
                 raise ValueError(
                     f"BlockSizes.{name}={block} is shorter than the sequence ({length}) and so "
                     f"must be a multiple of {LANES}"
                 )
-            sizes[name] = min(block, length)
+            sizes[name] = block if length is None else min(block, length)
         return dataclasses.replace(self, **sizes)
 
 
-def v5e_defaults(spec: AttentionSpec) -> BlockSizes:
-    """The block sizes tuned on the static v5e schedule (B=1, H=16, head_dim 128, bfloat16,
-    N = 4k..16k; the package README has the sweep).
+def balanced(block: int, length: int) -> int:
+    """The block that cuts ``length`` into as many blocks as ``block`` does, as equal as
+    multiples of 128 allow: the last block is never mostly padding. E.g. 6144 rows in blocks
+    of 4096 become two of 3072; 5120 in blocks of 2048, three of 1792 (the last 1536)."""
+    if block >= length:
+        return length
+    count = math.ceil(length / block)
+    return min(block, LANES * math.ceil(length / count / LANES))
 
-    Forward: without a mask, 4096 x 1024 (the longest query blocks amortise each step's fixed
-    cost over the most MXU work); causal, 2048 x 2048 (every block that straddles the
-    diagonal starts on it, and a 4096 x 4096 configuration overflows VMEM at 16k); with a
-    sliding window, 1024 x 1024 (fewer keys computed past its edges).
-    Backward: 1024 x 1024 block pairs in key sub-blocks of 256 (MXU-bound without a mask).
+
+def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> BlockSizes:
+    """The default block sizes of a call on ``generation``, before balancing.
+
+    Tuned on the static v5e schedule (B=1, H=16, head_dim 128, bfloat16, N = 4k..16k; the
+    package README has the sweeps) for v5e, and v6e, which has as much VMEM:
+
+    - Forward without a mask: 4096 x 1024 (the longest query blocks amortise each step's
+      fixed cost over the most MXU work) in query sub-blocks of 1024 rows: each weight tile
+      pushed into an MXU then serves 1024 rows (one push per eight matmuls, as splash), so
+      the kernel leads jax's kernels whether or not pushes overlap the matmuls; 256-row
+      sub-blocks schedule 6 % faster only if they do.
+    - Causal: 2048 x 2048 (every block that straddles the diagonal starts on it) in
+      sub-blocks of 256 rows (on the diagonal a sub-block computes the keys up to its last
+      row: shorter sub-blocks compute fewer masked scores).
+    - With a sliding window: 1024 x 1024 (fewer keys computed past its edges), sub-blocks of
+      256 rows.
+    - Backward: 1024 x 1024 block pairs in key sub-blocks of 256 (MXU-bound without a mask).
+
+    Generations with less VMEM get query and kv blocks no longer than fit the largest
+    supported call (head_dim 256, float32, segment ids) in it: 2048 on v5p (64 MiB), 512 on
+    v4 (16 MiB).
     """
+    compute = 256
     if spec.window is not None:
         block_q, block_kv = 1024, 1024
     elif spec.causal:
         block_q, block_kv = 2048, 2048
     else:
-        block_q, block_kv = 4096, 1024
-    return BlockSizes(block_q, block_kv, 256, 1024, 1024, 256)
+        block_q, block_kv, compute = 4096, 1024, 1024
+    longest = _LONGEST_BLOCK.get(generation.vmem_bytes >> 20, 512)
+    backward = min(1024, longest)
+    return BlockSizes(
+        min(block_q, longest),
+        min(block_kv, longest),
+        min(compute, longest),
+        backward,
+        backward,
+        256,
+    )
+
+
+_LONGEST_BLOCK = {128: 4096, 64: 2048}
+"""MiB of VMEM per core -> the longest default query or kv block (`default_block_sizes`)."""
 
 
 def _tile_bytes(rows: int, cols: int, dtype: np.dtype) -> int:
@@ -133,15 +183,30 @@ def _tile_bytes(rows: int, cols: int, dtype: np.dtype) -> int:
 _F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 
 
+LIVE_SUB_BLOCKS = 4
+"""Row (forward) or key (backward) sub-blocks whose temporaries the compiler keeps alive at
+once: the sub-blocks are unrolled and interleaved, and Mosaic keeps their score-sized values
+in VMEM. Calibrated on compiled v5e kernels (forward 4096 x 4096 in 16 sub-blocks of 256 rows
+at head_dim 128 needs 68.2 MiB, 54 of them such temporaries: under this bound's 64)."""
+
+
+def _temporaries(rows: int, cols: int, sub_blocks: int, per_sub_block: int) -> int:
+    """VMEM of the float32 ``[rows, cols]`` temporaries, ``per_sub_block`` of them, of the
+    sub-blocks alive at once (at most `LIVE_SUB_BLOCKS` of ``sub_blocks``)."""
+    live = min(sub_blocks, LIVE_SUB_BLOCKS)
+    return live * per_sub_block * _tile_bytes(rows, cols, _F32)
+
+
 def forward_vmem_bytes(
     blocks: BlockSizes, head_dim: int, dtype: np.dtype, segment_ids: bool
 ) -> int:
-    """Estimated VMEM of one forward kernel instance.
+    """Estimated VMEM of one forward kernel instance: an upper bound of what Mosaic allocates.
 
     Counts the double-buffered pipeline blocks (q, k, v, output, log-sum-exp, segment ids),
     the scratch (running max and sum ``[block_q, 128]``, accumulator ``[block_q, head_dim]``,
-    all float32; the queries' segment ids ``[block_q, 128]``) and the float32 temporaries of
-    one row sub-block (scores, probabilities, mask: ``[block_q_compute, block_kv]`` each).
+    all float32; the queries' segment ids ``[block_q, 128]``) and the float32 temporaries
+    (scores, probabilities, mask, exponentials: ``[block_q_compute, block_kv]`` each) of the
+    row sub-blocks alive at once (`LIVE_SUB_BLOCKS`).
     """
     bq, bkv = blocks.block_q, blocks.block_kv
     pipelined = (
@@ -153,7 +218,8 @@ def forward_vmem_bytes(
     if segment_ids:
         pipelined += _tile_bytes(1, bq, _I32) + _tile_bytes(1, bkv, _I32)
         scratch += _tile_bytes(bq, LANES, _I32)
-    temporaries = 3 * _tile_bytes(min(blocks.block_q_compute, bq), bkv, _F32)
+    rows = min(blocks.block_q_compute, bq)
+    temporaries = _temporaries(rows, bkv, math.ceil(bq / rows), 4)
     return 2 * pipelined + scratch + temporaries
 
 
@@ -172,14 +238,16 @@ def backward_vmem_bytes(
     group: int,
     chunk_rows: int,
 ) -> int:
-    """Estimated VMEM of one backward kernel instance.
+    """Estimated VMEM of one backward kernel instance: an upper bound of what Mosaic
+    allocates.
 
     Counts the double-buffered pipeline blocks (q, output gradient, k, v, log-sum-exp and row
     sums, segment ids, dk and dv, at most 4 bytes each), the query-gradient accumulator and
     output of ``chunk_rows`` rows for ``group`` heads (`dq_vmem_bytes`), the dk and dv
     accumulators and the keys' segment ids ``[backward_block_kv, 128]``, and the float32
-    temporaries of one key sub-block (scores, probabilities, their gradients, mask:
-    ``[backward_block_kv_compute, backward_block_q]`` each).
+    temporaries (scores, probabilities, their gradients, mask:
+    ``[backward_block_kv_compute, backward_block_q]`` each) of the key sub-blocks alive at
+    once (`LIVE_SUB_BLOCKS`).
     """
     bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
     pipelined = (
@@ -192,26 +260,29 @@ def backward_vmem_bytes(
     if segment_ids:
         pipelined += _tile_bytes(1, bq, _I32) + _tile_bytes(1, bkv, _I32)
         scratch += _tile_bytes(bkv, LANES, _I32)
-    temporaries = 5 * _tile_bytes(min(blocks.backward_block_kv_compute, bkv), bq, _F32)
+    keys = min(blocks.backward_block_kv_compute, bkv)
+    temporaries = _temporaries(keys, bq, math.ceil(bkv / keys), 5)
     dq = dq_vmem_bytes(chunk_rows, head_dim, dtype, group)
     return 2 * pipelined + scratch + temporaries + dq
 
 
-def vmem_limit_bytes(needed: int, blocks: str, capacity: int = VMEM_CAPACITY_BYTES) -> int:
+def vmem_limit_bytes(needed: int, blocks: str, generation: TpuGeneration) -> int:
     """The scoped-VMEM limit to compile a kernel with that needs an estimated ``needed``
-    bytes: twice the estimate, at least 32 MiB, at most the capacity.
+    bytes on ``generation``: the estimate with `VMEM_HEADROOM`, at least `MIN_VMEM_LIMIT_BYTES`,
+    at most the core's VMEM.
 
     Args:
       needed: the estimate.
       blocks: what the estimate is for (block sizes, head_dim, dtype), for the error message.
-      capacity: VMEM of the core.
+      generation: the TPU the kernel is built for.
 
     Raises:
-      ValueError: the estimate exceeds ``capacity``; the message suggests smaller blocks.
+      ValueError: the estimate exceeds the core's VMEM; the message suggests smaller blocks.
     """
+    capacity = generation.vmem_bytes
     if needed > capacity:
         raise ValueError(
-            f"{blocks} need about {needed / 2**20:.1f} MiB of VMEM, but the TPU core has "
-            f"{capacity / 2**20:.0f} MiB; choose smaller BlockSizes"
+            f"{blocks} need about {needed / 2**20:.1f} MiB of VMEM, but a TPU {generation.name} "
+            f"core has {capacity / 2**20:.0f} MiB; choose smaller BlockSizes"
         )
-    return min(capacity, max(MIN_VMEM_LIMIT_BYTES, 2 * needed))
+    return min(capacity, max(MIN_VMEM_LIMIT_BYTES, math.ceil(VMEM_HEADROOM * needed)))

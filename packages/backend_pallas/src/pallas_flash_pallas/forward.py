@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import interpret
+from pallas_flash import interpret, tpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.block_sizes import LANES, BlockSizes, forward_vmem_bytes, vmem_limit_bytes
@@ -211,8 +211,9 @@ def flash_forward(
       v: ``[batch, kv_heads, kv_len, head_dim]``, dtype of q.
       segment_ids: int32 ``q [batch, q_len]`` and ``kv [batch, kv_len]``, or None.
       spec: the call's settings.
-      block_sizes: block sizes (None sizes: the v5e defaults), before clamping to the
-        sequence lengths; default `BlockSizes()`.
+      block_sizes: block sizes (None sizes: the defaults of the TPU generation,
+        `block_sizes.default_block_sizes`), before clamping to the sequence lengths; default
+        `BlockSizes()`.
 
     Returns:
       ``(out, lse)``: ``out [batch, q_heads, q_len, head_dim]`` in q's dtype and
@@ -224,7 +225,16 @@ def flash_forward(
       ValueError: the block sizes are illegal for these lengths or do not fit in VMEM.
     """
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
-    return _forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes, with_lse=True)
+    return _forward(
+        q,
+        k,
+        v,
+        segment_ids,
+        spec=spec,
+        block_sizes=block_sizes,
+        with_lse=True,
+        generation=tpu.current_generation(),
+    )
 
 
 def flash_output(
@@ -239,7 +249,16 @@ def flash_output(
     """The output of `flash_forward` alone: the kernel then neither computes nor writes the
     log-sum-exp (for calls that are not differentiated)."""
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
-    (out,) = _forward(q, k, v, segment_ids, spec=spec, block_sizes=block_sizes, with_lse=False)
+    (out,) = _forward(
+        q,
+        k,
+        v,
+        segment_ids,
+        spec=spec,
+        block_sizes=block_sizes,
+        with_lse=False,
+        generation=tpu.current_generation(),
+    )
     return out
 
 
@@ -252,20 +271,22 @@ def _flash_forward(
     spec: AttentionSpec,
     block_sizes: BlockSizes,
     with_lse: bool,
+    generation: tpu.TpuGeneration,
     interpret: pltpu.InterpretParams | None,
 ) -> tuple[jax.Array, ...]:
-    """``(out, lse)`` of `flash_forward`, or ``(out,)`` without ``with_lse``; ``interpret``:
-    the interpreter's settings, or None for Mosaic."""
+    """``(out, lse)`` of `flash_forward`, or ``(out,)`` without ``with_lse``, built for
+    ``generation``; ``interpret``: the interpreter's settings, or None for Mosaic."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    blocks = block_sizes.for_call(spec, q_len, kv_len)
+    blocks = block_sizes.for_call(spec, q_len, kv_len, generation)
     schedule = KvSchedule(spec, q_len, kv_len, blocks.block_q, blocks.block_kv)
     has_ids = segment_ids is not None
     limit = vmem_limit_bytes(
         forward_vmem_bytes(blocks, head_dim, q.dtype, has_ids),
         f"forward block sizes block_q={blocks.block_q}, block_kv={blocks.block_kv} with "
         f"head_dim={head_dim}, {q.dtype.name}",
+        generation,
     )
 
     # Index maps of the grid (b, h, i, j) to block indices.
@@ -331,4 +352,4 @@ def _flash_forward(
     )(*args)
 
 
-_forward = interpret.jit_kernel(_flash_forward, ("spec", "block_sizes", "with_lse"))
+_forward = interpret.jit_kernel(_flash_forward, ("spec", "block_sizes", "with_lse", "generation"))

@@ -1,0 +1,99 @@
+"""TPU generations, and which one a kernel is built for.
+
+Kernel backends size their VMEM use (block sizes, scoped-VMEM limits) from the generation a
+call runs on, chosen at trace time by `current_generation`:
+
+1. the ``PALLAS_FLASH_TPU`` environment variable (``v4``, ``v5e``, ``v5p``, ``v6e``), needed
+   when compiling ahead of time for a TPU the host does not have;
+2. else, on a TPU, the first device's ``device_kind``;
+3. else (no TPU: the kernels run in Pallas's TPU interpreter) v5e, the generation the
+   kernels are tuned for.
+
+A TPU of a kind not listed here gets `UNKNOWN`, sized for the smallest VMEM of any listed
+generation so that kernels still compile, with a warning naming the environment variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import jax
+
+GENERATION_ENV_VAR = "PALLAS_FLASH_TPU"
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGeneration:
+    """One TPU generation, as the kernels see it.
+
+    Attributes:
+      name: e.g. ``v5e``.
+      device_kinds: ``jax.Device.device_kind`` strings of its chips.
+      vmem_bytes: VMEM of one TensorCore.
+      tensorcores: TensorCores per chip (2: megacore, which splits a kernel's parallel grid
+        axes between its cores).
+    """
+
+    name: str
+    device_kinds: tuple[str, ...]
+    vmem_bytes: int
+    tensorcores: int
+
+
+GENERATIONS = {
+    generation.name: generation
+    for generation in (
+        TpuGeneration("v4", ("TPU v4",), 16 * MiB, 2),
+        TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MiB, 1),
+        TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 64 * MiB, 2),
+        TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 1),
+    )
+}
+"""The generations the kernels are sized for, by name."""
+
+DEFAULT = GENERATIONS["v5e"]
+"""The generation the kernels are tuned for, and the one assumed off TPU."""
+
+UNKNOWN = TpuGeneration(
+    "unknown",
+    (),
+    min(g.vmem_bytes for g in GENERATIONS.values()),
+    max(g.tensorcores for g in GENERATIONS.values()),
+)
+"""A TPU of an unlisted kind: the least VMEM of any listed generation."""
+
+
+def for_device_kind(device_kind: str) -> TpuGeneration:
+    """The generation of a TPU ``device_kind``, or `UNKNOWN` (with a warning)."""
+    for generation in GENERATIONS.values():
+        if device_kind in generation.device_kinds:
+            return generation
+    warnings.warn(
+        f"unknown TPU device kind {device_kind!r}: kernels are sized for "
+        f"{UNKNOWN.vmem_bytes // MiB} MiB of VMEM; set {GENERATION_ENV_VAR} to one of "
+        f"{sorted(GENERATIONS)} to choose",
+        stacklevel=2,
+    )
+    return UNKNOWN
+
+
+def current_generation() -> TpuGeneration:
+    """The generation kernels traced now are built for (see the module doc).
+
+    Raises:
+      ValueError: ``PALLAS_FLASH_TPU`` names no known generation.
+    """
+    name = os.environ.get(GENERATION_ENV_VAR, "").strip()
+    if name:
+        if name not in GENERATIONS:
+            raise ValueError(
+                f"{GENERATION_ENV_VAR} must be one of {sorted(GENERATIONS)} or unset, got {name!r}"
+            )
+        return GENERATIONS[name]
+    if jax.default_backend() == "tpu":
+        return for_device_kind(jax.devices()[0].device_kind)
+    return DEFAULT
