@@ -33,7 +33,7 @@ def test_forward_bytes_are_q_k_v_and_o() -> None:
 def test_labels_are_unique_in_the_default_sweep() -> None:
     labels = [w.label for w in default_sweep()]
     assert len(labels) == len(set(labels))
-    assert {w.seq_len for w in default_sweep() if w.op != "decode"} == {
+    assert {w.seq_len for w in default_sweep() if w.op == "forward_backward"} == {
         1024,
         2048,
         4096,
@@ -41,6 +41,8 @@ def test_labels_are_unique_in_the_default_sweep() -> None:
         16384,
         32768,
     }
+    forward = {w.seq_len for w in default_sweep() if w.op == "forward"}
+    assert {1536, 3072, 5120, 6144, 12288, 24576, 100_000} < forward, "lengths off the powers"
     assert max(w.seq_len for w in default_sweep() if w.op == "decode") == 131072
 
 

@@ -76,16 +76,26 @@ class Workload:
         return dataclasses.asdict(self)
 
 
+POWERS_OF_TWO = (1024, 2048, 4096, 8192, 16384, 32768)
+"""Attention lengths of the default sweep, forward and forward+backward."""
+
+OTHER_LENGTHS = (1536, 3072, 5120, 6144, 12288, 24576, 100_000)
+"""Lengths no power-of-two block divides, forward only: where a kernel's tiling leaves
+partial blocks (a cliff a sweep of powers of two never shows)."""
+
+
 def default_sweep(chips: int = 1) -> list[Workload]:
-    """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k, causal and not, forward and
-    forward+backward; decode 1k..128k cached tokens, 16/16 and 32/8 heads, on one chip and,
-    given a slice of ``chips`` > 1, from 8k on over all of them."""
+    """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k (`POWERS_OF_TWO`), causal and
+    not, forward and forward+backward, and forward at `OTHER_LENGTHS`; decode 1k..128k cached
+    tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
+    over all of them."""
     attention = [
         Workload(op, n, causal)
         for op in ("forward", "forward_backward")
-        for n in (1024, 2048, 4096, 8192, 16384, 32768)
+        for n in POWERS_OF_TWO
         for causal in (False, True)
     ]
+    attention += [Workload("forward", n, causal) for n in OTHER_LENGTHS for causal in (False, True)]
     decode = [
         Workload("decode", n, q_heads=q, kv_heads=kv)
         for n in (1024, 8192, 32768, 131072)
