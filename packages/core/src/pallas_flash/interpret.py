@@ -107,7 +107,9 @@ def jit_kernel(fn: Callable[..., Any], static_argnames: Sequence[str]) -> Callab
         return fold_vmap_into_batch(functools.partial(fn, **static))(*args)
 
     compiled = jax.jit(kernel, static_argnames=names)
-    interpreted = jax.jit(kernel, static_argnames=names, compiler_options=INTERPRET_COMPILER_OPTIONS)
+    interpreted = jax.jit(
+        kernel, static_argnames=names, compiler_options=INTERPRET_COMPILER_OPTIONS
+    )
 
     @functools.wraps(fn)
     def call(*args: Any, devices: int = 1, **kwargs: Any) -> Any:
