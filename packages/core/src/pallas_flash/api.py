@@ -153,7 +153,8 @@ def decode(
       k_cache: ``[batch, kv_heads, max_len, head_dim]``, same dtype as q.
       v_cache: ``[batch, kv_heads, max_len, head_dim]``, same dtype as q.
       lengths: ``[batch]`` int32 in ``[0, max_len]``; sequence ``b`` attends to cache
-        positions ``< lengths[b]``.
+        positions ``< lengths[b]``. Concrete values outside the range raise; traced ones
+        (under ``jit``) cannot be checked and count as the nearest end of it.
       sm_scale: score scale; default ``1 / sqrt(head_dim)``.
       softcap: if set, ``scores = softcap * tanh(scores / softcap)``.
       backend: backend name (see `attention`).
