@@ -22,11 +22,21 @@ def test_causal_active_fraction_with_longer_kv_blocks() -> None:
     assert estimate.causal_active_fraction(4, 2) == 6 / 8
 
 
-def test_kernel_cycles_are_exact_when_every_region_is_decided() -> None:
+def test_kernel_cycles_when_every_region_is_decided() -> None:
     assert estimate.kernel_cycles(1_469_086, 1_469_086, 9, (1, 16, 8, 8), causal=True) == (
         1_469_086,
-        "exact: every predicated region decided",
+        "every predicated region decided",
     )
+
+
+def test_undecided_regions_between_their_bounds() -> None:
+    assert estimate.undecided_fraction((16, 4, 4), causal=True) == 10 / 16
+    assert estimate.undecided_fraction((16, 4, 4), causal=False) == 1.0
+    assert estimate.undecided_fraction(None, causal=True) == 1.0
+    # splash's critical path: its block-mask region (4,292 cycles) on 160 of 256 steps
+    assert estimate.between((17_141, 1_115_893), 10 / 16) == 17_141 + 160 * 4292
+    assert estimate.between((0, 3), 0.5) == 2  # rounded up
+    assert estimate.between(None, 0.5) is None
 
 
 def test_undecided_regions_run_on_the_causal_fraction_of_steps() -> None:
@@ -169,3 +179,24 @@ def test_decode_over_four_chips_splits_the_bytes_and_adds_its_collectives() -> N
     assert figures["tokens_per_dollar"]["value"] == pytest.approx(
         1 / (memory + exchange) / dollars_per_second
     )
+
+
+def test_dma_cycles_at_the_hbm_bandwidth() -> None:
+    # the pallas forward at N=4096 streams 64 MiB over its 64 grid steps
+    cycles = estimate.dma_cycles(64 << 20, V5E)
+    assert cycles == pytest.approx((64 << 20) / 819e9 * V5E.clock_hz)
+    assert cycles / 64 < 16_384  # 1 MiB per step hides under 16,384 cycles of matmuls
+
+
+def test_spread_gives_latency_and_mfu_under_each_estimate() -> None:
+    w = Workload("forward", 4096)
+    memory = w.min_hbm_bytes / V5E.hbm_bandwidth
+    cycles = {"schedule": 1_074_041, "push16": 1_572_864, "critical_path": None, "tiny": 10}
+    out = estimate.spread(w, V5E, cycles, memory, 0.0)
+    seconds = 1_572_864 / V5E.clock_hz
+    assert out["push16"]["latency_seconds"] == pytest.approx(seconds)
+    assert out["push16"]["mfu"] == pytest.approx(w.useful_flops / seconds / V5E.peak_flops)
+    assert 0.66 < out["push16"]["mfu"] < 0.67
+    assert 0.97 < out["schedule"]["mfu"] < 0.98
+    assert out["critical_path"] == {"cycles": None, "latency_seconds": None, "mfu": None}
+    assert out["tiny"]["latency_seconds"] == pytest.approx(memory)  # memory-bound

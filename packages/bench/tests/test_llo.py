@@ -399,3 +399,50 @@ def test_vmem_bytes_sum_the_vmem_allocations() -> None:
     and smem allocations are not VMEM."""
     text = (SAMPLES / "flash_attention_allocations.txt").read_text()
     assert llo.parse_vmem_bytes(text) == 7 * 256 * 1024 + 0x9000
+
+
+def test_executed_weight_and_instruction_on_the_tiny_listing():
+    """Weights per bundle weigh like the bundles: bundle 8 (in the region run once) counts
+    once, bundle 2 (every iteration) ten times, bundle 0 (before the loop) once. A guarded
+    instruction runs on the iterations its predicate allows within its regions."""
+    text = TINY.replace(
+        "0x8 : > { %7 = vmatmul",
+        "0x8 : > { %11 = dma.hbm_to_vmem [thread:$0] (!%p4), %s1 ;; %7 = vmatmul",
+    )
+    listing = llo.parse_bundles(text, "k.1")
+    weights = [0] * len(listing.bundles)
+    weights[0], weights[2], weights[8] = 100, 10, 1
+    assert llo.executed_weight(listing, [llo.prefix_sums(weights)]) == (201, 201)
+    # several weights (MXUs): the busiest outside the loops (100) plus the busiest in the loop
+    # (the second, 10 x 30)
+    other = [0] * len(listing.bundles)
+    other[2] = 30
+    both = [llo.prefix_sums(weights), llo.prefix_sums(other)]
+    assert llo.executed_weight(listing, both) == (400, 400)
+    (dma,) = [ins for b in listing.bundles for ins in b.instructions if ins.base == "dma"]
+    assert dma.args.startswith("[thread:$0] (!%p4)")
+    # inside the region skipped unless the counter is 0; its own guard is the same predicate
+    assert llo.executed_instruction(listing, 8, "!%p4") == (1, 1)
+    assert llo.executed_instruction(listing, 8, "%p4") == (0, 0)
+    assert llo.executed_instruction(listing, 2, "%p4") == (9, 9)
+    assert llo.executed_instruction(listing, 0, None) == (1, 1)  # before the loop: once
+    assert llo.executed_instruction(listing, 2, "%p99") == (0, 10)  # undecidable predicate
+
+
+def test_buffer_slot_counters_are_evaluated_per_iteration():
+    """A phi stepping by 0 or 1 (a pipeline's buffer slot) and one holding the previous
+    iteration's value of another: the pattern the DMA predicates of a Pallas pipeline compare."""
+    text = TINY.replace(
+        "  0 :  { %s1 = smov 0 /* copy for cssa */ }",
+        "  0 :  { %s1 = smov 0 /* copy for cssa */  ;;  %s40 = smov 0  ;;  %s41 = smov 0 }",
+    ).replace(
+        "0x2 : > { %s3 = sadd.s32 1, %s2",
+        "0x2 : > { %s42 = sphi %s40, %s46  ;;  %s43 = sphi %s41, %s42  ;;  "
+        "%s44 = sand.u32 1, %s2  ;;  %p45 = scmp.eq.s32.totalorder %s44, 0  ;;  "
+        "%s47 = sadd.s32 1, %s42  ;;  %s46 = scalar_select %p45, %s42, %s47  ;;  "
+        "%p48 = scmp.ne.s32.totalorder %s42, %s43  ;;  %s3 = sadd.s32 1, %s2",
+    )
+    listing = llo.parse_bundles(text, "k.1")
+    # the slot steps after each odd iteration: 0 0 1 1 2 2 ...; it differs from its previous
+    # value on iterations 2, 4, 6, 8
+    assert llo.executed_instruction(listing, 2, "%p48") == (4, 4)

@@ -29,6 +29,23 @@ def causal_active_fraction(q_blocks: int, kv_blocks: int) -> float:
     return active / (q_blocks * kv_blocks)
 
 
+def undecided_fraction(grid: tuple[int, ...] | None, causal: bool) -> float:
+    """Fraction of the grid steps taken to run a region the schedule cannot decide (its
+    predicate reads memory, like splash attention's block mask): the steps a causal mask
+    leaves active, all of them without one."""
+    if causal and grid is not None and len(grid) >= 2:
+        return causal_active_fraction(grid[-2], grid[-1])
+    return 1.0
+
+
+def between(bounds: tuple[int, int] | None, fraction: float) -> int | None:
+    """``min + fraction x (max - min)`` of a (regions skipped, regions run) pair, rounded up."""
+    if bounds is None:
+        return None
+    lo, hi = bounds
+    return lo + math.ceil((hi - lo) * fraction)
+
+
 def kernel_cycles(
     executed_min: int | None,
     executed_max: int | None,
@@ -38,37 +55,67 @@ def kernel_cycles(
     mxu_min: int | None = None,
     mxu_max: int | None = None,
 ) -> tuple[int, str]:
-    """Static cycles of one kernel and how they were obtained.
+    """Headline static cycles of one kernel and how they were obtained.
 
     One bundle issues per cycle, but a ``vmatmul`` keeps its MXU busy for several cycles
     (`llo.MXU_ROWS_PER_CYCLE`); the kernel takes the larger of its bundles and its busiest
-    MXU's cycles.
+    MXU's cycles (weight pushes free: see `pallas_flash_bench.spread` for the other estimates).
 
     ``executed_min`` / ``executed_max`` are the bundles the kernel executes with its undecided
     predicated regions skipped / run (equal when the schedule decides every region, e.g. a
     block skip computed from the grid indices), ``mxu_min`` / ``mxu_max`` the busiest MXU's
-    cycles likewise. When they differ (regions whose predicate reads memory, like splash
-    attention's block mask), the regions are taken to run on the fraction of grid steps a
-    causal mask leaves active (all of them without a causal mask). Without the bundle figures
-    (inner loops, unknown trip count), ``fallback`` is used: grid steps x bundles per step,
-    every region run.
+    cycles likewise. When they differ, the regions run on `undecided_fraction` of the steps.
+    Without the bundle figures (inner loops, unknown trip count), ``fallback`` is used: grid
+    steps x bundles per step, every region run.
     """
     if executed_min is None or executed_max is None:
         return fallback, "grid steps x bundles per step"
     fraction = 1.0
     if executed_min == executed_max and mxu_min == mxu_max:
-        how = "exact: every predicated region decided"
+        how = "every predicated region decided"
     else:
-        if causal and grid is not None and len(grid) >= 2:
-            fraction = causal_active_fraction(grid[-2], grid[-1])
+        fraction = undecided_fraction(grid, causal)
         how = f"data-dependent regions run on {fraction:.0%} of the steps"
-    cycles = executed_min + math.ceil((executed_max - executed_min) * fraction)
+    cycles = between((executed_min, executed_max), fraction)
+    assert cycles is not None
     if mxu_min is not None and mxu_max is not None:
-        mxu = mxu_min + math.ceil((mxu_max - mxu_min) * fraction)
+        mxu = between((mxu_min, mxu_max), fraction)
+        assert mxu is not None
         if mxu > cycles:
             how += f"; MXU-bound: the busiest MXU needs {mxu} cycles for {cycles} bundles"
             cycles = mxu
     return cycles, how
+
+
+def dma_cycles(dma_bytes: float, target: Target) -> float:
+    """Cycles the target's HBM needs to move ``dma_bytes``: a kernel's block copies, to set
+    against its compute (both overlap only while the copies hide under the compute)."""
+    return dma_bytes / target.hbm_bandwidth * target.clock_hz
+
+
+def spread(
+    workload: Workload,
+    target: Target,
+    cycles: dict[str, int | None],
+    memory_seconds: float,
+    collective_seconds: float,
+) -> dict[str, dict[str, float | None]]:
+    """Per estimate (program cycles, see `pallas_flash_bench.spread`): its cycles, latency
+    (compute or memory time, whichever is longer, plus the collectives, as the headline) and
+    MFU; None where the estimate is missing."""
+    out: dict[str, dict[str, float | None]] = {}
+    peak = target.peak_flops * workload.chips
+    for name, value in cycles.items():
+        if value is None:
+            out[name] = {"cycles": None, "latency_seconds": None, "mfu": None}
+            continue
+        latency = max(value / target.clock_hz, memory_seconds) + collective_seconds
+        out[name] = {
+            "cycles": value,
+            "latency_seconds": latency,
+            "mfu": workload.useful_flops / latency / peak,
+        }
+    return out
 
 
 RING_TRAFFIC = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}

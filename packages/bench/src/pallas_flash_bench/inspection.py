@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from pallas_flash_bench import hlo
+from pallas_flash_bench import estimate, hlo
 from pallas_flash_bench.runner import run_workers
 from pallas_flash_bench.subjects import all_subjects
 from pallas_flash_bench.targets import Target
@@ -64,6 +64,20 @@ def inspect_kernel(subject_id: str, workload: Workload, target: Target) -> str:
             f"VMEM {k['vmem_bytes'] / (1 << 20):.2f} MiB; "
             f"cycles: {k['cycles_from']}\n    slot use: {use}"
         )
+        if k.get("estimates"):
+            steps = k["steps"] or 1
+            per_step = ", ".join(
+                f"{name} {value / steps:,.0f}" if value is not None else f"{name} —"
+                for name, value in k["estimates"].items()
+            )
+            lines.append(f"    cycles per grid step by estimate: {per_step}; pushes {k['pushes']}")
+        if k.get("dma_bytes") is not None:
+            dma = estimate.dma_cycles(k["dma_bytes"], target) / (k["steps"] or 1)
+            lines.append(
+                f"    DMA per grid step: {k['dma_bytes'] / (k['steps'] or 1) / (1 << 20):.3f} MiB "
+                f"at most, {dma:,.0f} cycles at {target.hbm_bandwidth / 1e9:.0f} GB/s, against "
+                f"{k['cycles'] / (k['steps'] or 1):,.0f} cycles of compute"
+            )
     if not row["kernels"]:
         lines.append("  no Pallas kernel in this program")
     lines += [f"note: {n}" for n in row["notes"]]

@@ -31,6 +31,9 @@ per compiled HLO op, ``<fingerprint>-<op name>-<NN>-<stage>.txt`` files. Three o
     ``total scheduled bundles: N`` and the op's HLO instruction (for a Pallas kernel a
     ``custom-call`` with ``custom_call_target="tpu_custom_call"``).
 
+Two more are read when present: ``...-original.txt`` (the memory allocations, for the VMEM a
+kernel uses) and ``...-critical-path.txt`` (see `pallas_flash_bench.critical_path`).
+
 A Pallas kernel's grid is one software-pipelined loop. Its trip count is the number of grid steps
 plus the pipeline's fill and drain iterations (``1026`` for a ``(1, 16, 8, 8)`` grid): the body
 keeps the step's compute in a region guarded by the loop counter (skipped in the first and last
@@ -40,8 +43,12 @@ regions and :attr:`Loop.predicated_bundles` looks through them.
 Where a region's branch predicate is a function of the loop counter and of the grid indices (the
 ``sphi`` registers annotated ``iteration index, stage = S iter bound = D``: grid index ``D`` of
 the step that pipeline stage ``S`` works on), it is evaluated for every iteration:
-:attr:`Region.executed_iterations` and :attr:`Loop.executed_bundles` are then exact (e.g. the
-accumulator init and write-back of flash attention, and its causal block skip). Predicates that
+:attr:`Region.executed_iterations` and :attr:`Loop.executed_bundles` are then decided (e.g. the
+accumulator init and write-back of flash attention, and its causal block skip); so are the
+pipeline's buffer-slot counters its DMA predicates compare. Any other per-bundle figure is
+weighed the same way by :func:`executed_weight` (the busiest MXU's cycles, the critical path
+of `pallas_flash_bench.critical_path`), an instruction's executions counted by
+:func:`executed_instruction` (the DMAs of `pallas_flash_bench.dma`). Predicates that
 read memory (splash attention's block masks) stay undecided: those regions count as executed in
 ``executed_bundles_max`` and skipped in ``executed_bundles_min``.
 
@@ -53,10 +60,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-import numpy as np
+from pallas_flash_bench import critical_path
+from pallas_flash_bench.scalar_flow import (
+    CMOV_RE,
+    Defs,
+    LoopContext,
+    LoopEval,
+    evaluate_loop,
+    trip_count,
+)
 
 __all__ = [
     "BRANCH_DELAY_SLOTS",
@@ -69,6 +84,8 @@ __all__ = [
     "ScheduleAnalysis",
     "Utilization",
     "build_schedule",
+    "executed_instruction",
+    "executed_weight",
     "find_dump_files",
     "is_pallas_kernel",
     "load_dump",
@@ -76,6 +93,8 @@ __all__ = [
     "parse_bundles",
     "parse_schedule_analysis",
     "parse_utilization",
+    "prefix_sums",
+    "unit_prefixes",
 ]
 
 #: Bundles after an ``sbr.rel`` that execute whether or not the branch is taken (on v5e every
@@ -85,37 +104,30 @@ BRANCH_DELAY_SLOTS = 4
 #: A region whose predicate depends on the loop counter only and that is skipped in at most this
 #: fraction of the iterations is a pipeline guard (executed in the steady state).
 _GUARD_MAX_SKIP_FRACTION = 0.5
-#: Do not evaluate predicates over loops with more iterations than this; evaluate in chunks.
+#: Do not evaluate predicates over loops with more iterations than this.
 _MAX_EVALUATED_TRIPS = 1 << 22
-_EVAL_CHUNK = 1 << 16
 
 _WRAPPER_OPS = ("TLP",)
-_MASK32 = (1 << 32) - 1
 
 _BUNDLE_RE = re.compile(
     r"^\s*(?P<addr>0x[0-9a-fA-F]+|\d+)\s+(?P<markers>(?:[A-Z]{2}\s*)*):\s*(?P<nest>>*)\s*\{"
 )
 _INSTR_RE = re.compile(r"^(?P<dest>%[\w.\-]+)\s*=\s*(?P<opcode>[A-Za-z_][\w.\-]*)\s*(?P<args>.*)$")
 _GUARD_RE = re.compile(r"^\(\s*(?P<guard>!?%p\w+)\s*\)\s*,?\s*(?P<rest>.*)$", re.S)
-_CMOV_RE = re.compile(r"^\(\s*(?P<pred>!?%p\w+)\s*,\s*(?P<old>[^)]+?)\s*\)\s*,\s*(?P<new>\S+)$")
 _BRANCH_RE = re.compile(r"^\(\s*(?P<pred>!?%p\w+)\s*\)\s*target\s*=\s*\$region(?P<region>\d+)")
 _REGION_START_RE = re.compile(r"Start(?:/End empty)? region (\d+)")
 _ITER_BOUNDS_RE = re.compile(r"iteration_bounds:\s*\(([\d,\s]*)\)")
-_ITER_INDEX_RE = re.compile(r"iteration index, stage = (\d+)(?: iter bound = (\d+))?")
 _HLO_COMMENT_RE = re.compile(r"/\*\s*(?:exit|entry) bundle:\s*(?P<hlo>.*?)\s*\*/", re.S)
 _HLO_OPCODE_RE = re.compile(r"=\s*(?:\S.*?\s)?(?P<opcode>[a-z][\w\-]*)\(")
 _CC_TARGET_RE = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _SPILL_RE = re.compile(r"\[(?:vmem|smem):\[#allocation\d+_spill")
-_SPILL_STORE_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]\s*(?P<value>%s\w+)$")
-_FILL_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]$")
-_CMP_RE = re.compile(r"^scmp\.(?P<cc>lt|le|gt|ge|eq|ne)\.(?P<ty>[su]32)")
-_INT_RE = re.compile(r"^-?\d+$")
 _FILE_RE = re.compile(r"^(?P<fp>\d+)-(?P<name>.+)-(?P<nn>\d+)-(?P<kind>[\w\-]+)\.txt$")
 
 _KIND_BUNDLES = "final_bundles"
 _KIND_UTIL = "final_hlo-static-per-bundle-utilization"
 _KIND_ANALYSIS = "schedule-analysis_final_bundles"
 _KIND_ORIGINAL = "original"  # the first LLO pass: lists the kernel's memory allocations
+_KIND_CRITICAL_PATH = "critical-path"
 
 _VMEM_ALLOCATION_RE = re.compile(r"#allocation\d+ \[.*?space=vmem, size = 0x([0-9a-f]+)")
 
@@ -202,6 +214,9 @@ class Loop:
     # MXU_ROWS_PER_CYCLE).
     executed_mxu_cycles_min: int | None = None
     executed_mxu_cycles_max: int | None = None
+    # How its regions were evaluated, to weigh other per-bundle figures the same way (see
+    # executed_weight); None where executed_bundles_min is.
+    context: LoopContext | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def bundles(self) -> int:
@@ -209,7 +224,7 @@ class Loop:
 
     @property
     def executed_bundles(self) -> int | None:
-        """Exact bundles executed over all iterations, when every region was decided."""
+        """Bundles executed over all iterations, when every region was decided."""
         lo, hi = self.executed_bundles_min, self.executed_bundles_max
         return lo if lo is not None and lo == hi else None
 
@@ -281,7 +296,7 @@ def _parse_instruction(code: str, note: str) -> Instruction | None:
         opcode, _, args = code.partition(" ")
     guard = None
     g = _GUARD_RE.match(args)
-    if g and not opcode.startswith("sbr") and not _CMOV_RE.match(args):
+    if g and not opcode.startswith("sbr") and not CMOV_RE.match(args):
         guard, args = g["guard"], g["rest"]  # for a branch the predicate is its condition
     return Instruction(dest=dest, opcode=opcode, args=args.strip(), guard=guard, note=note)
 
@@ -318,355 +333,6 @@ def _hlo_opcode(hlo: str | None) -> str | None:
         return None
     m = _HLO_OPCODE_RE.search(hlo)
     return m["opcode"] if m else None
-
-
-# --------------------------------------------------------------------------------------------
-# Scalar data flow: loop counters, grid indices and branch predicates
-
-
-class _Defs:
-    """SSA definitions of a listing: ``%x`` -> defining instruction."""
-
-    def __init__(self, bundles: Iterable[Bundle]):
-        self.defs: dict[str, Instruction] = {}
-        stored: dict[str, set[str]] = {}  # spill slot -> registers stored to it
-        for b in bundles:
-            for ins in b.instructions:
-                if ins.dest is not None:
-                    self.defs.setdefault(ins.dest, ins)
-                if ins.opcode == "sst" and ins.guard is None:
-                    m = _SPILL_STORE_RE.match(ins.args)
-                    if m:
-                        stored.setdefault(m["slot"], set()).add(m["value"])
-        # A spill slot stored from one register only ever holds that register's value.
-        self.slots = {slot: next(iter(v)) for slot, v in stored.items() if len(v) == 1}
-
-    def resolve(self, name: str) -> str:
-        """Follow plain copies (``smov %x``) and spill/fill round trips to the original value."""
-        for _ in range(64):
-            ins = self.defs.get(name)
-            if ins is None or ins.guard is not None:
-                return name
-            if ins.opcode == "smov" and re.fullmatch(r"%s\w+", ins.args):
-                name = ins.args
-            elif (
-                ins.opcode == "sld" and (m := _FILL_RE.match(ins.args)) and m["slot"] in self.slots
-            ):
-                name = self.slots[m["slot"]]
-            else:
-                return name
-        return name
-
-    def get(self, name: str) -> Instruction | None:
-        return self.defs.get(self.resolve(name))
-
-    @staticmethod
-    def operands(ins: Instruction) -> list[str]:
-        return [a.strip() for a in ins.args.split(",")]
-
-    def constant(self, name: str) -> int | None:
-        if _INT_RE.match(name):
-            return int(name)
-        ins = self.get(name)
-        if ins is not None and ins.opcode == "smov" and _INT_RE.match(ins.args):
-            return int(ins.args)
-        return None
-
-    def is_increment(self, name: str, phi: str) -> bool:
-        """Whether ``name`` holds ``phi + 1``."""
-        ins = self.get(name)
-        if ins is None or not ins.opcode.startswith("sadd") or ins.guard is not None:
-            return False
-        ops = self.operands(ins)
-        if len(ops) != 2 or "1" not in ops:
-            return False
-        return self.resolve(ops[1] if ops[0] == "1" else ops[0]) == phi
-
-    def counter(self, name: str) -> tuple[str, str, int] | None:
-        """If ``name`` is a loop counter phi or its increment: (phi, next, offset of name)."""
-        name = self.resolve(name)
-        ins = self.defs.get(name)
-        if ins is None:
-            return None
-        if ins.opcode == "sphi":
-            for other in self.operands(ins):
-                if self.is_increment(other, name):
-                    return name, self.resolve(other), 0
-            return None
-        if ins.opcode.startswith("sadd"):
-            for op in self.operands(ins):
-                phi = self.resolve(op)
-                phi_ins = self.defs.get(phi)
-                if (
-                    phi_ins is not None
-                    and phi_ins.opcode == "sphi"
-                    and self.is_increment(name, phi)
-                    and any(self.resolve(o) == name for o in self.operands(phi_ins))
-                ):
-                    return phi, name, 1
-        return None
-
-    def counter_start(self, phi: str, nxt: str) -> int | None:
-        ins = self.defs.get(phi)
-        if ins is None:
-            return None
-        starts = [self.constant(o) for o in self.operands(ins) if self.resolve(o) != nxt]
-        return starts[0] if len(starts) == 1 else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Counter:
-    phi: str  # the counter's value during an iteration
-    start: int  # its value in the first iteration; it steps by 1
-
-
-def _trip_count(defs: _Defs, predicate: str) -> tuple[int | None, _Counter | None]:
-    """Trip count of a loop whose back-edge is taken when ``predicate`` holds, and its counter."""
-    negated = predicate.startswith("!")
-    ins = defs.get(predicate.lstrip("!"))
-    if ins is None or ins.guard is not None:
-        return None, None
-    m = _CMP_RE.match(ins.opcode)
-    ops = defs.operands(ins)
-    if m is None or len(ops) != 2:
-        return None, None
-    ctr = defs.counter(ops[0])
-    if ctr is None:
-        return None, None
-    phi, nxt, offset = ctr
-    start = defs.counter_start(phi, nxt)
-    if start is None:
-        return None, None
-    counter = _Counter(phi, start)
-    bound = defs.constant(ops[1])
-    if bound is None:
-        return None, counter
-    # The back-edge is taken while cont(v) holds, v = counter + offset, after each body.
-    cc = m["cc"]
-    cont = {"ge": "lt", "gt": "le", "eq": "ne"}.get(cc) if negated else cc
-    if cont not in ("lt", "le", "ne"):
-        return None, counter
-    first = start + offset
-    if cont == "ne" and first > bound:
-        return None, counter
-    last_ok = bound - 1 if cont in ("lt", "ne") else bound  # largest v that continues
-    return max(1, last_ok - first + 2), counter
-
-
-def _signed(v: np.ndarray) -> np.ndarray:
-    return np.where(v >= 1 << 31, v - (1 << 32), v)
-
-
-class _Evaluator:
-    """Values of scalar registers and predicates over all iterations of one loop (NumPy arrays).
-
-    Leaves: the loop counter, and the grid-index ``sphi`` registers (``iteration index, stage =
-    S iter bound = D``), taken as index ``D`` of grid step ``counter - S`` in row-major order.
-    Anything else (memory loads, predicated definitions, unknown opcodes) is undecidable: None.
-    """
-
-    def __init__(
-        self, defs: _Defs, counter: _Counter, iters: np.ndarray, grid: tuple[int, ...] | None
-    ):
-        self.defs = defs
-        self.phi = counter.phi
-        self.iters = iters  # counter values to evaluate at
-        self.grid = grid if counter.start == 0 else None
-        self.cache: dict[str, np.ndarray | None] = {}
-
-    def _grid_index(self, stage: int, dim: int | None) -> np.ndarray | None:
-        flat = self.iters - stage
-        if dim is None:
-            return flat & _MASK32
-        if self.grid is None or dim >= len(self.grid):
-            return None
-        steps = math.prod(self.grid)
-        flat = np.mod(flat, steps)
-        inner = math.prod(self.grid[dim + 1 :])
-        return (flat // inner) % self.grid[dim]
-
-    def value(self, name: str, depth: int = 0) -> np.ndarray | None:
-        """u32 values (as int64) of operand ``name`` per iteration."""
-        if _INT_RE.match(name):
-            return np.full(self.iters.shape, int(name) & _MASK32, dtype=np.int64)
-        name = self.defs.resolve(name)
-        if name in self.cache:
-            return self.cache[name]
-        self.cache[name] = None  # cycles are undecidable
-        result = self._compute(name, depth) if depth < 200 else None
-        self.cache[name] = result
-        return result
-
-    def _compute(self, name: str, depth: int) -> np.ndarray | None:
-        if name == self.phi:
-            return self.iters & _MASK32
-        ins = self.defs.defs.get(name)
-        if ins is None or ins.guard is not None:
-            return None
-        op, ops = ins.opcode, self.defs.operands(ins)
-        if op == "sphi":
-            m = _ITER_INDEX_RE.search(ins.note)
-            if m is None:
-                return None
-            return self._grid_index(int(m[1]), int(m[2]) if m[2] is not None else None)
-        if op == "smov":
-            cm = _CMOV_RE.match(ins.args)
-            if cm is None:
-                return None  # constants and copies were resolved already
-            p = self.pred(cm["pred"], depth + 1)
-            old, new = self.value(cm["old"], depth + 1), self.value(cm["new"], depth + 1)
-            return None if p is None or old is None or new is None else np.where(p, new, old)
-        if op == "scalar_select" and len(ops) == 3:
-            p = self.pred(ops[0], depth + 1)
-            a, b = self.value(ops[1], depth + 1), self.value(ops[2], depth + 1)
-            return None if p is None or a is None or b is None else np.where(p, a, b)
-        m = _CMP_RE.match(op)
-        if m or op.startswith("p"):
-            r = self.pred(name, depth + 1)
-            return None if r is None else r.astype(np.int64)
-        vals = [self.value(o, depth + 1) for o in ops]
-        if len(vals) != 2 or vals[0] is None or vals[1] is None:
-            return None
-        a, b = vals
-        base = op.split(".", 1)[0]
-        if base == "sadd":
-            r = a + b
-        elif base == "ssub":
-            r = a - b
-        elif base == "smul":
-            r = (a * b) & _MASK32
-        elif base == "sand":
-            r = a & b
-        elif base == "sor":
-            r = a | b
-        elif base == "sxor":
-            r = a ^ b
-        elif base == "sshll":
-            r = np.where(b < 32, a << np.minimum(b, 31), 0)
-        elif base == "sshrl":
-            r = np.where(b < 32, a >> np.minimum(b, 31), 0)
-        elif base == "sshra":
-            r = _signed(a) >> np.minimum(b, 31)
-        elif base in ("smin", "smax"):
-            fn = np.minimum if base == "smin" else np.maximum
-            r = fn(_signed(a), _signed(b)) if op.endswith("s32") else fn(a, b)
-        else:
-            return None
-        return r & _MASK32
-
-    def pred(self, name: str, depth: int = 0) -> np.ndarray | None:
-        """Boolean values of predicate ``name`` (``!`` allowed) per iteration."""
-        if name.startswith("!"):
-            r = self.pred(name[1:], depth + 1)
-            return None if r is None else ~r
-        name = self.defs.resolve(name)
-        key = "?" + name
-        if key in self.cache:
-            return self.cache[key]
-        self.cache[key] = None
-        result = self._compute_pred(name, depth) if depth < 200 else None
-        self.cache[key] = result
-        return result
-
-    def _compute_pred(self, name: str, depth: int) -> np.ndarray | None:
-        ins = self.defs.defs.get(name)
-        if ins is None or ins.guard is not None:
-            return None
-        ops = self.defs.operands(ins)
-        m = _CMP_RE.match(ins.opcode)
-        if m:
-            if len(ops) != 2:
-                return None
-            a, b = self.value(ops[0], depth + 1), self.value(ops[1], depth + 1)
-            if a is None or b is None:
-                return None
-            if m["ty"] == "s32":
-                a, b = _signed(a), _signed(b)
-            return {
-                "lt": a < b,
-                "le": a <= b,
-                "gt": a > b,
-                "ge": a >= b,
-                "eq": a == b,
-                "ne": a != b,
-            }[m["cc"]]
-        base = ins.base
-        if base == "smov":  # a predicate cannot come from an smov; be safe
-            return None
-        vals = [self.pred(o, depth + 1) for o in ops]
-        if any(v is None for v in vals):
-            return None
-        if base in ("pneg", "pmov") and len(vals) == 1:
-            return ~vals[0] if base == "pneg" else vals[0]
-        if len(vals) != 2:
-            return None
-        a, b = vals
-        table = {
-            "por": lambda: a | b,
-            "pand": lambda: a & b,
-            "pnand": lambda: ~(a & b),
-            "pnor": lambda: ~(a | b),
-            "pxor": lambda: a ^ b,
-        }
-        return table[base]() if base in table else None
-
-
-@dataclasses.dataclass
-class _LoopEval:
-    """Region predicates of one loop evaluated over all its iterations."""
-
-    skipped: list[int | None]  # per region: iterations taking its branch (None: undecided)
-    executed: list[int | None]  # per region: iterations running it (it and its parents not taken)
-    counter_only: list[bool]  # per region: predicate depends on the loop counter only
-    patterns: dict[tuple[bool, ...], int]  # skip pattern of the decided regions -> iterations
-
-
-def _evaluate_loop(
-    defs: _Defs,
-    counter: _Counter,
-    trip: int,
-    grid: tuple[int, ...] | None,
-    predicates: list[str],
-    parents: list[list[int]],
-) -> _LoopEval:
-    """Evaluate the branch predicates of a loop's regions, in chunks of iterations."""
-    probe = np.arange(counter.start, counter.start + 1, dtype=np.int64)
-    no_grid = _Evaluator(defs, counter, probe, None)
-    counter_only = [no_grid.pred(p) is not None for p in predicates]
-    skipped: list[int | None] = [0] * len(predicates)
-    executed: list[int | None] = [0] * len(predicates)
-    patterns: dict[tuple[bool, ...], int] = {}
-    decided: list[int] | None = None
-    for c0 in range(0, trip, _EVAL_CHUNK):
-        iters = np.arange(counter.start + c0, counter.start + min(trip, c0 + _EVAL_CHUNK))
-        ev = _Evaluator(defs, counter, iters.astype(np.int64), grid)
-        skips = [ev.pred(p) for p in predicates]
-        if decided is None:  # decidability depends on the code only, not on the chunk
-            decided = [i for i, k in enumerate(skips) if k is not None]
-        for i, k in enumerate(skips):
-            if k is None:
-                skipped[i] = executed[i] = None
-                continue
-            skipped[i] = (skipped[i] or 0) + int(k.sum())
-            run = ~k
-            for j in parents[i]:
-                if skips[j] is None:
-                    run = None
-                    break
-                run = run & ~skips[j]
-            executed[i] = (
-                None if run is None or executed[i] is None else executed[i] + int(run.sum())
-            )
-        if decided:
-            rows, counts = np.unique(
-                np.stack([skips[i] for i in decided], axis=1), axis=0, return_counts=True
-            )
-            for row, n in zip(rows, counts, strict=True):
-                key = tuple(bool(x) for x in row)
-                patterns[key] = patterns.get(key, 0) + int(n)
-        else:
-            patterns[()] = patterns.get((), 0) + len(iters)
-    return _LoopEval(skipped, executed, counter_only, patterns)
 
 
 # --------------------------------------------------------------------------------------------
@@ -720,23 +386,34 @@ of a bfloat16 vreg (16 packed rows) keeps its MXU busy 16 cycles, of a float32 v
 what 197 TFLOP/s at 1.5 GHz over 4 MXUs of 128 x 128 implies."""
 
 
-def _mxu_prefixes(bundles: tuple[Bundle, ...]) -> dict[str, list[int]]:
-    """Per MXU (``mxu0``..): prefix sums over the bundles of the cycles its ``vmatmul``s keep
-    it busy."""
+def unit_prefixes(
+    bundles: tuple[Bundle, ...], family: str, cycles: Callable[[Instruction], int]
+) -> dict[str, list[int]]:
+    """Per MXU (``mxu0``..): prefix sums over the bundles of ``cycles`` of its instructions of
+    the ``family`` (``vmatmul``, ``vmatpush``: every mnemonic starting so), the unit read from
+    the mnemonic's last suffix."""
     units: dict[str, list[int]] = {}
     for b in bundles:
         for ins in b.instructions:
-            if ins.base == "vmatmul":
+            if ins.base.startswith(family):
                 unit = ins.opcode.rsplit(".", 1)[-1]
-                rows = 16 if ".bf16" in ins.opcode else 8
-                units.setdefault(unit, [0] * len(bundles))[b.index] += rows // MXU_ROWS_PER_CYCLE
-    prefixes = {}
-    for unit, cycles in units.items():
-        prefix = [0]
-        for c in cycles:
-            prefix.append(prefix[-1] + c)
-        prefixes[unit] = prefix
-    return prefixes
+                units.setdefault(unit, [0] * len(bundles))[b.index] += cycles(ins)
+    return {unit: prefix_sums(weights) for unit, weights in units.items()}
+
+
+def prefix_sums(weights: Sequence[int]) -> list[int]:
+    """``[0, w0, w0 + w1, ...]``: the form `executed_weight` takes per-bundle weights in."""
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    return prefix
+
+
+def _mxu_prefixes(bundles: tuple[Bundle, ...]) -> dict[str, list[int]]:
+    """Per MXU: prefix sums of the cycles its ``vmatmul``s keep it busy."""
+    return unit_prefixes(
+        bundles, "vmatmul", lambda ins: (16 if ".bf16" in ins.opcode else 8) // MXU_ROWS_PER_CYCLE
+    )
 
 
 def parse_bundles(text: str, name: str) -> BundleListing:
@@ -746,7 +423,7 @@ def parse_bundles(text: str, name: str) -> BundleListing:
     if any(b.address != b.index for b in bundles):
         warnings.append("bundle addresses are not consecutive; indices are used")
     starts = _region_starts(bundles)
-    defs = _Defs(bundles)
+    defs = Defs(bundles)
     grid = _grid(text)
     last = len(bundles) - 1
 
@@ -781,7 +458,7 @@ def parse_bundles(text: str, name: str) -> BundleListing:
     for (s, *_), depth in zip(spans, depths, strict=True):
         if bundles[s].nest and bundles[s].nest != depth:
             warnings.append(f"loop at {s}: {bundles[s].nest} '>' but nesting depth {depth}")
-    trips = [_trip_count(defs, p) for *_, p in spans]
+    trips = [trip_count(defs, p) for *_, p in spans]
     mxu = _mxu_prefixes(bundles)
 
     # Predicated regions, their nesting level and enclosing (innermost) loop.
@@ -806,7 +483,7 @@ def parse_bundles(text: str, name: str) -> BundleListing:
     # Evaluate the region predicates over the iterations of their (innermost) loop.
     guards = [False] * len(raw)
     executed: list[int | None] = [None] * len(raw)
-    evals: dict[int, tuple[list[int], _LoopEval]] = {}
+    evals: dict[int, LoopContext] = {}
     for li, (trip, ctr) in enumerate(trips):
         if trip is None or ctr is None or trip > _MAX_EVALUATED_TRIPS:
             continue
@@ -823,8 +500,10 @@ def parse_bundles(text: str, name: str) -> BundleListing:
         # plus the pipeline's fill/drain iterations (2 in every dump seen).
         fits = grid is not None and math.prod(grid) <= trip <= math.prod(grid) + 3
         preds = [raw[i][3] for i in mine]
-        result = _evaluate_loop(defs, ctr, trip, grid if fits else None, preds, parents)
-        evals[li] = (mine, result)
+        result = evaluate_loop(defs, ctr, trip, grid if fits else None, preds, parents)
+        evals[li] = LoopContext(
+            defs, ctr, trip, grid if fits else None, [raw[i][:2] for i in mine], preds, result
+        )
         for k, i in enumerate(mine):
             executed[i] = result.executed[k]
             n_skipped = result.skipped[k]
@@ -853,13 +532,13 @@ def parse_bundles(text: str, name: str) -> BundleListing:
         plain = [(raw[i][0], raw[i][1]) for i in inside if not guards[i]]
         guarded = [(raw[i][0], raw[i][1]) for i in inside if guards[i]]
         has_inner = any(j != li and ls <= s2 <= le for j, (s2, *_) in enumerate(spans))
-        lo = hi = None
-        mxu_lo = mxu_hi = None
+        lo = hi = mxu_lo = mxu_hi = context = None
         if li in evals and not has_inner:
-            mine, result = evals[li]
-            mine_spans = [raw[i][:2] for i in mine]
-            lo, hi = _executed_bundles((ls, le), mine_spans, result)
-            busy = [_executed_bundles((ls, le), mine_spans, result, p) for p in mxu.values()]
+            context = evals[li]
+            lo, hi = _executed_bundles((ls, le), context.spans, context.result)
+            busy = [
+                _executed_bundles((ls, le), context.spans, context.result, p) for p in mxu.values()
+            ]
             mxu_lo = max((b[0] for b in busy), default=0)
             mxu_hi = max((b[1] for b in busy), default=0)
         loops.append(
@@ -876,6 +555,7 @@ def parse_bundles(text: str, name: str) -> BundleListing:
                 executed_bundles_max=hi,
                 executed_mxu_cycles_min=mxu_lo,
                 executed_mxu_cycles_max=mxu_hi,
+                context=context,
             )
         )
 
@@ -900,7 +580,7 @@ def parse_bundles(text: str, name: str) -> BundleListing:
 def _executed_bundles(
     body: tuple[int, int],
     spans: list[tuple[int, int]],
-    result: _LoopEval,
+    result: LoopEval,
     prefix: list[int] | None = None,
 ) -> tuple[int, int]:
     """(min, max) bundles executed over all iterations of a loop without inner loops (its
@@ -1034,10 +714,15 @@ class KernelSchedule:
     executed_mxu_cycles_min: int | None = None
     executed_mxu_cycles_max: int | None = None
     vmem_bytes: int | None = None  # VMEM the kernel allocates (None without the allocation list)
+    listing: BundleListing | None = dataclasses.field(default=None, repr=False, compare=False)
+    # The compiler's critical path per basic block (None without a critical-path file).
+    critical_path: tuple[critical_path.Block, ...] | None = dataclasses.field(
+        default=None, repr=False
+    )
 
     @property
     def executed_bundles(self) -> int | None:
-        """Exact bundles the whole kernel executes, when every region was decided."""
+        """Bundles the whole kernel executes, when every region was decided."""
         lo, hi = self.executed_bundles_min, self.executed_bundles_max
         return lo if lo is not None and lo == hi else None
 
@@ -1129,23 +814,7 @@ def build_schedule(
     if all(lp.executed_bundles_min is not None for lp in top):
         ex_lo = outside - skippable + sum(lp.executed_bundles_min or 0 for lp in top)
         ex_hi = outside + sum(lp.executed_bundles_max or 0 for lp in top)
-        # The busiest MXU outside the loops plus, per loop, its busiest MXU.
-        outer_spans = _uncovered(n, in_loops)
-        outer_regions = [
-            (r.start, r.end)
-            for r in listing.regions
-            if not any(s <= r.branch <= e for s, e in in_loops)
-        ]
-        straight = [
-            (_covered(outer_spans, p), _covered(outer_regions, p))
-            for p in listing.mxu_prefixes.values()
-        ]
-        mxu_lo = max((a - b for a, b in straight), default=0) + sum(
-            lp.executed_mxu_cycles_min or 0 for lp in top
-        )
-        mxu_hi = max((a for a, _ in straight), default=0) + sum(
-            lp.executed_mxu_cycles_max or 0 for lp in top
-        )
+        mxu_lo, mxu_hi = executed_weight(listing, listing.mxu_prefixes.values()) or (None, None)
 
     hlo = analysis.hlo if analysis is not None and analysis.hlo else listing.hlo
     return KernelSchedule(
@@ -1171,7 +840,71 @@ def build_schedule(
         executed_bundles_max=ex_hi,
         executed_mxu_cycles_min=mxu_lo,
         executed_mxu_cycles_max=mxu_hi,
+        listing=listing,
     )
+
+
+def executed_weight(
+    listing: BundleListing, prefixes: Iterable[list[int]]
+) -> tuple[int, int] | None:
+    """(min, max) over the whole kernel of the busiest of per-bundle weights (each given as
+    `prefix_sums`), weighed like the executed bundles: straight-line code once,
+    each loop's bundles by the iterations that run them, undecided regions skipped (min) or run
+    (max). The busiest weight outside the loops plus, per loop, its busiest. None with inner
+    loops or an unknown trip count."""
+    prefixes = list(prefixes)
+    n = len(listing.bundles)
+    top = [lp for lp in listing.loops if lp.depth == 1]
+    if any(lp.context is None for lp in top):
+        return None
+    in_loops = [(lp.start, lp.end) for lp in top]
+    outer_spans = _uncovered(n, in_loops)
+    outer_regions = [
+        (r.start, r.end)
+        for r in listing.regions
+        if not any(s <= r.branch <= e for s, e in in_loops)
+    ]
+    straight = [(_covered(outer_spans, p), _covered(outer_regions, p)) for p in prefixes]
+    lo = max((a - b for a, b in straight), default=0)
+    hi = max((a for a, _ in straight), default=0)
+    for lp in top:
+        ctx = lp.context
+        assert ctx is not None
+        busy = [_executed_bundles((lp.start, lp.end), ctx.spans, ctx.result, p) for p in prefixes]
+        lo += max((b[0] for b in busy), default=0)
+        hi += max((b[1] for b in busy), default=0)
+    return lo, hi
+
+
+def executed_instruction(
+    listing: BundleListing, index: int, guard: str | None
+) -> tuple[int, int] | None:
+    """(min, max) times an instruction of bundle ``index`` with predicate ``guard`` (``%p3``:
+    runs when ``%p3`` holds; ``!%p3``: when it does not) runs over the whole kernel, undecided
+    predicates taken as false (min) or true (max). None inside a loop without evaluation."""
+    loop = min(
+        (lp for lp in listing.loops if lp.start <= index <= lp.end),
+        key=lambda lp: lp.bundles,
+        default=None,
+    )
+    if loop is None:
+        regions = [r for r in listing.regions if r.start <= index <= r.end]
+        return (0, 1) if regions or guard is not None else (1, 1)
+    ctx = loop.context
+    if ctx is None:
+        return None
+    enclosing = [k for k, (s, e) in enumerate(ctx.spans) if s <= index <= e]
+    preds = [ctx.predicates[k] for k in enclosing]
+    if guard is not None:
+        preds.append(guard[1:] if guard.startswith("!") else "!" + guard)  # skipped unless it holds
+    probe = ctx.evaluate(preds, [[]] * len(preds))
+    decided = [p for p, k in zip(preds, probe.skipped, strict=True) if k is not None]
+    hi = ctx.trip
+    if decided:  # iterations skipping none of them: the last one's, the others its parents
+        parents = [[] for _ in decided[1:]] + [list(range(len(decided) - 1))]
+        hi = ctx.evaluate(decided, parents).executed[-1]
+        assert hi is not None
+    return (hi if len(decided) == len(preds) else 0), hi
 
 
 def _read(path: str | Path, what: str) -> str:
@@ -1209,7 +942,8 @@ def load_kernel(
 
 
 def find_dump_files(dump_dir: str | Path) -> dict[str, dict[str, Path]]:
-    """Per op, keyed like :func:`load_dump`: its ``bundles``, ``utilization``, ``analysis`` paths.
+    """Per op, keyed like :func:`load_dump`: its ``bundles``, ``utilization``, ``analysis``,
+    ``allocations`` and ``critical_path`` paths (the companions when dumped).
 
     The wrapper programs (``<late-finalization>``, ``<late-initialization>``, ``TLP``) are left
     out. Raises :class:`FileNotFoundError` when the folder is missing or holds no final_bundles
@@ -1223,6 +957,7 @@ def find_dump_files(dump_dir: str | Path) -> dict[str, dict[str, Path]]:
         _KIND_UTIL: "utilization",
         _KIND_ANALYSIS: "analysis",
         _KIND_ORIGINAL: "allocations",
+        _KIND_CRITICAL_PATH: "critical_path",
     }
     found: dict[tuple[str, str], dict[str, tuple[int, Path]]] = {}
     any_bundles = False
@@ -1273,6 +1008,9 @@ def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
         if "allocations" in paths:
             vmem = parse_vmem_bytes(paths["allocations"].read_text())
             schedule = dataclasses.replace(schedule, vmem_bytes=vmem)
+        if "critical_path" in paths:
+            blocks = critical_path.parse_critical_path(paths["critical_path"].read_text())
+            schedule = dataclasses.replace(schedule, critical_path=blocks)
         twins = [k for k in files if k != key and k.split("@", 1)[0] == name]
         if twins:
             note = f"op name {name!r} was dumped by several programs: {', '.join([key, *twins])}"

@@ -1,0 +1,434 @@
+"""Scalar data flow of a bundle listing: loop counters, grid indices and branch predicates.
+
+The scalar core computes, per loop iteration, the predicates that decide which predicated
+regions (and which guarded instructions, such as a pipeline's DMAs) run. `Defs` maps every
+register to its defining instruction, `trip_count` reads a loop's exit test, and `Evaluator`
+computes registers and predicates for all iterations at once (NumPy arrays) from the loop
+counter, the grid indices of the ``sphi`` registers annotated ``iteration index, stage = S iter
+bound = D``, and counters that step by an amount independent of themselves (a pipeline's
+buffer slots). `evaluate_loop` evaluates a loop's region predicates; `LoopContext` keeps what
+it needs to evaluate more of them later (see `llo.executed_instruction`).
+
+No JAX import: this module only reads text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pallas_flash_bench.llo import Bundle, Instruction
+
+__all__ = ["Counter", "Defs", "Evaluator", "LoopContext", "LoopEval", "evaluate_loop", "trip_count"]
+
+#: Evaluate in chunks of this many iterations.
+_EVAL_CHUNK = 1 << 16
+_MASK32 = (1 << 32) - 1
+
+CMOV_RE = re.compile(r"^\(\s*(?P<pred>!?%p\w+)\s*,\s*(?P<old>[^)]+?)\s*\)\s*,\s*(?P<new>\S+)$")
+"""A conditional move's operands: ``(%p38_p0, %s37_s25), 0``."""
+_ITER_INDEX_RE = re.compile(r"iteration index, stage = (\d+)(?: iter bound = (\d+))?")
+_SPILL_STORE_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]\s*(?P<value>%s\w+)$")
+_FILL_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]$")
+_CMP_RE = re.compile(r"^scmp\.(?P<cc>lt|le|gt|ge|eq|ne)\.(?P<ty>[su]32)")
+_INT_RE = re.compile(r"^-?\d+$")
+
+
+class Defs:
+    """SSA definitions of a listing: ``%x`` -> defining instruction."""
+
+    def __init__(self, bundles: Iterable[Bundle]):
+        self.defs: dict[str, Instruction] = {}
+        stored: dict[str, set[str]] = {}  # spill slot -> registers stored to it
+        for b in bundles:
+            for ins in b.instructions:
+                if ins.dest is not None:
+                    self.defs.setdefault(ins.dest, ins)
+                if ins.opcode == "sst" and ins.guard is None:
+                    m = _SPILL_STORE_RE.match(ins.args)
+                    if m:
+                        stored.setdefault(m["slot"], set()).add(m["value"])
+        # A spill slot stored from one register only ever holds that register's value.
+        self.slots = {slot: next(iter(v)) for slot, v in stored.items() if len(v) == 1}
+
+    def resolve(self, name: str) -> str:
+        """Follow plain copies (``smov %x``) and spill/fill round trips to the original value."""
+        for _ in range(64):
+            ins = self.defs.get(name)
+            if ins is None or ins.guard is not None:
+                return name
+            if ins.opcode == "smov" and re.fullmatch(r"%s\w+", ins.args):
+                name = ins.args
+            elif (
+                ins.opcode == "sld" and (m := _FILL_RE.match(ins.args)) and m["slot"] in self.slots
+            ):
+                name = self.slots[m["slot"]]
+            else:
+                return name
+        return name
+
+    def get(self, name: str) -> Instruction | None:
+        return self.defs.get(self.resolve(name))
+
+    @staticmethod
+    def operands(ins: Instruction) -> list[str]:
+        return [a.strip() for a in ins.args.split(",")]
+
+    def constant(self, name: str) -> int | None:
+        if _INT_RE.match(name):
+            return int(name)
+        ins = self.get(name)
+        if ins is not None and ins.opcode == "smov" and _INT_RE.match(ins.args):
+            return int(ins.args)
+        return None
+
+    def is_increment(self, name: str, phi: str) -> bool:
+        """Whether ``name`` holds ``phi + 1``."""
+        ins = self.get(name)
+        if ins is None or not ins.opcode.startswith("sadd") or ins.guard is not None:
+            return False
+        ops = self.operands(ins)
+        if len(ops) != 2 or "1" not in ops:
+            return False
+        return self.resolve(ops[1] if ops[0] == "1" else ops[0]) == phi
+
+    def counter(self, name: str) -> tuple[str, str, int] | None:
+        """If ``name`` is a loop counter phi or its increment: (phi, next, offset of name)."""
+        name = self.resolve(name)
+        ins = self.defs.get(name)
+        if ins is None:
+            return None
+        if ins.opcode == "sphi":
+            for other in self.operands(ins):
+                if self.is_increment(other, name):
+                    return name, self.resolve(other), 0
+            return None
+        if ins.opcode.startswith("sadd"):
+            for op in self.operands(ins):
+                phi = self.resolve(op)
+                phi_ins = self.defs.get(phi)
+                if (
+                    phi_ins is not None
+                    and phi_ins.opcode == "sphi"
+                    and self.is_increment(name, phi)
+                    and any(self.resolve(o) == name for o in self.operands(phi_ins))
+                ):
+                    return phi, name, 1
+        return None
+
+    def counter_start(self, phi: str, nxt: str) -> int | None:
+        ins = self.defs.get(phi)
+        if ins is None:
+            return None
+        starts = [self.constant(o) for o in self.operands(ins) if self.resolve(o) != nxt]
+        return starts[0] if len(starts) == 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Counter:
+    phi: str  # the counter's value during an iteration
+    start: int  # its value in the first iteration; it steps by 1
+
+
+def trip_count(defs: Defs, predicate: str) -> tuple[int | None, Counter | None]:
+    """Trip count of a loop whose back-edge is taken when ``predicate`` holds, and its counter."""
+    negated = predicate.startswith("!")
+    ins = defs.get(predicate.lstrip("!"))
+    if ins is None or ins.guard is not None:
+        return None, None
+    m = _CMP_RE.match(ins.opcode)
+    ops = defs.operands(ins)
+    if m is None or len(ops) != 2:
+        return None, None
+    ctr = defs.counter(ops[0])
+    if ctr is None:
+        return None, None
+    phi, nxt, offset = ctr
+    start = defs.counter_start(phi, nxt)
+    if start is None:
+        return None, None
+    counter = Counter(phi, start)
+    bound = defs.constant(ops[1])
+    if bound is None:
+        return None, counter
+    # The back-edge is taken while cont(v) holds, v = counter + offset, after each body.
+    cc = m["cc"]
+    cont = {"ge": "lt", "gt": "le", "eq": "ne"}.get(cc) if negated else cc
+    if cont not in ("lt", "le", "ne"):
+        return None, counter
+    first = start + offset
+    if cont == "ne" and first > bound:
+        return None, counter
+    last_ok = bound - 1 if cont in ("lt", "ne") else bound  # largest v that continues
+    return max(1, last_ok - first + 2), counter
+
+
+def _signed(v: np.ndarray) -> np.ndarray:
+    return np.where(v >= 1 << 31, v - (1 << 32), v)
+
+
+class Evaluator:
+    """Values of scalar registers and predicates over all iterations of one loop (NumPy arrays).
+
+    Leaves: the loop counter, the grid-index ``sphi`` registers (``iteration index, stage =
+    S iter bound = D``), taken as index ``D`` of grid step ``counter - S`` in row-major order,
+    and other ``sphi`` registers that start at a constant and step by an amount not depending
+    on themselves (the pipeline's buffer-slot counters, `_recurrence`). Anything else (memory
+    loads, predicated definitions, unknown opcodes) is undecidable: None.
+    """
+
+    def __init__(
+        self, defs: Defs, counter: Counter, iters: np.ndarray, grid: tuple[int, ...] | None
+    ):
+        self.defs = defs
+        self.counter = counter
+        self.phi = counter.phi
+        self.iters = iters  # counter values to evaluate at
+        self.given_grid = grid
+        self.grid = grid if counter.start == 0 else None
+        self.cache: dict[str, np.ndarray | None] = {}
+
+    def _recurrence(self, name: str, ins: Instruction, depth: int) -> np.ndarray | None:
+        """Values of a phi ``init, next`` with a constant ``init`` and a ``next`` that does not
+        depend on the phi, or exceeds it by an amount that does not (probed with two values):
+        the previous iteration's value of something, or a counter."""
+        ops = self.defs.operands(ins)
+        inits = [c for o in ops if (c := self.defs.constant(o)) is not None]
+        nexts = [o for o in ops if self.defs.constant(o) is None]
+        if len(inits) != 1 or len(nexts) != 1 or not len(self.iters):
+            return None
+        start = self.counter.start
+        every = np.arange(start, int(self.iters[-1]) + 1, dtype=np.int64)
+        afters, steps = [], []
+        for probe in (0, 1 << 20):
+            sub = Evaluator(self.defs, self.counter, every, self.given_grid)
+            sub.cache[name] = np.full(every.shape, probe, dtype=np.int64)
+            after = sub.value(nexts[0], depth + 1)
+            if after is None:
+                return None
+            afters.append(after)
+            steps.append((after - probe) & _MASK32)
+        if np.array_equal(afters[0], afters[1]):
+            values = np.concatenate([[inits[0]], afters[0][:-1]])
+        elif np.array_equal(steps[0], steps[1]):
+            values = inits[0] + np.concatenate([[0], np.cumsum(steps[0])[:-1]])
+        else:
+            return None
+        return values[self.iters - start] & _MASK32
+
+    def _grid_index(self, stage: int, dim: int | None) -> np.ndarray | None:
+        flat = self.iters - stage
+        if dim is None:
+            return flat & _MASK32
+        if self.grid is None or dim >= len(self.grid):
+            return None
+        steps = math.prod(self.grid)
+        flat = np.mod(flat, steps)
+        inner = math.prod(self.grid[dim + 1 :])
+        return (flat // inner) % self.grid[dim]
+
+    def value(self, name: str, depth: int = 0) -> np.ndarray | None:
+        """u32 values (as int64) of operand ``name`` per iteration."""
+        if _INT_RE.match(name):
+            return np.full(self.iters.shape, int(name) & _MASK32, dtype=np.int64)
+        name = self.defs.resolve(name)
+        if name in self.cache:
+            return self.cache[name]
+        self.cache[name] = None  # cycles are undecidable
+        result = self._compute(name, depth) if depth < 200 else None
+        self.cache[name] = result
+        return result
+
+    def _compute(self, name: str, depth: int) -> np.ndarray | None:
+        if name == self.phi:
+            return self.iters & _MASK32
+        ins = self.defs.defs.get(name)
+        if ins is None or ins.guard is not None:
+            return None
+        op, ops = ins.opcode, self.defs.operands(ins)
+        if op == "sphi":
+            m = _ITER_INDEX_RE.search(ins.note)
+            if m is None:
+                return self._recurrence(name, ins, depth)
+            return self._grid_index(int(m[1]), int(m[2]) if m[2] is not None else None)
+        if op == "smov":
+            cm = CMOV_RE.match(ins.args)
+            if cm is None:
+                return None  # constants and copies were resolved already
+            p = self.pred(cm["pred"], depth + 1)
+            old, new = self.value(cm["old"], depth + 1), self.value(cm["new"], depth + 1)
+            return None if p is None or old is None or new is None else np.where(p, new, old)
+        if op == "scalar_select" and len(ops) == 3:
+            p = self.pred(ops[0], depth + 1)
+            a, b = self.value(ops[1], depth + 1), self.value(ops[2], depth + 1)
+            return None if p is None or a is None or b is None else np.where(p, a, b)
+        m = _CMP_RE.match(op)
+        if m or op.startswith("p"):
+            r = self.pred(name, depth + 1)
+            return None if r is None else r.astype(np.int64)
+        vals = [self.value(o, depth + 1) for o in ops]
+        if len(vals) != 2 or vals[0] is None or vals[1] is None:
+            return None
+        a, b = vals
+        base = op.split(".", 1)[0]
+        if base == "sadd":
+            r = a + b
+        elif base == "ssub":
+            r = a - b
+        elif base == "smul":
+            r = (a * b) & _MASK32
+        elif base == "sand":
+            r = a & b
+        elif base == "sor":
+            r = a | b
+        elif base == "sxor":
+            r = a ^ b
+        elif base == "sshll":
+            r = np.where(b < 32, a << np.minimum(b, 31), 0)
+        elif base == "sshrl":
+            r = np.where(b < 32, a >> np.minimum(b, 31), 0)
+        elif base == "sshra":
+            r = _signed(a) >> np.minimum(b, 31)
+        elif base in ("smin", "smax"):
+            fn = np.minimum if base == "smin" else np.maximum
+            r = fn(_signed(a), _signed(b)) if op.endswith("s32") else fn(a, b)
+        else:
+            return None
+        return r & _MASK32
+
+    def pred(self, name: str, depth: int = 0) -> np.ndarray | None:
+        """Boolean values of predicate ``name`` (``!`` allowed) per iteration."""
+        if name.startswith("!"):
+            r = self.pred(name[1:], depth + 1)
+            return None if r is None else ~r
+        name = self.defs.resolve(name)
+        key = "?" + name
+        if key in self.cache:
+            return self.cache[key]
+        self.cache[key] = None
+        result = self._compute_pred(name, depth) if depth < 200 else None
+        self.cache[key] = result
+        return result
+
+    def _compute_pred(self, name: str, depth: int) -> np.ndarray | None:
+        ins = self.defs.defs.get(name)
+        if ins is None or ins.guard is not None:
+            return None
+        ops = self.defs.operands(ins)
+        m = _CMP_RE.match(ins.opcode)
+        if m:
+            if len(ops) != 2:
+                return None
+            a, b = self.value(ops[0], depth + 1), self.value(ops[1], depth + 1)
+            if a is None or b is None:
+                return None
+            if m["ty"] == "s32":
+                a, b = _signed(a), _signed(b)
+            return {
+                "lt": a < b,
+                "le": a <= b,
+                "gt": a > b,
+                "ge": a >= b,
+                "eq": a == b,
+                "ne": a != b,
+            }[m["cc"]]
+        base = ins.base
+        if base == "smov":  # a predicate cannot come from an smov; be safe
+            return None
+        vals = [self.pred(o, depth + 1) for o in ops]
+        if any(v is None for v in vals):
+            return None
+        if base in ("pneg", "pmov") and len(vals) == 1:
+            return ~vals[0] if base == "pneg" else vals[0]
+        if len(vals) != 2:
+            return None
+        a, b = vals
+        table = {
+            "por": lambda: a | b,
+            "pand": lambda: a & b,
+            "pnand": lambda: ~(a & b),
+            "pnor": lambda: ~(a | b),
+            "pxor": lambda: a ^ b,
+        }
+        return table[base]() if base in table else None
+
+
+@dataclasses.dataclass
+class LoopEval:
+    """Region predicates of one loop evaluated over all its iterations."""
+
+    skipped: list[int | None]  # per region: iterations taking its branch (None: undecided)
+    executed: list[int | None]  # per region: iterations running it (it and its parents not taken)
+    counter_only: list[bool]  # per region: predicate depends on the loop counter only
+    patterns: dict[tuple[bool, ...], int]  # skip pattern of the decided regions -> iterations
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopContext:
+    """What evaluated a loop's regions: enough to evaluate more predicates or weigh bundles."""
+
+    defs: Defs
+    counter: Counter
+    trip: int
+    grid: tuple[int, ...] | None  # trusted grid (None: grid indices undecidable)
+    spans: list[tuple[int, int]]  # the loop's regions (start, end)
+    predicates: list[str]  # their branch predicates
+    result: LoopEval
+
+    def evaluate(self, predicates: list[str], parents: list[list[int]]) -> LoopEval:
+        """Evaluate other skip predicates over the same iterations (see `evaluate_loop`)."""
+        return evaluate_loop(self.defs, self.counter, self.trip, self.grid, predicates, parents)
+
+
+def evaluate_loop(
+    defs: Defs,
+    counter: Counter,
+    trip: int,
+    grid: tuple[int, ...] | None,
+    predicates: list[str],
+    parents: list[list[int]],
+) -> LoopEval:
+    """Evaluate the branch predicates of a loop's regions, in chunks of iterations."""
+    probe = np.arange(counter.start, counter.start + 1, dtype=np.int64)
+    no_grid = Evaluator(defs, counter, probe, None)
+    counter_only = [no_grid.pred(p) is not None for p in predicates]
+    skipped: list[int | None] = [0] * len(predicates)
+    executed: list[int | None] = [0] * len(predicates)
+    patterns: dict[tuple[bool, ...], int] = {}
+    decided: list[int] | None = None
+    for c0 in range(0, trip, _EVAL_CHUNK):
+        iters = np.arange(counter.start + c0, counter.start + min(trip, c0 + _EVAL_CHUNK))
+        ev = Evaluator(defs, counter, iters.astype(np.int64), grid)
+        skips = [ev.pred(p) for p in predicates]
+        if decided is None:  # decidability depends on the code only, not on the chunk
+            decided = [i for i, k in enumerate(skips) if k is not None]
+        for i, k in enumerate(skips):
+            if k is None:
+                skipped[i] = executed[i] = None
+                continue
+            skipped[i] = (skipped[i] or 0) + int(k.sum())
+            run = ~k
+            for j in parents[i]:
+                if skips[j] is None:
+                    run = None
+                    break
+                run = run & ~skips[j]
+            executed[i] = (
+                None if run is None or executed[i] is None else executed[i] + int(run.sum())
+            )
+        if decided:
+            rows, counts = np.unique(
+                np.stack([skips[i] for i in decided], axis=1), axis=0, return_counts=True
+            )
+            for row, n in zip(rows, counts, strict=True):
+                key = tuple(bool(x) for x in row)
+                patterns[key] = patterns.get(key, 0) + int(n)
+        else:
+            patterns[()] = patterns.get((), 0) + len(iters)
+    return LoopEval(skipped, executed, counter_only, patterns)

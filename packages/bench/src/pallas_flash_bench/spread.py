@@ -1,0 +1,128 @@
+"""How sure a kernel's static cycles are: the same kernel under each estimate.
+
+All are read from one compiled program and weighed per grid step by the executed-bundle
+evaluation of `llo` (predicated regions decided per step where the schedule allows):
+
+``schedule``
+    executed bundles, one per cycle;
+``mxu``
+    the busiest MXU's ``vmatmul`` cycles (16 per bf16 vreg, 8 per f32), weight pushes free;
+``critical_path``
+    the compiler's own latency model, the critical path of every executed basic block
+    (`critical_path`): pushes 8 cycles, overlapped with the previous tile's matmuls;
+``push8`` / ``push16``
+    the schedule or the busiest MXU with every ``vmatpush`` charged 8 / 16 cycles on its MXU
+    and overlapped with nothing: the sensitivity to the push overlap the other figures assume.
+
+The headline (``cycles`` of a kernel entry) stays max(``schedule``, ``mxu``). Beside them, the
+bytes the kernel's DMAs move (`dma`, at most: copies whose predicate the schedule cannot decide
+counted), to compare with its compute at the HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_flash_bench import critical_path, dma, estimate, llo
+from pallas_flash_bench.workloads import Workload
+
+__all__ = ["ESTIMATES", "KernelEstimates", "kernel_entry", "kernel_estimates"]
+
+ESTIMATES = ("schedule", "mxu", "critical_path", "push8", "push16")
+"""The kernel estimates, in report order (see the module docstring)."""
+
+PUSH_CYCLES = (8, 16)
+"""Cycles a ``vmatpush`` is charged in the no-overlap sensitivity lines."""
+
+Range = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEstimates:
+    """(min, max) per estimate over the whole kernel: undecided regions skipped / run; None
+    where the schedule cannot be weighed (inner loops, unknown trip count, no file)."""
+
+    ranges: dict[str, Range | None]
+    dma_bytes: Range | None
+    pushes: int  # vmatpush instructions of the grid loop body, every MXU
+    warnings: tuple[str, ...] = ()
+
+
+def kernel_estimates(schedule: llo.KernelSchedule) -> KernelEstimates:
+    """Every estimate of one kernel (its ``listing`` kept by `llo.build_schedule`)."""
+    listing = schedule.listing
+    assert listing is not None, "the schedule was built without its listing"
+    bundles = listing.bundles
+    ones = llo.executed_weight(listing, [list(range(len(bundles) + 1))])  # one per bundle
+    matmuls = listing.mxu_prefixes
+    pushes = llo.unit_prefixes(bundles, "vmatpush", lambda _ins: 1)
+    ranges: dict[str, Range | None] = {
+        "schedule": ones,
+        "mxu": llo.executed_weight(listing, matmuls.values()),
+    }
+    zeros = [0] * (len(bundles) + 1)
+    for cost in PUSH_CYCLES:
+        charged = [
+            [m + cost * p for m, p in zip(matmuls.get(u, zeros), pushes.get(u, zeros), strict=True)]
+            for u in sorted({*matmuls, *pushes})
+        ]
+        ranges[f"push{cost}"] = _larger(ones, llo.executed_weight(listing, charged))
+    warnings: list[str] = []
+    ranges["critical_path"] = None
+    if schedule.critical_path is not None:
+        weights, warnings = critical_path.bundle_weights(
+            schedule.critical_path, [b.comment for b in bundles]
+        )
+        ranges["critical_path"] = llo.executed_weight(listing, [llo.prefix_sums(weights)])
+    loop = schedule.grid_loop
+    lo, hi = (loop.start, loop.end) if loop is not None else (0, len(bundles) - 1)
+    in_body = sum(p[hi + 1] - p[lo] for p in pushes.values())
+    return KernelEstimates(
+        ranges=ranges,
+        dma_bytes=dma.executed_bytes(listing),
+        pushes=in_body,
+        warnings=tuple(warnings),
+    )
+
+
+def _larger(a: Range | None, b: Range | None) -> Range | None:
+    if a is None or b is None:
+        return None
+    return max(a[0], b[0]), max(a[1], b[1])
+
+
+def kernel_entry(schedule: llo.KernelSchedule, workload: Workload) -> dict:
+    """One Pallas kernel's row entry: its static schedule, headline ``cycles`` (see
+    `estimate.kernel_cycles`), ``estimates`` (cycles per estimate, `ESTIMATES`), ``dma_bytes``
+    over all grid steps (at most) and ``pushes`` in the grid loop body."""
+    steps = schedule.grid_steps or schedule.trip_count or 1
+    cycles, how = estimate.kernel_cycles(
+        schedule.executed_bundles_min,
+        schedule.executed_bundles_max,
+        steps * schedule.bundles_per_step,
+        schedule.grid,
+        workload.causal,
+        schedule.executed_mxu_cycles_min,
+        schedule.executed_mxu_cycles_max,
+    )
+    found = kernel_estimates(schedule)
+    fraction = estimate.undecided_fraction(schedule.grid, workload.causal)
+    return {
+        "name": schedule.name,
+        "bundles_per_step": schedule.bundles_per_step,
+        "steps": steps,
+        "grid": list(schedule.grid) if schedule.grid else None,
+        "predicated_bundles": schedule.predicated_bundles,
+        "utilization": {unit: schedule.utilization(unit) for unit in schedule.units},
+        "spill_stores": schedule.spill_stores,
+        "fill_loads": schedule.fill_loads,
+        "mxu_ops": schedule.mxu_ops,
+        "pushes": found.pushes,
+        "vmem_bytes": schedule.vmem_bytes,
+        "cycles": cycles,
+        "cycles_from": how,
+        "estimates": {name: estimate.between(found.ranges[name], fraction) for name in ESTIMATES},
+        # at most: a copy whose predicate the schedule cannot decide is taken to run
+        "dma_bytes": found.dma_bytes[1] if found.dma_bytes is not None else None,
+        "warnings": [*schedule.warnings, *found.warnings],
+    }
