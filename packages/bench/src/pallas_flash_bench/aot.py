@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +76,20 @@ def sharding(spec: ArraySpec, mesh: Mesh) -> NamedSharding:
 
 
 def compile_for(
-    fn: Callable[..., object], specs: list[ArraySpec], target: Target, mesh: Mesh | None = None
+    fn: Callable[..., object],
+    specs: list[ArraySpec],
+    target: Target,
+    mesh: Mesh | None = None,
+    compiler_options: Mapping[str, str] | None = None,
 ) -> jax.stages.Compiled:
     """Compiles ``fn`` with arguments of the given shapes for the target's first device or,
     given a mesh of its devices (`call_mesh`), as one SPMD program over the mesh with each
-    argument split along its ``split_axis`` (replicated without one)."""
+    argument split along its ``split_axis`` (replicated without one).
+
+    ``compiler_options`` are XLA options of this program alone (e.g.
+    ``xla_tpu_scoped_vmem_limit_kib``). The target's first device is jax's default device
+    while ``fn`` is traced, for code that asks it which chip it runs on.
+    """
     if mesh is None:
         device = SingleDeviceSharding(target_devices(target)[0])
         shardings = [device] * len(specs)
@@ -90,4 +99,6 @@ def compile_for(
         jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype), sharding=placed)
         for spec, placed in zip(specs, shardings, strict=True)
     ]
-    return jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compile()
+    with jax.default_device(target_devices(target)[0]):
+        lowered = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",))
+    return lowered.compile(compiler_options=dict(compiler_options or {}))

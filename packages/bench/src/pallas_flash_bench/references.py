@@ -1,0 +1,336 @@
+"""The reference kernels a v5e user would otherwise pick, each in the configurations of a sweep:
+jax's ``flash_attention``, ``splash_attention`` (with its fused backward too) and, for decode,
+``paged_attention``; tokamax's splash attention where tokamax is installed.
+
+Every reference program is compiled with the scoped-VMEM limit our kernels may request, so
+that no reference loses a configuration to a smaller VMEM budget than ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import math
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from pallas_flash_bench.subjects import Subject, with_backward
+from pallas_flash_bench.workloads import Workload
+
+VMEM_LIMIT_KIB = 128 * 1024
+"""The scoped-VMEM limit of every reference program (``xla_tpu_scoped_vmem_limit_kib``): a
+v5e core's whole VMEM, the most the pallas backend's kernels request (its
+``block_sizes.vmem_limit_bytes``). None of these kernels sets a limit of its own; the default,
+16 MiB, rejects e.g. splash's 2048/2048 blocks."""
+COMPILER_OPTIONS = {"xla_tpu_scoped_vmem_limit_kib": str(VMEM_LIMIT_KIB)}
+
+Config = TypeVar("Config")
+
+
+def _on_one_chip(
+    build: Callable[[Workload], Callable[..., object] | None],
+) -> Callable[[Workload, Mesh | None], Callable[..., object] | None]:
+    """A reference's build: it runs on one chip, so it supports no workload over a mesh."""
+
+    def on_one_chip(workload: Workload, mesh: Mesh | None) -> Callable[..., object] | None:
+        return build(workload) if mesh is None else None
+
+    return on_one_chip
+
+
+def _attention(workload: Workload, blocks: tuple[int, ...] = ()) -> bool:
+    """Whether a reference attention kernel takes the workload: multi-head attention (not
+    decode, not grouped) whose sequence every block divides (as splash requires; a longer
+    block, clamped, would repeat a configuration of shorter ones)."""
+    w = workload
+    return w.op != "decode" and w.q_heads == w.kv_heads and all(w.seq_len % b == 0 for b in blocks)
+
+
+class FlashBlocks(NamedTuple):
+    """jax ``flash_attention``'s query block, key block and key sub-block, in the forward
+    and both backward kernels."""
+
+    q: int
+    k_major: int
+    k: int
+
+    @property
+    def label(self) -> str:
+        blocks = f"{self.q}" if self.q == self.k_major else f"{self.q}/{self.k_major}"
+        return f"blocks {blocks}{f', k compute {self.k}' if self.k != self.k_major else ''}"
+
+
+def _jax_flash_build(
+    blocks: FlashBlocks | None, workload: Workload
+) -> Callable[..., object] | None:
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    if not _attention(workload, blocks or ()):
+        return None
+    sizes = None
+    if blocks is not None:
+        q, km, k = blocks
+        sizes = fa.BlockSizes(
+            block_q=q, block_k_major=km, block_k=k, block_b=1,
+            block_q_major_dkv=q, block_k_major_dkv=km, block_k_dkv=k, block_q_dkv=q,
+            block_k_major_dq=km, block_k_dq=k, block_q_dq=q,
+        )  # fmt: skip
+    forward = functools.partial(
+        fa.flash_attention,
+        causal=workload.causal,
+        sm_scale=1 / math.sqrt(workload.head_dim),
+        block_sizes=sizes,
+    )
+    return forward if workload.op == "forward" else with_backward(forward)
+
+
+class SplashBlocks(NamedTuple):
+    """Splash attention's query block, kv block and kv sub-block (forward and backward), and
+    whether the backward is its fused kernel (dq with dk/dv: forward+backward only)."""
+
+    q: int
+    kv: int
+    kv_compute: int
+    fused: bool = False
+
+    @property
+    def label(self) -> str:
+        compute = f", kv compute {self.kv_compute}" if self.kv_compute != self.kv else ""
+        return f"blocks {self.q}/{self.kv}{compute}{', fused backward' if self.fused else ''}"
+
+
+def _splash_sizes(sk, blocks: SplashBlocks):
+    """Splash's ``BlockSizes``; the fused backward takes no dq blocks."""
+    dq = {} if blocks.fused else {"block_q_dq": blocks.q, "block_kv_dq": blocks.kv}
+    return sk.BlockSizes(
+        block_q=blocks.q, block_kv=blocks.kv, block_kv_compute=blocks.kv_compute,
+        block_q_dkv=blocks.q, block_kv_dkv=blocks.kv, block_kv_dkv_compute=blocks.kv_compute,
+        use_fused_bwd_kernel=blocks.fused, **dq,
+    )  # fmt: skip
+
+
+def _splash_build(blocks: SplashBlocks, workload: Workload) -> Callable[..., object] | None:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    w = workload
+    if not _attention(w, blocks[:3]) or (blocks.fused and w.op != "forward_backward"):
+        return None
+    n = w.seq_len
+    head_mask = sm.CausalMask((n, n)) if w.causal else sm.FullMask((n, n))
+    kernel = sk.make_splash_mha(
+        sm.MultiHeadMask([head_mask] * w.q_heads),
+        head_shards=1,
+        q_seq_shards=1,
+        block_sizes=_splash_sizes(sk, blocks),
+    )
+    scale = 1 / math.sqrt(w.head_dim)
+
+    def forward(q, k, v):  # splash takes [heads, seq, head_dim] and applies no scale
+        return jax.vmap(kernel)(q * jnp.asarray(scale, q.dtype), k, v)
+
+    return forward if w.op == "forward" else with_backward(forward)
+
+
+def _tokamax_implementation(blocks: SplashBlocks):
+    """tokamax's Mosaic TPU attention with the given blocks in its forward and (fused)
+    backward, its other settings those of its heuristic."""
+    from tokamax._src.ops.attention import pallas_mosaic_tpu as tpu
+    from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as tpu_vjp
+
+    layout = tpu.splash.QKVLayout.HEAD_DIM_MINOR
+    return tpu.PallasMosaicTpuFlashAttention(
+        config=tpu.Config(
+            block_q=blocks.q, block_kv=blocks.kv, block_kv_compute=blocks.kv_compute,
+            q_layout=layout, k_layout=layout, v_layout=layout, use_experimental_scheduler=True,
+        ),
+        vjp=tpu_vjp.PallasMosaicTpuFlashAttentionVjp(
+            config=tpu_vjp.Config(block_q_dkv=blocks.q, block_kv_dkv=blocks.kv,
+                                  block_kv_dkv_compute=blocks.kv_compute),
+        ),
+    )  # fmt: skip
+
+
+def _tokamax_build(blocks: SplashBlocks | None, workload: Workload) -> Callable[..., object] | None:
+    """``tokamax.dot_product_attention`` (``implementation="mosaic"``) with its own block
+    choice (None: on v5e, where it has no tuned configurations, its heuristic 128/128) or the
+    given blocks. It takes ``[batch, seq, heads, head_dim]``: the swaps around it cancel
+    its own. It checks the default device, which `aot.compile_for` sets to the target's."""
+    import tokamax
+    from absl import flags
+
+    if workload.causal or not _attention(workload, blocks[:3] if blocks else ()):
+        return None  # causal: see TOKAMAX_CAUSAL
+    if not flags.FLAGS.is_parsed():  # else tokamax parses this process's argv as its flags
+        flags.FLAGS.mark_as_parsed()
+    implementation = "mosaic" if blocks is None else _tokamax_implementation(blocks)
+
+    def forward(q, k, v):
+        swapped = (x.swapaxes(1, 2) for x in (q, k, v))
+        out = tokamax.dot_product_attention(
+            *swapped,
+            scale=1 / math.sqrt(workload.head_dim),
+            implementation=implementation,
+        )
+        return out.swapaxes(1, 2)
+
+    return forward if workload.op == "forward" else with_backward(forward)
+
+
+PAGE_SIZE = 128
+"""Cache positions per page of jax's ``paged_attention``."""
+
+
+def _paged_build(pages_per_block: int, workload: Workload) -> Callable[..., object] | None:
+    """jax's ``paged_attention`` on the workload's cache, for batch 1 only: there the
+    contiguous ``[1, kv_heads, max_len, head_dim]`` cache is, by a free reshape, the pages
+    ``[kv_heads, max_len / 128, 128, head_dim]`` of one sequence in order.
+
+    Its blocks of pages run as grid steps (``inline_seq_dim=False``). jax's default runs them
+    in a loop inside each step whose trip count reads ``lengths``: a static schedule counts
+    that loop's body once, so its cycles would cover one block of the sequence, not all."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    w = workload
+    if w.op != "decode" or w.batch != 1 or w.seq_len % (PAGE_SIZE * pages_per_block):
+        return None
+    pages = w.seq_len // PAGE_SIZE
+    scale = 1 / math.sqrt(w.head_dim)
+
+    def decode(q, k_cache, v_cache, lengths):  # paged_attention applies no scale
+        shape = (w.kv_heads, pages, PAGE_SIZE, w.head_dim)
+        page_indices = jnp.arange(pages, dtype=jnp.int32)[None]
+        return paged_attention(
+            q * jnp.asarray(scale, q.dtype),
+            k_cache.reshape(shape),
+            v_cache.reshape(shape),
+            lengths,
+            page_indices,
+            pages_per_compute_block=pages_per_block,
+            inline_seq_dim=False,
+        )
+
+    return decode
+
+
+PAGED_BLOCKS = {"quick": [16], "default": [8, 16]}
+"""jax ``paged_attention`` pages per compute block to try (of 128 positions each)."""
+FLASH_BLOCKS: dict[str, list[FlashBlocks | None]] = {
+    "quick": [FlashBlocks(512, 512, 512), FlashBlocks(1024, 1024, 1024)],
+    "default": [
+        None,
+        FlashBlocks(512, 512, 512),
+        FlashBlocks(1024, 1024, 1024),
+        FlashBlocks(1024, 1024, 512),
+        FlashBlocks(2048, 1024, 1024),
+        FlashBlocks(2048, 2048, 1024),
+        FlashBlocks(4096, 1024, 1024),
+    ],
+}
+"""jax ``flash_attention`` blocks to try (None: its default, 128). At N=8192 (static
+estimate) 1024 is its fastest causal forward and forward+backward, 4096/1024 and 2048/1024
+its fastest forward without a mask. Quick: 1024, and 512 for short sequences."""
+SPLASH_BLOCKS = {
+    "quick": [SplashBlocks(1024, 1024, 1024), SplashBlocks(1024, 1024, 512, fused=True)],
+    "default": [
+        SplashBlocks(512, 1024, 1024),
+        SplashBlocks(1024, 1024, 1024),
+        SplashBlocks(1024, 1024, 512),
+        SplashBlocks(1024, 1024, 256),
+        SplashBlocks(2048, 2048, 1024),
+        SplashBlocks(2048, 2048, 2048),
+        SplashBlocks(4096, 1024, 1024),
+        SplashBlocks(512, 1024, 256, fused=True),
+        SplashBlocks(1024, 1024, 256, fused=True),
+        SplashBlocks(1024, 1024, 512, fused=True),
+    ],
+}
+"""jax ``splash_attention`` blocks to try; the fused ones run forward+backward only. Chosen
+at N=8192 (static estimate): 2048/2048 is the fastest forward without a mask (it needs the
+VMEM limit), 1024/1024 the fastest causal one; 2048/1024 and 4096/1024 with kv compute 512
+lost to both and are left out. The fused backward pays off only with kv sub-blocks: causal
+forward+backward at 1024/1024 takes 7.9 ms with separate kernels, 9.5 ms fused, 6.5 ms fused
+with kv compute 256 and 6.3 ms with 512; fused without sub-blocks (512 to 2048) and fused
+2048/1024 lost every time. Quick: the fastest forward (1024/1024) and forward+backward (fused,
+kv compute 512)."""
+TOKAMAX_BLOCKS: dict[str, list[SplashBlocks | None]] = {
+    "quick": [None],
+    "default": [None, SplashBlocks(1024, 1024, 1024), SplashBlocks(2048, 2048, 1024)],
+}
+"""tokamax splash attention blocks to try (None: its own choice)."""
+
+
+def _tokamax_unavailable() -> str | None:
+    """Why tokamax's attention cannot be compared (not installed, or it fails to import), or
+    None when it can."""
+    if importlib.util.find_spec("tokamax") is None:
+        return "tokamax is not installed: pip install 'pallas-flash-bench[tokamax]'"
+    try:
+        import tokamax  # noqa: F401
+        from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason to report
+        return f"tokamax does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+TOKAMAX_CAUSAL = (
+    "tokamax-splash runs without a mask only: with a causal mask its forward kernel's grid is "
+    "sized at run time (the schedule reads 2147483647 steps), which the static estimate "
+    "cannot count"
+)
+
+
+def reference_notes() -> list[str]:
+    """The report's notes on the references: their VMEM limit, and each reference left out of
+    the sweep or of some of its workloads, with the reason."""
+    reason = _tokamax_unavailable()
+    return [
+        f"every reference program is compiled with xla_tpu_scoped_vmem_limit_kib="
+        f"{VMEM_LIMIT_KIB}: a v5e core's whole VMEM, the most our kernels request",
+        f"tokamax-splash is not compared: {reason}" if reason else TOKAMAX_CAUSAL,
+    ]
+
+
+def _subjects(
+    name: str,
+    version: str,
+    build: Callable[[Config, Workload], Callable[..., object] | None],
+    configs: list[Config],
+    label: Callable[[Config], str],
+) -> list[Subject]:
+    """One reference subject per configuration, compiled with `COMPILER_OPTIONS`."""
+    return [
+        Subject(
+            name=name,
+            kind="reference",
+            config=label(config),
+            version=f"{version}+vmem{VMEM_LIMIT_KIB}k",
+            build=_on_one_chip(functools.partial(build, config)),
+            compiler_options=COMPILER_OPTIONS,
+        )
+        for config in configs
+    ]
+
+
+def reference_subjects(sweep: str) -> list[Subject]:
+    """The reference kernels in the sweep's (``quick`` or ``default``) configurations."""
+    version = jax.__version__
+    subjects = [
+        *_subjects("jax-flash", version, _jax_flash_build, FLASH_BLOCKS[sweep],
+                   lambda b: b.label if b else "default blocks"),
+        *_subjects("jax-splash", version, _splash_build, SPLASH_BLOCKS[sweep],
+                   lambda b: b.label),
+        *_subjects("jax-paged", version, _paged_build, PAGED_BLOCKS[sweep],
+                   lambda pages: f"grid of {pages}-page blocks"),
+    ]  # fmt: skip
+    if _tokamax_unavailable() is None:
+        subjects += _subjects(
+            "tokamax-splash", importlib.metadata.version("tokamax"), _tokamax_build,
+            TOKAMAX_BLOCKS[sweep], lambda b: b.label if b else "its own blocks",
+        )  # fmt: skip
+    return subjects

@@ -1,0 +1,139 @@
+"""Reference subjects: splash's fused backward, the scoped-VMEM limit, the quick sweep's size,
+and tokamax present or absent."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from pallas_flash_bench import aot, cli, references, worker
+from pallas_flash_bench.subjects import all_subjects
+from pallas_flash_bench.targets import TARGETS
+from pallas_flash_bench.workloads import Workload, quick_sweep
+
+needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
+needs_tokamax = pytest.mark.skipif(
+    references._tokamax_unavailable() is not None, reason="tokamax is not installed"
+)
+
+FUSED = "jax-splash[blocks 1024/1024, kv compute 512, fused backward]"
+
+
+@pytest.fixture
+def no_tokamax(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tokamax" else find_spec(name, *a),
+    )
+
+
+def test_the_fused_splash_backward_is_built_for_forward_backward_only() -> None:
+    for sweep in ("quick", "default"):
+        fused = all_subjects(sweep, [], True)[FUSED]
+        assert fused.build(Workload("forward_backward", 2048, causal=True), None) is not None
+        assert fused.build(Workload("forward", 2048, causal=True), None) is None
+
+
+def test_the_fused_backward_takes_no_dq_blocks() -> None:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    fused = references._splash_sizes(sk, references.SplashBlocks(1024, 1024, 256, fused=True))
+    assert fused.use_fused_bwd_kernel and fused.has_backward_blocks
+    assert (fused.block_q_dq, fused.block_kv_dq) == (None, None)
+    assert (fused.block_kv_compute, fused.block_kv_dkv_compute) == (256, 256)
+    separate = references._splash_sizes(sk, references.SplashBlocks(512, 1024, 1024))
+    assert not separate.use_fused_bwd_kernel
+    assert (separate.block_q_dq, separate.block_kv_dq) == (512, 1024)
+
+
+def test_every_reference_is_compiled_with_the_whole_vmem_and_says_so() -> None:
+    for sweep in ("quick", "default"):
+        subjects = all_subjects(sweep, None, True).values()
+        for s in subjects:
+            if s.kind == "reference":
+                assert s.compiler_options == {"xla_tpu_scoped_vmem_limit_kib": str(128 * 1024)}
+                assert s.version.endswith("+vmem131072k")  # the cache key changes with it
+            else:
+                assert s.compiler_options == {}
+    assert "xla_tpu_scoped_vmem_limit_kib=131072" in references.reference_notes()[0]
+
+
+def test_a_configuration_runs_the_sequences_its_blocks_divide() -> None:
+    flash = all_subjects("default", [], True)["jax-flash[blocks 4096/1024]"]
+    assert flash.build(Workload("forward", 2048), None) is None
+    assert flash.build(Workload("forward", 6144), None) is None
+    assert flash.build(Workload("forward", 8192), None) is not None
+
+
+def test_the_quick_sweep_is_a_few_previous_bests_of_the_default_one() -> None:
+    quick = all_subjects("quick", [], True)
+    assert set(quick) <= set(all_subjects("default", [], True))
+    assert {"jax-flash[blocks 1024]", "jax-splash[blocks 1024/1024]", FUSED} <= set(quick)
+    compiles = sum(
+        s.build(w, None) is not None for s in quick.values() for w in quick_sweep() if w.chips == 1
+    )
+    assert compiles <= 16  # 2 x 4 jax-flash, 4 + 1 jax-splash, 1 jax-paged, 2 tokamax-splash
+    default = references.reference_subjects("default")
+    assert len(default) >= 3 * len(references.reference_subjects("quick"))
+
+
+@needs_libtpu
+def test_the_vmem_limit_admits_blocks_the_default_limit_rejects() -> None:
+    """Splash 2048/2048 needs more than the 16 MiB default scoped VMEM: without the option it
+    is a row that did not compile (not a crash); with it, it compiles."""
+    subject = all_subjects("default", [], True)["jax-splash[blocks 2048/2048]"]
+    workload, target = Workload("forward", 2048), TARGETS["v5e-1"]
+    row = worker.analyse_row(subject, workload, target, None)
+    assert row["compiled"], row["error"]
+    default_limit = dataclasses.replace(subject, compiler_options={})
+    row = worker.analyse_row(default_limit, workload, target, None)
+    assert not row["compiled"]
+    assert "vmem" in row["error"].lower()
+
+
+def test_without_tokamax_the_report_says_why(tmp_path, monkeypatch, no_tokamax) -> None:
+    assert "tokamax-splash" not in {s.name for s in references.reference_subjects("default")}
+    monkeypatch.setattr(aot, "libtpu_version", lambda: None)  # nothing is compiled
+    args = ["bench", "--ops", "forward", "--seq-lens", "1024", "--backends", "xla",
+            "--no-measure", "--no-fit", "--no-cache", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    why = "tokamax-splash is not compared: tokamax is not installed"
+    assert any(note.startswith(why) for note in results["meta"]["notes"])
+    assert why in (tmp_path / "report.md").read_text()
+
+
+def test_a_tokamax_that_fails_to_import_is_a_note(monkeypatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # import tokamax raises ImportError
+    (_, note) = references.reference_notes()
+    assert note.startswith(
+        "tokamax-splash is not compared: tokamax does not import: ModuleNotFoundError"
+    )
+
+
+@needs_tokamax
+def test_tokamax_is_a_reference_with_its_own_blocks_and_wider_ones() -> None:
+    tokamax = [s for s in references.reference_subjects("default") if s.name == "tokamax-splash"]
+    own = tokamax[0]
+    assert own.config == "its own blocks"
+    assert len(tokamax) > 1 and all(s.kind == "reference" for s in tokamax)
+    assert own.build(Workload("decode", 8192), None) is None
+    assert own.build(Workload("forward_backward", 1024), None) is not None
+    assert own.build(Workload("forward", 1024, causal=True), None) is None
+    assert references.reference_notes()[1] == references.TOKAMAX_CAUSAL
+
+
+@needs_libtpu
+@needs_tokamax
+def test_tokamax_compiles_for_v5e_as_a_pallas_kernel() -> None:
+    subject = all_subjects("quick", [], True)["tokamax-splash[its own blocks]"]
+    row = worker.analyse_row(subject, Workload("forward", 1024), TARGETS["v5e-1"], None)
+    assert row["compiled"], row["error"]
+    assert row["copies"] == []  # the layout swaps around it cancel its own
