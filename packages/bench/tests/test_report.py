@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pallas_flash_bench.report import render_report, write_report
+from pallas_flash_bench.workloads import Workload
 
 SAMPLE = pathlib.Path(__file__).parent / "samples" / "results_small.json"
 
@@ -116,6 +117,7 @@ def test_result_tables_have_the_columns(report: str) -> None:
         "Static cycles",
         "Est. latency",
         "MFU",
+        "MFU range",
         "HBM BW use",
         "Tokens/s",
         "Tokens/$",
@@ -146,10 +148,11 @@ def test_compiled_row_values_are_formatted_with_sources(report: str) -> None:
     assert row[6] == "—"  # no kernels, no static cycles
     assert row[7] == "1.23 ms (model)"
     assert row[8] == "61.2 % (model)"
-    assert row[9] == "5.0 % (model)"
-    assert row[10] == "3.4e6 (model)"
-    assert row[11] == "1.02e10 (model)"
-    assert row[12] == "—"  # no measured_seconds
+    assert row[9] == "—"  # no static estimates
+    assert row[10] == "5.0 % (model)"
+    assert row[11] == "3.4e6 (model)"
+    assert row[12] == "1.02e10 (model)"
+    assert row[13] == "—"  # no measured_seconds
 
 
 def test_static_cycles_copy_none_and_fits(report: str) -> None:
@@ -165,7 +168,7 @@ def test_static_cycles_copy_none_and_fits(report: str) -> None:
 
 def test_measured_value_shown_with_its_source(report: str) -> None:
     decode = _row_for(_section(report, "Results"), "decode N=4096", "xla")
-    assert decode[12] == "2.5 ms (measured-cpu)"
+    assert decode[13] == "2.5 ms (measured-cpu)"
     assert decode[7] == "0.041 ms (model)"
 
 
@@ -175,7 +178,7 @@ def test_failed_compile_shows_cross_error_excerpt_and_dashes(report: str) -> Non
     assert row[2].endswith("…")
     assert "traceback" not in row[2]  # only the first line
     assert len(row[2]) < 80
-    assert row[3:] == ["—"] * 10
+    assert row[3:] == ["—"] * 11
 
 
 def test_fits_table(report: str) -> None:
@@ -251,7 +254,7 @@ def test_missing_figures_and_sparse_results_render(results: dict[str, Any]) -> N
     row["hbm"] = None
     report = render_report({"meta": results["meta"], "rows": [row]})
     rendered = _row_for(_section(report, "Results"), "forward N=4096 causal", "xla")
-    assert rendered[3] == rendered[4] == rendered[8] == rendered[10] == "—"
+    assert rendered[3] == rendered[4] == rendered[8] == rendered[11] == "—"
     assert "No search was run." in _section(report, "Longest sequence that fits")
     assert "No kernel schedules" in _section(report, "Kernel schedules")
 
@@ -339,3 +342,114 @@ def test_decoding_table_is_left_out_without_decode_rows(results: dict[str, Any])
 
 def test_against_references_is_left_out_without_a_shared_workload(report: str) -> None:
     assert "## Against jax's kernels" not in report
+
+
+# Static cycles of the pallas forward (4096 x 1024 blocks) and of splash (1024 / 1024) at
+# N=4096, one kernel each, as the bench read them from one libtpu's dumps.
+PALLAS_CYCLES = {"schedule": 1_074_041, "mxu": 1_048_576, "critical_path": 1_084_381,
+                 "push8": 1_310_720, "push16": 1_572_864, "dma": 1_074_041}  # fmt: skip
+SPLASH_CYCLES = {"schedule": 1_258_409, "mxu": 1_048_576, "critical_path": 1_116_085,
+                 "push8": 1_258_409, "push16": 1_258_409, "dma": 1_258_409}  # fmt: skip
+
+
+def _with_estimates(row: dict[str, Any], cycles: dict[str, int]) -> dict[str, Any]:
+    from pallas_flash_bench import estimate
+    from pallas_flash_bench.targets import TARGETS
+
+    target = TARGETS["v5e-1"]
+    workload = Workload(**row["workload"])
+    memory = workload.min_hbm_bytes / target.hbm_bandwidth
+    row = copy.deepcopy(row)
+    row["estimates"] = estimate.spread(workload, target, cycles, memory, 0.0)
+    headline = row["estimates"]["schedule"]
+    row["figures"]["latency_seconds"] = {"value": headline["latency_seconds"], "source": "static"}
+    row["figures"]["mfu"] = {"value": headline["mfu"], "source": "static"}
+    return row
+
+
+@pytest.fixture
+def spread_results(results: dict[str, Any]) -> dict[str, Any]:
+    (splash,) = [r for r in results["rows"] if r.get("kind") == "reference"]
+    splash["workload"]["seq_len"], splash["label"] = 4096, "forward N=4096"
+    mine = copy.deepcopy(splash)
+    mine.update(subject="pallas", kind="backend", config="")
+    mine["kernels"][0].update(steps=64, cycles=1_074_041, pushes=4096, dma_bytes=64 << 20)
+    results["rows"] = [_with_estimates(splash, SPLASH_CYCLES), _with_estimates(mine, PALLAS_CYCLES)]
+    return results
+
+
+def test_mfu_range_over_the_estimates(spread_results: dict[str, Any]) -> None:
+    report = render_report(spread_results)
+    row = _row_for(_section(report, "Results"), "forward N=4096", "pallas")
+    assert row[8] == "97.6 % (static)"
+    # pushes at 16 cycles, not overlapped, to the headline (the MXU floor alone, 100 %, is one
+    # of its parts, not a figure of its own)
+    assert row[9] == "66.7 to 97.6 %"
+    splash = _row_for(_section(render_report(spread_results), "Results"), "jax_splash [reference]")
+    assert splash[9] == "83.3 to 94.0 %"  # its critical path is shorter than its schedule
+
+
+def test_spread_section_gives_the_mfu_under_each_estimate(spread_results: dict[str, Any]) -> None:
+    section = _section(render_report(spread_results), "How sure the estimates are")
+    assert "No hardware measurement tells which is right" in section
+    header = _table_rows(section)[0]
+    assert header[2:] == [
+        "MFU (headline)",
+        "Schedule (bundles)",
+        "MXU floor (matmuls)",
+        "Critical path",
+        "Pushes at 8, no overlap",
+        "Pushes at 16, no overlap",
+        "DMA bound",
+    ]
+    pallas = _row_for(section, "pallas")
+    assert pallas[2:] == ["97.6 % (static)", "97.6 %", "100.0 %", "96.7 %", "80.0 %", "66.7 %",
+                          "97.6 %"]  # fmt: skip
+    splash = _row_for(section, "jax_splash [reference]")
+    assert splash[5] == "94.0 %"  # splash's critical path beats its slot-bound schedule
+
+
+def test_lead_says_which_estimates_it_rests_on(spread_results: dict[str, Any]) -> None:
+    section = _section(render_report(spread_results), "Against jax's kernels")
+    assert _table_rows(section)[0][-1] == "Lead under every estimate?"
+    lead = _row_for(section, "pallas")[-1]
+    assert lead == (
+        "the lead rests on weight pushes hidden under the matmuls: ahead under Schedule "
+        "(bundles) 1.17x, MXU floor (matmuls) 1.00x, Critical path 1.03x, DMA bound 1.17x; "
+        "behind under Pushes at 8, no overlap 0.96x, Pushes at 16, no overlap 0.80x"
+    )
+    for row in spread_results["rows"]:
+        if row["kind"] == "backend":
+            row["estimates"]["push8"]["latency_seconds"] /= 2
+            row["estimates"]["push16"]["latency_seconds"] /= 2
+    lead = _row_for(_section(render_report(spread_results), "Against jax's kernels"), "pallas")
+    assert lead[-1].startswith("ahead under every estimate (Schedule (bundles) 1.17x,")
+    for row in spread_results["rows"]:
+        if row["kind"] == "backend":
+            for figures in row["estimates"].values():
+                figures["latency_seconds"] *= 10
+    lead = _row_for(_section(render_report(spread_results), "Against jax's kernels"), "pallas")
+    assert lead[-1].startswith("behind under every estimate (Schedule (bundles) 0.12x,")
+
+
+def test_kernel_table_sets_dma_per_step_against_compute(spread_results: dict[str, Any]) -> None:
+    kernels = _section(render_report(spread_results), "Kernel schedules")
+    header = _table_rows(kernels)[0]
+    row = dict(zip(header, _row_for(kernels, "pallas"), strict=True))
+    assert row["Pushes"] == "4,096"
+    assert row["Compute/step"] == "11.2 us"  # 1,074,041 cycles / 64 steps at 1.5 GHz
+    assert row["DMA/step"] == "1.28 us"  # 1 MiB per step at 819 GB/s
+    splash = dict(zip(header, _row_for(kernels, "jax_splash [reference]"), strict=True))
+    assert splash["DMA/step"] == "—"
+
+
+def test_the_readme_block_is_the_comparison_of_one_run(spread_results: dict[str, Any]) -> None:
+    from pallas_flash_bench import readme
+
+    block = readme.render_block(spread_results)
+    assert block.startswith(readme.BEGIN) and block.rstrip().endswith(readme.END)
+    assert "From one run of `pallas-flash bench --quick --target v5e-1` on 2026-11-21" in block
+    for title in ("Against jax's kernels", "How sure the estimates are"):
+        section = _section(block.replace("### ", "## "), title)
+        assert _table_rows(section), f"{title}: no rows"
+    assert "## Results" not in block, "only the comparison sections"

@@ -1,8 +1,10 @@
-"""The ``pallas-flash`` command: ``bench`` (the sweep and its report), ``inspect`` (one kernel)."""
+"""The ``pallas-flash`` command: ``bench`` (the sweep and its report), ``inspect`` (one
+kernel), ``readme`` (the README's report block from a run)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -51,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--dtype", default="bfloat16")
     inspect.add_argument("--target", choices=sorted(TARGETS), default=DEFAULT_TARGET)
+
+    readme = commands.add_parser(
+        "readme", help="rewrite the README's report block from a run's results.json"
+    )
+    readme.add_argument(
+        "--results", type=pathlib.Path, default=pathlib.Path("bench-results/results.json")
+    )
+    readme.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
     return parser
 
 
@@ -109,9 +119,18 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _readme(args: argparse.Namespace) -> int:
+    from pallas_flash_bench import readme
+
+    readme.update(args.readme, json.loads(args.results.read_text()))
+    print(f"{args.readme}: report block rewritten from {args.results}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return _bench(args) if args.command == "bench" else _inspect(args)
+    commands = {"bench": _bench, "inspect": _inspect, "readme": _readme}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,24 @@ OP_TITLES = {
 UTILIZATION_UNITS = ("MXU", "VALU", "EUP", "VLOAD", "VSTORE")
 NO_COPIES = "No copy, transpose or pad around the kernels"
 ERROR_EXCERPT_CHARS = 60
+ESTIMATE_TITLES = {
+    "schedule": "Schedule (bundles)",
+    "mxu": "MXU floor (matmuls)",
+    "critical_path": "Critical path",
+    "push8": "Pushes at 8, no overlap",
+    "push16": "Pushes at 16, no overlap",
+    "dma": "DMA bound",
+}
+"""The program estimates of a row (``runner.SPREAD``), as the report names them."""
 
 HOW_TO_READ = (
     "Every figure is tagged with its source. "
-    "`static`: from the TPU compiler's VLIW schedule (bundles per grid step x grid steps / "
-    "clock); it ignores DMA stalls, so its latency is a lower bound and the utilisation derived "
-    "from it an upper bound. "
+    "`static`: from the TPU compiler's VLIW schedule: the bundles each grid step executes or "
+    "the busiest MXU's matmul cycles, whichever is more, over the clock. It is an estimate, not "
+    "a measurement: it ignores DMA stalls and charges weight pushes nothing, so its latency is "
+    "rather a lower bound and the utilisation derived from it an upper bound; the MFU range and "
+    "the section on how sure the estimates are give the same program under the other "
+    "estimates (docs/benchmarks.md says what each ignores). "
     "`model`: roofline arithmetic (useful flops / peak FLOP/s, HBM bytes / HBM bandwidth). "
     "`compiler`: the compiler's memory and cost analysis (HBM footprint, bytes accessed). "
     "`measured-cpu` / `measured-tpu`: wall clock on that device; CPU timings only show that "
@@ -319,6 +331,7 @@ RESULT_HEADER = (
     "Static cycles",
     "Est. latency",
     "MFU",
+    "MFU range",
     "HBM BW use",
     "Tokens/s",
     "Tokens/$",
@@ -338,11 +351,69 @@ def _result_row(row: Mapping[str, Any]) -> list[str]:
         _static_cycles(row),
         _tagged(row, "latency_seconds", _ms),
         _tagged(row, "mfu", _percent),
+        _mfu_range(row),
         _tagged(row, "hbm_bandwidth_use", _percent),
         _tagged(row, "tokens_per_second", _num),
         _tagged(row, "tokens_per_dollar", _num),
         _tagged(row, "measured_seconds", _ms),
     ]
+
+
+def _estimate(row: Mapping[str, Any], name: str, key: str) -> float | None:
+    """A row's figure ``key`` (``cycles``, ``latency_seconds``, ``mfu``) under one estimate."""
+    return finite_number(((row.get("estimates") or {}).get(name) or {}).get(key))
+
+
+RANGE_ESTIMATES = ("critical_path", "push8", "push16", "dma")
+"""The estimates that are whole figures like the headline: the schedule alone and the MXU
+floor alone are its two parts (each a bound on time only), left out of the MFU range."""
+
+
+def _mfu_range(row: Mapping[str, Any]) -> str:
+    """Least and most MFU over the headline and the whole estimates (`RANGE_ESTIMATES`):
+    ``66.7 to 97.6 %``; ``—`` without them."""
+    if not any(_estimate(row, name, "mfu") is not None for name in RANGE_ESTIMATES):
+        return MISSING
+    values = [_figure(row, "mfu")[0], *(_estimate(row, name, "mfu") for name in RANGE_ESTIMATES)]
+    known = [v for v in values if v is not None]
+    if not known:
+        return MISSING
+    return f"{100 * min(known):.1f} to {_percent(max(known))}"
+
+
+SPREAD_HEADER = ("Workload", "Subject", "MFU (headline)", *ESTIMATE_TITLES.values())
+"""Columns of `spread_table`."""
+
+
+def spread_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each row's MFU under every estimate beside the headline figure."""
+    with_spread = sorted((r for r in rows if r.get("estimates")), key=_op_then_sort_key)
+    if not with_spread:
+        return []
+    header = SPREAD_HEADER
+    table = [
+        [
+            _label(row),
+            _subject(row),
+            _tagged(row, "mfu", _percent),
+            *(_percent(_estimate(row, name, "mfu")) for name in ESTIMATE_TITLES),
+        ]
+        for row in with_spread
+    ]
+    intro = (
+        "The same compiled program under each static estimate (MFU; latency is compute or "
+        "memory time, whichever is longer, as for the headline). Headline: the schedule's "
+        "executed bundles or the busiest MXU's matmul cycles, whichever is more, weight pushes "
+        "free. Schedule: executed bundles only, one per cycle. MXU floor: the busiest MXU's "
+        "`vmatmul`s only (16 cycles per bf16 vreg). Critical path: the compiler's latency model "
+        "per executed basic block, a bf16 weight push 8 cycles, overlapped with the previous "
+        "tile's matmuls. Pushes at 8 / 16, no overlap: every `vmatpush` charged 8 / 16 cycles on "
+        "its MXU on top of the matmuls (or the bundles, if more): how much a lead rests on "
+        "pushes being hidden. DMA bound: per kernel the longer of its compute and its block "
+        "copies at the HBM bandwidth (copies whose predicate the schedule cannot decide "
+        "counted every step). No hardware measurement tells which is right."
+    )
+    return ["## How sure the estimates are", "", intro, "", *_table(header, table), ""]
 
 
 def _results_tables(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -361,7 +432,22 @@ def _results_tables(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+AGAINST_REFERENCES_HEADER = (
+    "Workload",
+    "Backend",
+    "Est. latency",
+    "MFU",
+    "Fastest jax kernel",
+    "Its latency",
+    "Its MFU",
+    "Speed-up",
+    "Speed-up, no overlap",
+    "Lead under every estimate?",
+)
+"""Columns of `against_references_table`."""
+
+
+def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Each backend's row beside the fastest reference kernel of the same workload."""
     groups: dict[str, list[Mapping[str, Any]]] = {}
     for row in rows:
@@ -378,6 +464,7 @@ def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         fastest_serial = min((t for t in serial if t is not None), default=None)
         for row in sorted((r for r in timed if r.get("kind") != "reference"), key=_sort_key):
             latency = _figure(row, "latency_seconds")[0]
+            lead = _lead(row, references)
             row_serial = _figure(row, "latency_no_overlap_seconds")[0]
             table.append(
                 [
@@ -392,21 +479,12 @@ def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                     f"{fastest_serial / row_serial:.2f}x"
                     if fastest_serial and row_serial
                     else MISSING,
+                    lead,
                 ]
             )
     if not table:
         return []
-    header = [
-        "Workload",
-        "Backend",
-        "Est. latency",
-        "MFU",
-        "Fastest jax kernel",
-        "Its latency",
-        "Its MFU",
-        "Speed-up",
-        "Speed-up, no overlap",
-    ]
+    header = AGAINST_REFERENCES_HEADER
     intro = (
         "Each backend against the fastest of jax's own kernels on the same workload, through "
         "the same analysis (speed-up: the jax kernel's estimated latency over the backend's). "
@@ -414,9 +492,47 @@ def _against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "column takes them not to overlap at all (latency: compute + memory time, against the "
         "jax kernel with the least of it). A kernel that overlaps them in part lies between "
         "the two: memory-bound kernels tie in the first and differ by their compute in the "
-        "second."
+        "second. The last column redoes the speed-up under each estimate of the section "
+        "above, against the jax kernel fastest under that estimate: whether the lead (or the "
+        "deficit) holds under all of them, or under which it turns."
     )
     return ["## Against jax's kernels", "", intro, "", *_table(header, table), ""]
+
+
+ASSUMPTIONS = {
+    "push8": "weight pushes hidden under the matmuls",
+    "push16": "weight pushes hidden under the matmuls",
+    "dma": "block copies hidden under the compute",
+    "critical_path": "the schedule, not the compiler's latency model",
+    "schedule": "the MXU floor, not the bundles",
+    "mxu": "the bundles, not the MXU floor",
+}
+"""What a lead that turns under an estimate rests on."""
+
+
+def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
+    """Whether a backend's row beats the fastest reference under every estimate, or which
+    estimates its lead rests on (speed-ups under the others)."""
+    ahead, behind, turns = [], [], []
+    for name, title in ESTIMATE_TITLES.items():
+        mine = _estimate(row, name, "latency_seconds")
+        theirs = [t for r in references if (t := _estimate(r, name, "latency_seconds"))]
+        if not mine or not theirs:
+            continue
+        speedup = min(theirs) / mine
+        (ahead if speedup >= 1 else behind).append(f"{title} {speedup:.2f}x")
+        if speedup < 1 and ASSUMPTIONS[name] not in turns:
+            turns.append(ASSUMPTIONS[name])
+    if not ahead and not behind:
+        return MISSING
+    if not behind:
+        return f"ahead under every estimate ({', '.join(ahead)})"
+    if not ahead:
+        return f"behind under every estimate ({', '.join(behind)})"
+    return (
+        f"the lead rests on {' and '.join(turns)}: ahead under {', '.join(ahead)}; "
+        f"behind under {', '.join(behind)}"
+    )
 
 
 def _one_chip_twin(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> Any:
@@ -544,14 +660,27 @@ def _grid(grid: Any) -> str:
     return "x".join(str(g) for g in grid)
 
 
-def _kernels_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+def _per_step_us(total: Any, steps: Any, rate: float | None) -> str:
+    """``total / steps / rate`` in microseconds (cycles over the clock, bytes over the HBM
+    bandwidth), or ``—``."""
+    total, steps = finite_number(total), finite_number(steps)
+    if total is None or not steps or not rate:
+        return MISSING
+    return f"{_num(total / steps / rate * 1e6)} us"
+
+
+def _kernels_table(rows: Sequence[Mapping[str, Any]], target: Mapping[str, Any]) -> list[str]:
     lines = ["## Kernel schedules", ""]
     with_kernels = sorted((r for r in rows if r.get("kernels")), key=_op_then_sort_key)
     if not with_kernels:
         return [*lines, "No kernel schedules were extracted.", ""]
     lines += [
         "From the compiler's VLIW bundles: utilisation is the share of bundles that keep the unit "
-        "busy (static, an upper bound).",
+        "busy (static, an upper bound). Pushes: `vmatpush` instructions (weights loaded into an "
+        "MXU) in the grid loop body, all MXUs. DMA/step: the bytes the kernel's block copies "
+        "move per grid step (at most: copies whose predicate the schedule cannot decide counted "
+        "every step) over the HBM bandwidth, against its compute per step (headline cycles): a "
+        "kernel whose DMA/step exceeds its compute/step cannot hide its copies.",
         "",
     ]
     header = (
@@ -565,9 +694,14 @@ def _kernels_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         *(f"{unit} %" for unit in UTILIZATION_UNITS),
         "Spills (stores/fills)",
         "MXU ops",
+        "Pushes",
         "VMEM",
         "Cycles",
+        "Compute/step",
+        "DMA/step",
     )
+    clock = finite_number(target.get("clock_hz"))
+    bandwidth = finite_number(target.get("hbm_bandwidth"))
     table = []
     for row in with_kernels:
         for kernel in row["kernels"]:
@@ -585,8 +719,11 @@ def _kernels_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                     *(_percent(utilization.get(unit)) for unit in UTILIZATION_UNITS),
                     spills,
                     _int(kernel.get("mxu_ops")),
+                    _int(kernel.get("pushes")),
                     _bytes(kernel.get("vmem_bytes")),
                     _num(kernel.get("cycles")),
+                    _per_step_us(kernel.get("cycles"), kernel.get("steps"), clock),
+                    _per_step_us(kernel.get("dma_bytes"), kernel.get("steps"), bandwidth),
                 ]
             )
     return [*lines, *_table(header, table), ""]
@@ -649,10 +786,11 @@ def render_report(results: Mapping[str, Any]) -> str:
     lines = [
         *_header(results),
         *_results_tables(rows),
-        *_against_references_table(rows),
+        *spread_table(rows),
+        *against_references_table(rows),
         *_decoding_table(results, rows),
         *_fits_table(list(results.get("fits") or [])),
-        *_kernels_table(rows),
+        *_kernels_table(rows, (results.get("meta") or {}).get("target") or {}),
         *_copies_section(rows),
         *_notes_section(results, rows),
     ]

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import queue
@@ -20,8 +21,10 @@ from tqdm import tqdm
 import pallas_flash as pf
 from pallas_flash_bench import aot, estimate, measure
 from pallas_flash_bench.cache import ResultCache
+from pallas_flash_bench.references import reference_notes
 from pallas_flash_bench.report import write_report
 from pallas_flash_bench.roofline import write_roofline
+from pallas_flash_bench.spread import ESTIMATES
 from pallas_flash_bench.subjects import Subject, all_subjects, array_specs
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.worker import RESULT_PREFIX
@@ -48,7 +51,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 4
+ANALYSIS_VERSION = 5
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 
@@ -179,7 +182,7 @@ def run(options: BenchOptions) -> dict:
     toolchain = versions()
     subjects = all_subjects(options.sweep, options.backends, options.references)
     jobs = _jobs(options, subjects)
-    notes = []
+    notes = reference_notes() if options.references else []
     if toolchain["libtpu"] is None:
         notes.append("libtpu is not installed: nothing was compiled for the TPU")
         print(
@@ -269,6 +272,48 @@ def program_cycles(row: dict) -> int | None:
     return kernels + other["cycles"]
 
 
+SPREAD = (*ESTIMATES, "dma")
+"""The program estimates of a row: the kernel estimates, and ``dma``: per kernel the larger of
+its headline cycles and its DMA cycles (`estimate.dma_cycles`)."""
+
+
+def program_estimates(row: dict, target: Target) -> dict[str, int | None]:
+    """The whole program's static cycles under each estimate of `SPREAD`: its kernels' figure
+    plus the other ops' headline cycles; None where a kernel lacks it (or with no kernel)."""
+    other = (row.get("other_ops") or {}).get("cycles", 0)
+    kernels = row["kernels"]
+    out: dict[str, int | None] = {}
+    for name in SPREAD:
+        if name == "dma":
+            values = [
+                None
+                if k.get("dma_bytes") is None
+                else max(k["cycles"], math.ceil(estimate.dma_cycles(k["dma_bytes"], target)))
+                for k in kernels
+            ]
+        else:
+            values = [(k.get("estimates") or {}).get(name) for k in kernels]
+        known = bool(kernels) and None not in values
+        out[name] = sum(values) + other if known else None
+    return out
+
+
+def _dma_notes(row: dict, target: Target) -> list[str]:
+    """A note per kernel whose block copies take longer than its compute: it cannot hide them,
+    so it runs below its static figure."""
+    notes = []
+    for k in row["kernels"]:
+        if k.get("dma_bytes") is None or not k["cycles"]:
+            continue
+        dma = estimate.dma_cycles(k["dma_bytes"], target)
+        if dma > k["cycles"]:
+            notes.append(
+                f"{k['name']}: its block copies need {dma / k['cycles']:.2f}x its compute "
+                f"({k['dma_bytes']} bytes at most over {k['steps']} steps): DMA-bound"
+            )
+    return notes
+
+
 def _with_figures(row: dict, subject: Subject, workload: Workload, options: BenchOptions) -> dict:
     row = dict(row, notes=list(row["notes"]))
     row["static_cycles"] = program_cycles(row) if row["compiled"] else None
@@ -284,6 +329,14 @@ def _with_figures(row: dict, subject: Subject, workload: Workload, options: Benc
             compiler_bytes=cost.get("bytes"),
             copy_bytes=sum(c["bytes"] for c in row["copies"]),
             collectives=[(c["opcode"], c["bytes"]) for c in row.get("collectives", [])],
+        )
+        row["notes"] += _dma_notes(row, options.target)
+        row["estimates"] = estimate.spread(
+            workload,
+            options.target,
+            program_estimates(row, options.target),
+            row["figures"]["memory_seconds"]["value"],
+            row["figures"]["collective_seconds"]["value"],
         )
     else:
         row["figures"] = {}

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_flash.tpu import GENERATIONS
+
 GiB = 1 << 30
-MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,8 @@ class Target:
     the topology (see ``Workload.chips``)."""
 
     name: str
+    generation: str
+    """The TPU generation (`pallas_flash.tpu.GENERATIONS`): the kernels are built for it."""
     topology: str
     """Topology name for ``jax.experimental.topologies.get_topology_desc``."""
     chips_per_host_bounds: tuple[int, int, int]
@@ -55,12 +58,13 @@ class Target:
 
 
 _V5E = dict(
+    generation="v5e",
     topology="v5e:2x2",
     chips_per_host_bounds=(2, 2, 1),
     peak_flops=197e12,
     hbm_bytes=16 * GiB,
     hbm_bandwidth=819e9,
-    vmem_bytes=128 * MiB,
+    vmem_bytes=GENERATIONS["v5e"].vmem_bytes,
     clock_hz=197e12 / (4 * 128 * 128 * 2),
     ici_bandwidth=1600e9 / 8,  # 1,600 Gbit/s per chip
     ici_link_bandwidth=1600e9 / 8 / 4,
@@ -75,13 +79,14 @@ TARGETS = {
     # per TensorCore, half a chip's.
     "v4": Target(
         name="v4",
+        generation="v4",
         topology="v4:2x2x1",
         chips_per_host_bounds=(2, 2, 1),
         chips=1,
         peak_flops=275e12 / 2,
         hbm_bytes=16 * GiB,
         hbm_bandwidth=1228e9 / 2,
-        vmem_bytes=16 * MiB,
+        vmem_bytes=GENERATIONS["v4"].vmem_bytes,
         clock_hz=275e12 / (2 * 4 * 128 * 128 * 2),
         ici_bandwidth=2400e9 / 8,
         ici_link_bandwidth=2400e9 / 8 / 6,
@@ -90,13 +95,14 @@ TARGETS = {
     ),
     "v5p": Target(
         name="v5p",
+        generation="v5p",
         topology="v5p:2x2x1",
         chips_per_host_bounds=(2, 2, 1),
         chips=1,
         peak_flops=459e12,
         hbm_bytes=95 * GiB,
         hbm_bandwidth=2765e9,
-        vmem_bytes=64 * MiB,
+        vmem_bytes=GENERATIONS["v5p"].vmem_bytes,
         clock_hz=459e12 / (2 * 4 * 128 * 128 * 2),
         ici_bandwidth=4800e9 / 8,
         ici_link_bandwidth=4800e9 / 8 / 6,
@@ -105,13 +111,14 @@ TARGETS = {
     ),
     "v6e": Target(
         name="v6e",
+        generation="v6e",
         topology="v6e:2x2",
         chips_per_host_bounds=(2, 2, 1),
         chips=1,
         peak_flops=918e12,
         hbm_bytes=32 * GiB,
         hbm_bandwidth=1640e9,
-        vmem_bytes=128 * MiB,
+        vmem_bytes=GENERATIONS["v6e"].vmem_bytes,
         clock_hz=918e12 / (2 * 256 * 256 * 2),
         ici_bandwidth=3584e9 / 8,
         ici_link_bandwidth=3584e9 / 8 / 4,

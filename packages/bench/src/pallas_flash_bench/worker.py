@@ -39,7 +39,7 @@ def analyse_row(
 
     With ``keep_hlo`` the optimised HLO text is kept in the row (for ``pallas-flash inspect``).
     """
-    from pallas_flash_bench import aot, hlo, llo
+    from pallas_flash_bench import aot, hlo, llo, spread
     from pallas_flash_bench.subjects import array_specs
 
     mesh = aot.call_mesh(target, workload.chips)
@@ -67,7 +67,9 @@ def analyse_row(
         shutil.rmtree(dump_dir, ignore_errors=True)
         dump_dir.mkdir(parents=True)
     try:
-        compiled = aot.compile_for(fn, array_specs(workload), target, mesh)
+        compiled = aot.compile_for(
+            fn, array_specs(workload), target, mesh, subject.compiler_options
+        )
     except Exception as exc:  # noqa: BLE001 - a compiler error is a result, not a crash
         row["error"] = _error_text(exc)
         return row
@@ -111,7 +113,7 @@ def analyse_row(
     calls = hlo.kernel_calls(text)
     for call in calls:
         if call.name in schedules:
-            row["kernels"].append(_kernel_entry(schedules[call.name], workload))
+            row["kernels"].append(spread.kernel_entry(schedules[call.name], workload))
         else:
             row["notes"].append(f"no bundle dump for kernel {call.name}: no static schedule")
     row["other_ops"] = _other_ops(
@@ -126,37 +128,6 @@ def analyse_row(
         names = ", ".join(row["other_ops"]["undetermined"])
         row["notes"].append(f"ops with loops of unknown trip count, counted once: {names}")
     return row
-
-
-def _kernel_entry(schedule, workload) -> dict:
-    """One Pallas kernel's static schedule, with its cycles (see `estimate.kernel_cycles`)."""
-    from pallas_flash_bench import estimate
-
-    steps = schedule.grid_steps or schedule.trip_count or 1
-    cycles, how = estimate.kernel_cycles(
-        schedule.executed_bundles_min,
-        schedule.executed_bundles_max,
-        steps * schedule.bundles_per_step,
-        schedule.grid,
-        workload.causal,
-        schedule.executed_mxu_cycles_min,
-        schedule.executed_mxu_cycles_max,
-    )
-    return {
-        "name": schedule.name,
-        "bundles_per_step": schedule.bundles_per_step,
-        "steps": steps,
-        "grid": list(schedule.grid) if schedule.grid else None,
-        "predicated_bundles": schedule.predicated_bundles,
-        "utilization": {unit: schedule.utilization(unit) for unit in schedule.units},
-        "spill_stores": schedule.spill_stores,
-        "fill_loads": schedule.fill_loads,
-        "mxu_ops": schedule.mxu_ops,
-        "vmem_bytes": schedule.vmem_bytes,
-        "cycles": cycles,
-        "cycles_from": how,
-        "warnings": list(schedule.warnings),
-    }
 
 
 def _other_ops(schedules: dict, kernel_names: set[str], collective_names: set[str]) -> dict:
@@ -227,6 +198,7 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    from pallas_flash.tpu import GENERATION_ENV_VAR
     from pallas_flash_bench.subjects import all_subjects
     from pallas_flash_bench.targets import TARGETS
     from pallas_flash_bench.workloads import Workload
@@ -240,6 +212,7 @@ def main(argv: list[str]) -> None:
             subjects_by_config[key] = all_subjects(job["sweep"], job["backends"], job["references"])
         subject = subjects_by_config[key][job["subject"]]
         target = TARGETS[job["target"]]
+        os.environ[GENERATION_ENV_VAR] = target.generation  # kernels sized for the target
         try:
             if job["kind"] == "row":
                 workload = Workload(**job["workload"])
