@@ -56,12 +56,12 @@ def test_every_reference_is_compiled_with_the_whole_vmem_and_says_so() -> None:
     for sweep in ("quick", "default"):
         subjects = all_subjects(sweep, None, True).values()
         for s in subjects:
+            assert s.whole_vmem == (s.kind == "reference")
             if s.kind == "reference":
-                assert s.compiler_options == {"xla_tpu_scoped_vmem_limit_kib": str(128 * 1024)}
-                assert s.version.endswith("+vmem131072k")  # the cache key changes with it
-            else:
-                assert s.compiler_options == {}
-    assert "xla_tpu_scoped_vmem_limit_kib=131072" in references.reference_notes()[0]
+                assert s.version.endswith("+whole-vmem")  # the cache key changes with it
+    assert aot.whole_vmem_options(TARGETS["v5e-1"]) == {"xla_tpu_scoped_vmem_limit_kib": "131072"}
+    assert aot.whole_vmem_options(TARGETS["v4"]) == {"xla_tpu_scoped_vmem_limit_kib": "16384"}
+    assert "whole VMEM" in references.reference_notes()[0]
 
 
 def test_a_configuration_runs_the_sequences_its_blocks_divide() -> None:
@@ -91,7 +91,7 @@ def test_the_vmem_limit_admits_blocks_the_default_limit_rejects() -> None:
     workload, target = Workload("forward", 2048), TARGETS["v5e-1"]
     row = worker.analyse_row(subject, workload, target, None)
     assert row["compiled"], row["error"]
-    default_limit = dataclasses.replace(subject, compiler_options={})
+    default_limit = dataclasses.replace(subject, whole_vmem=False)
     row = worker.analyse_row(default_limit, workload, target, None)
     assert not row["compiled"]
     assert "vmem" in row["error"].lower()

@@ -75,6 +75,13 @@ def sharding(spec: ArraySpec, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*axes))
 
 
+def whole_vmem_options(target: Target) -> dict[str, str]:
+    """XLA options that give a program's kernels the target core's whole VMEM as their
+    scoped-VMEM limit (the most the pallas backend's kernels request), for kernels that set
+    none themselves: the default limit, 16 MiB on v5e, rejects e.g. splash's 2048/2048."""
+    return {"xla_tpu_scoped_vmem_limit_kib": str(target.vmem_bytes // 1024)}
+
+
 def compile_for(
     fn: Callable[..., object],
     specs: list[ArraySpec],

@@ -22,13 +22,6 @@ from jax.sharding import Mesh
 from pallas_flash_bench.subjects import Subject, with_backward
 from pallas_flash_bench.workloads import Workload
 
-VMEM_LIMIT_KIB = 128 * 1024
-"""The scoped-VMEM limit of every reference program (``xla_tpu_scoped_vmem_limit_kib``): a
-v5e core's whole VMEM, the most the pallas backend's kernels request (its
-``block_sizes.vmem_limit_bytes``). None of these kernels sets a limit of its own; the default,
-16 MiB, rejects e.g. splash's 2048/2048 blocks."""
-COMPILER_OPTIONS = {"xla_tpu_scoped_vmem_limit_kib": str(VMEM_LIMIT_KIB)}
-
 Config = TypeVar("Config")
 
 
@@ -290,8 +283,8 @@ def reference_notes() -> list[str]:
     the sweep or of some of its workloads, with the reason."""
     reason = _tokamax_unavailable()
     return [
-        f"every reference program is compiled with xla_tpu_scoped_vmem_limit_kib="
-        f"{VMEM_LIMIT_KIB}: a v5e core's whole VMEM, the most our kernels request",
+        "every reference program is compiled with the target core's whole VMEM as its "
+        "scoped-VMEM limit (xla_tpu_scoped_vmem_limit_kib), the most our kernels request",
         f"tokamax-splash is not compared: {reason}" if reason else TOKAMAX_CAUSAL,
     ]
 
@@ -303,15 +296,15 @@ def _subjects(
     configs: list[Config],
     label: Callable[[Config], str],
 ) -> list[Subject]:
-    """One reference subject per configuration, compiled with `COMPILER_OPTIONS`."""
+    """One reference subject per configuration, compiled with the whole VMEM."""
     return [
         Subject(
             name=name,
             kind="reference",
             config=label(config),
-            version=f"{version}+vmem{VMEM_LIMIT_KIB}k",
+            version=f"{version}+whole-vmem",
             build=_on_one_chip(functools.partial(build, config)),
-            compiler_options=COMPILER_OPTIONS,
+            whole_vmem=True,
         )
         for config in configs
     ]

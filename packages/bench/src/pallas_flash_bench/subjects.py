@@ -13,7 +13,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -71,9 +71,9 @@ class Subject:
       version: the providing distribution's version (part of the cache key).
       build: ``(workload, mesh) -> function of its arrays``, or None when unsupported;
         ``mesh``: the chips a multi-chip workload runs on (`aot.call_mesh`), None for one.
-      compiler_options: XLA options its programs are compiled with (e.g. the scoped-VMEM
-        limit of a kernel that does not set its own); the version must name them, as it
-        keys the cache.
+      whole_vmem: its programs are compiled with the target core's whole VMEM as the
+        scoped-VMEM limit (`aot.whole_vmem_options`), for kernels that set no limit of their
+        own; the version must say so, as it keys the cache.
     """
 
     name: str
@@ -81,7 +81,7 @@ class Subject:
     config: str
     version: str
     build: Callable[[Workload, Mesh | None], Callable[..., object] | None]
-    compiler_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    whole_vmem: bool = False
 
     @property
     def id(self) -> str:

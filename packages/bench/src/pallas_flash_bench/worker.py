@@ -68,7 +68,11 @@ def analyse_row(
         dump_dir.mkdir(parents=True)
     try:
         compiled = aot.compile_for(
-            fn, array_specs(workload), target, mesh, subject.compiler_options
+            fn,
+            array_specs(workload),
+            target,
+            mesh,
+            aot.whole_vmem_options(target) if subject.whole_vmem else None,
         )
     except Exception as exc:  # noqa: BLE001 - a compiler error is a result, not a crash
         row["error"] = _error_text(exc)
