@@ -28,7 +28,8 @@ from jax.sharding import SingleDeviceSharding
 import pallas_flash as pf
 from pallas_flash import tpu
 from pallas_flash.interpret import INTERPRET_ENV_VAR
-from pallas_flash_bench import hlo
+from pallas_flash_bench import aot, hlo
+from pallas_flash_bench.targets import TARGETS
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
@@ -38,24 +39,10 @@ MAX_TEMP_BYTES = 1 << 20
 """Temporary HBM allowed: far below one head's ``N x N`` float32 scores at N=1000 (4 MB)."""
 
 
-def _first_chip(topology_name: str) -> jax.Device:
-    """The first chip of a TPU topology (no hardware needed)."""
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name=topology_name,
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-    )
-    return topology.devices[0]
-
-
 @pytest.fixture(scope="module")
 def v5e() -> jax.Device:
-    """The first chip of a v5e 2x2 topology."""
-    return _first_chip("v5e:2x2")
+    """The first chip of a v5e 2x2 topology (no hardware needed)."""
+    return aot.target_devices(TARGETS["v5e-1"])[0]
 
 
 @pytest.fixture(autouse=True)
@@ -184,9 +171,6 @@ def test_long_gqa_gradients_fit_in_chunks(v5e: jax.Device) -> None:
     assert compiled.memory_analysis().temp_size_in_bytes <= 2 * 4 * 8192 * 128 * 4 + (40 << 20)
 
 
-TOPOLOGIES = {"v4": "v4:2x2x1", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
-"""Each TPU generation other than v5e (compiled above), and a topology of it."""
-
 GENERATION_CASES = {
     # The default blocks at their longest (4096-row query blocks without a mask, at head_dim
     # 256 in float32: the most VMEM), and a causal GQA call with its gradients.
@@ -217,7 +201,7 @@ def test_compiles_for_each_generation(
         case
     ]
     q_shape, kv_shape = (batch, q_heads, q_len, head_dim), (batch, kv_heads, kv_len, head_dim)
-    device = _first_chip(TOPOLOGIES[generation])
+    device = aot.target_devices(TARGETS[generation])[0]  # the bench's target of that name
     assert tpu.for_device_kind(device.device_kind).name == generation
     compiled = _compile(device, [q_shape, kv_shape, kv_shape], dtype, grad=grad, **kwargs)
     _check(compiled, jax.ShapeDtypeStruct(q_shape, dtype) if grad else None)
