@@ -16,7 +16,11 @@ lengths cannot be checked beforehand, and one past ``max_len`` would read a part
 as whole, or point an index map past the cache). The index maps re-point the steps past
 ``ceil(lengths[b] / block_kv)`` blocks at the last valid block, so no DMA is issued for them,
 and the kernel skips them. Cache slots at and past ``lengths[b]`` may hold anything, NaN
-included: their scores are masked and their V rows zeroed. A split that sees no valid
+included: their scores are masked (on every step: a few vregs of one query row) and, in the
+block that holds the sequence's end, their V rows are zeroed in the VMEM buffer before the
+one fold of the step. One fold body, not a masked and an unmasked copy: a static schedule
+counts both copies of a data-dependent branch, and the matmuls (and their weight pushes)
+are the part of a decode step worth counting exactly. A split that sees no valid
 position yields output 0 and log-sum-exp ``-inf``.
 """
 
@@ -79,15 +83,18 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
-    def fold(masked: bool) -> None:
+    @pl.when((first < length) & (first + block_kv > length))
+    def _zero_stale_values() -> None:  # a stale NaN would poison p @ v even where p is 0
+        pos = first + lax.broadcasted_iota(jnp.int32, v_ref.shape, 0)
+        v_ref[...] = jnp.where(pos < length, v_ref[...], jnp.zeros_like(v_ref))
+
+    @pl.when(first < length)
+    def _fold() -> None:
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
         scores = lax.dot_general(q, k, _NT, preferred_element_type=_F32, precision=precision)
         scores = apply_softcap(scores * spec.sm_scale, spec.softcap)  # [group, block_kv]
-        if masked:  # the block holds the sequence's end: hide the stale slots past it
-            pos = first + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-            scores = jnp.where(pos < length, scores, -jnp.inf)
-            v_pos = first + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-            v = jnp.where(v_pos < length, v, jnp.zeros_like(v))
+        pos = first + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        scores = jnp.where(pos < length, scores, -jnp.inf)
         m_prev = m_ref[...]
         m_next = jnp.maximum(
             m_prev, jnp.max(scores, axis=1, keepdims=True)
@@ -100,10 +107,6 @@ def _kernel(
             p.astype(v.dtype), v, _NN, preferred_element_type=_F32, precision=precision
         )
         acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
-
-    whole = first + block_kv <= length
-    pl.when(whole)(functools.partial(fold, False))
-    pl.when(jnp.logical_not(whole) & (first < length))(functools.partial(fold, True))
 
     @pl.when(t == blocks_per_split - 1)
     def _finish() -> None:
