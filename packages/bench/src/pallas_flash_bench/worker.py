@@ -159,12 +159,13 @@ def _other_ops(schedules: dict, kernel_names: set[str], collective_names: set[st
 
 
 def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
-    """Bisects the longest sequence (multiple of ``step``) whose program fits in HBM."""
+    """The longest sequence (multiple of ``step``) whose program fits in HBM (`fit`)."""
     from pallas_flash_bench import aot
+    from pallas_flash_bench.fit import longest_fitting as search
     from pallas_flash_bench.subjects import array_specs
     from pallas_flash_bench.workloads import Workload
 
-    def fits(n: int) -> int | None:
+    def total_bytes(n: int) -> int | None:
         """Total HBM bytes at length n if it compiles and fits, else None."""
         workload = Workload(op, n)
         fn = subject.build(workload, None)
@@ -182,22 +183,11 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
     if subject.build(Workload(op, step), None) is None:
         result["note"] = "unsupported"
         return result
-    low, high = 0, step  # low fits (0 trivially); grow high until it does not fit
-    while high <= limit and (total := fits(high)) is not None:
-        low, result["hbm_total_at_limit"] = high, total
-        high *= 2
-    if high > limit:
-        result["longest_seq_len"] = low
+    found = search(total_bytes, target.hbm_bytes, step, limit)
+    result.update(longest_seq_len=found.longest or None, hbm_total_at_limit=found.total,
+                  compiles=found.compiles)  # fmt: skip
+    if found.longest >= limit:
         result["note"] = f"fits up to the searched limit {limit}"
-        return result
-    while high - low > step:
-        mid = (low + high) // 2 // step * step
-        total = fits(mid)
-        if total is None:
-            high = mid
-        else:
-            low, result["hbm_total_at_limit"] = mid, total
-    result["longest_seq_len"] = low or None
     return result
 
 
