@@ -223,11 +223,16 @@ FLASH_BLOCKS: dict[str, list[FlashBlocks | None]] = {
         FlashBlocks(2048, 1024, 1024),
         FlashBlocks(2048, 2048, 1024),
         FlashBlocks(4096, 1024, 1024),
+        FlashBlocks(1280, 1280, 1280),
+        FlashBlocks(1536, 1536, 1536),
     ],
 }
 """jax ``flash_attention`` blocks to try (None: its default, 128). At N=8192 (static
 estimate) 1024 is its fastest causal forward and forward+backward, 4096/1024 and 2048/1024
-its fastest forward without a mask. Quick: 1024, and 512 for short sequences."""
+its fastest forward without a mask. 1280 and 1536 are for `workloads.OTHER_LENGTHS`: at
+N=1536 no power of two above 512 divides the sequence, and 1280 (5120) and 1536 (3072, 6144,
+12288, 24576) are the blocks a user would try there beside the powers of two. Quick: 1024,
+and 512 for short sequences."""
 SPLASH_BLOCKS = {
     "quick": [SplashBlocks(1024, 1024, 1024), SplashBlocks(1024, 1024, 512, fused=True)],
     "default": [
@@ -238,19 +243,21 @@ SPLASH_BLOCKS = {
         SplashBlocks(2048, 2048, 1024),
         SplashBlocks(2048, 2048, 2048),
         SplashBlocks(4096, 1024, 1024),
+        SplashBlocks(1280, 1280, 1280),
+        SplashBlocks(1536, 1536, 1536),
         SplashBlocks(512, 1024, 256, fused=True),
         SplashBlocks(1024, 1024, 256, fused=True),
         SplashBlocks(1024, 1024, 512, fused=True),
     ],
 }
-"""jax ``splash_attention`` blocks to try; the fused ones run forward+backward only. Chosen
-at N=8192 (static estimate): 2048/2048 is the fastest forward without a mask (it needs the
-VMEM limit), 1024/1024 the fastest causal one; 2048/1024 and 4096/1024 with kv compute 512
-lost to both and are left out. The fused backward pays off only with kv sub-blocks: causal
-forward+backward at 1024/1024 takes 7.9 ms with separate kernels, 9.5 ms fused, 6.5 ms fused
-with kv compute 256 and 6.3 ms with 512; fused without sub-blocks (512 to 2048) and fused
-2048/1024 lost every time. Quick: the fastest forward (1024/1024) and forward+backward (fused,
-kv compute 512)."""
+"""jax ``splash_attention`` blocks to try; the fused ones run forward+backward only. Chosen at
+N=8192 (static estimate): 2048/2048 is the fastest forward without a mask (it needs the VMEM
+limit), 1024/1024 the fastest causal one; 2048/1024 and 4096/1024 with kv compute 512 lost
+to both and are left out. 1280 and 1536 as for jax ``flash_attention``. The fused backward
+pays off only with kv sub-blocks: causal forward+backward at 1024/1024 takes 7.9 ms with
+separate kernels, 9.5 ms fused, 6.5 ms fused with kv compute 256 and 6.3 ms with 512; fused
+without sub-blocks (512 to 2048) and fused 2048/1024 lost every time. Quick: the fastest
+forward (1024/1024) and forward+backward (fused, kv compute 512)."""
 TOKAMAX_BLOCKS: dict[str, list[SplashBlocks | None]] = {
     "quick": [None],
     "default": [None, SplashBlocks(1024, 1024, 1024), SplashBlocks(2048, 2048, 1024)],
