@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pallas_flash_bench import critical_path, llo
+from pallas_flash_bench import critical_path, dump_files, llo
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
 PALLAS = SAMPLES / "pallas_forward_4096"
@@ -71,7 +71,7 @@ def test_a_region_missing_from_the_bundles_is_counted_once_with_a_warning() -> N
 
 
 def test_load_dump_reads_the_critical_path_beside_the_bundles() -> None:
-    files = llo.find_dump_files(PALLAS)
+    files = dump_files.find_dump_files(PALLAS)
     assert sorted(files["pallas_flash_forward.1"]) == ["bundles", "critical_path", "utilization"]
     schedule = _only(PALLAS)
     assert len(schedule.critical_path) == 10 and schedule.warnings == ()

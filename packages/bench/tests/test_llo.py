@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pallas_flash_bench import llo
+from pallas_flash_bench import bundle_listing, dump_files, llo
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
 FLASH = SAMPLES / "flash_causal"
@@ -51,7 +51,7 @@ def splash_dump() -> dict[str, llo.KernelSchedule]:
 
 
 def test_bundles_markers_depth_and_multiline_comments():
-    listing = llo.parse_bundles(FLASH_BUNDLES.read_text(), "flash_attention.1")
+    listing = bundle_listing.parse_bundles(FLASH_BUNDLES.read_text(), "flash_attention.1")
     b = listing.bundles
     assert len(b) == 80
     assert [x.address for x in b] == list(range(80))
@@ -73,7 +73,7 @@ def test_bundles_markers_depth_and_multiline_comments():
 
 
 def test_instruction_forms():
-    listing = llo.parse_bundles(FLASH_BUNDLES.read_text(), "flash_attention.1")
+    listing = bundle_listing.parse_bundles(FLASH_BUNDLES.read_text(), "flash_attention.1")
     ins = {i.dest: i for x in listing.bundles for i in x.instructions if i.dest}
     # predicated instruction: the guard is split from the operands
     assert ins["%s9711_s1"].guard == "!%p9652_p4"
@@ -112,7 +112,7 @@ def test_grid_not_fitting_the_loop_leaves_grid_predicates_undecided():
     text = FLASH_BUNDLES.read_text().replace(
         "iteration_bounds: (1, 4, 4, 4)", "iteration_bounds: (1, 4, 4, 8)"
     )
-    (loop,) = llo.parse_bundles(text, "flash_attention.1").loops
+    (loop,) = bundle_listing.parse_bundles(text, "flash_attention.1").loops
     # 128 grid steps cannot run in 66 iterations: grid indices are not trusted
     assert [r.executed_iterations for r in loop.regions] == [64, None, None, None]
     assert loop.executed_bundles is None
@@ -137,7 +137,7 @@ def test_flash_counts_and_utilization(flash):
 
 
 def test_schedule_analysis_and_bundle_count_check():
-    analysis = llo.parse_schedule_analysis(FLASH_ANALYSIS.read_text())
+    analysis = dump_files.parse_schedule_analysis(FLASH_ANALYSIS.read_text())
     assert (analysis.total, analysis.empty) == (1669, 15)
     assert analysis.custom_call_target == "tpu_custom_call"
     sched = llo.load_kernel(FLASH_BUNDLES, FLASH_UTIL, FLASH_ANALYSIS)
@@ -153,11 +153,13 @@ def test_utilization_rows_mismatch_and_unit_header(tmp_path):
     sched = llo.load_kernel(FLASH_BUNDLES, short)
     assert sched.warnings == ("utilization has 79 rows for 80 bundles",)
     assert sched.used["MXU"] == 38
-    other = llo.parse_utilization("== CAPACTIY:\nMXU, VPU\n 2 8\n== UTILIZATION:\n1 8\n0 3\n")
+    other = dump_files.parse_utilization(
+        "== CAPACTIY:\nMXU, VPU\n 2 8\n== UTILIZATION:\n1 8\n0 3\n"
+    )
     assert other.units == ("MXU", "VPU") and other.capacity == {"MXU": 2, "VPU": 8}
     assert other.summed() == {"MXU": 1, "VPU": 11}
     with pytest.raises(ValueError):
-        llo.parse_utilization("not a utilization file")
+        dump_files.parse_utilization("not a utilization file")
 
 
 def test_without_utilization_file():
@@ -208,7 +210,7 @@ def test_xla_copy_with_nested_loops(splash_dump):
         (72, 78, 2, None),
         (89, 95, 2, None),
     ]
-    listing = llo.parse_bundles(
+    listing = bundle_listing.parse_bundles(
         (SPLASH / "1795237188305336597-copy-66-final_bundles.txt").read_text(), "copy"
     )
     assert [listing.bundles[lp.start].nest for lp in listing.loops] == [1, 2, 2, 2, 2]
@@ -226,7 +228,7 @@ def test_load_dump_skips_wrappers_and_keys_twins(tmp_path):
     for wrapper in ("1-<late-finalization>-68", "1-<late-initialization>-71", "1-TLP-73"):
         shutil.copy(FLASH_BUNDLES, tmp_path / f"{wrapper}-final_bundles.txt")
     shutil.copy(FLASH_BUNDLES, tmp_path / "99-flash_attention.1-72-final_bundles.txt")
-    files = llo.find_dump_files(tmp_path)
+    files = dump_files.find_dump_files(tmp_path)
     assert sorted(files) == ["flash_attention.1", "flash_attention.1@99"]
     assert sorted(files["flash_attention.1"]) == ["analysis", "bundles", "utilization"]
     assert sorted(files["flash_attention.1@99"]) == ["bundles"]
@@ -278,7 +280,7 @@ PF: predicated region fallthrough
 
 
 def test_tiny_listing_semantics():
-    sched = llo.build_schedule(llo.parse_bundles(TINY, "k.1"))
+    sched = llo.build_schedule(bundle_listing.parse_bundles(TINY, "k.1"))
     (loop,) = sched.loops
     assert (loop.start, loop.end, loop.branch, loop.trip_count) == (1, 14, 10, 10)
     (region,) = loop.regions
@@ -302,7 +304,7 @@ def test_mxu_cycles_count_every_executed_vmatmul_per_mxu():
         "0x4 :  {}",
         "0x4 : > { %20 = vmatmul.bf16.gmra.mxu1 %v1  ;;  %21 = vmatmul.f32.gmra.mxu2 %v1 }",
     ).replace("0x5 :  {}", "0x5 : > { %22 = vmatmul.bf16.gmra.mxu1 %v1 }")
-    sched = llo.build_schedule(llo.parse_bundles(text, "k.1"))
+    sched = llo.build_schedule(bundle_listing.parse_bundles(text, "k.1"))
     assert sched.executed_bundles == 133
     assert sched.executed_mxu_cycles_min == sched.executed_mxu_cycles_max == 320
 
@@ -311,7 +313,7 @@ def test_tiny_listing_guard_and_negated_exit():
     text = TINY.replace("scmp.ne.s32.totalorder %s2, 0", "scmp.eq.s32.totalorder %s2, 9")
     text = text.replace("scmp.lt.s32.totalorder %s3, 10", "scmp.ge.s32.totalorder %s3, 12")
     text = text.replace("sbr.rel (%p5)", "sbr.rel (!%p5)")
-    (loop,) = llo.parse_bundles(text, "k.1").loops
+    (loop,) = bundle_listing.parse_bundles(text, "k.1").loops
     assert loop.trip_count == 12
     (region,) = loop.regions
     assert region.guard and region.executed_iterations == 11
@@ -327,7 +329,7 @@ def test_no_loop_kernel():
             "   0x2   :  {} /* exit bundle: %fusion.1 = fusion(%p) */",
         ]
     )
-    sched = llo.build_schedule(llo.parse_bundles(text, "fusion.1"))
+    sched = llo.build_schedule(bundle_listing.parse_bundles(text, "fusion.1"))
     assert sched.loops == () and sched.grid_loop is None
     assert sched.bundles_per_step == 3 and sched.trip_count == 1 and sched.predicated_bundles == 0
     assert sched.executed_bundles == 3
@@ -398,7 +400,7 @@ def test_vmem_bytes_sum_the_vmem_allocations() -> None:
     double-buffered bf16 windows of 256 KiB each, plus 36 KiB of internal scratch; the sflag
     and smem allocations are not VMEM."""
     text = (SAMPLES / "flash_attention_allocations.txt").read_text()
-    assert llo.parse_vmem_bytes(text) == 7 * 256 * 1024 + 0x9000
+    assert dump_files.parse_vmem_bytes(text) == 7 * 256 * 1024 + 0x9000
 
 
 def test_executed_weight_and_instruction_on_the_tiny_listing():
@@ -409,15 +411,15 @@ def test_executed_weight_and_instruction_on_the_tiny_listing():
         "0x8 : > { %7 = vmatmul",
         "0x8 : > { %11 = dma.hbm_to_vmem [thread:$0] (!%p4), %s1 ;; %7 = vmatmul",
     )
-    listing = llo.parse_bundles(text, "k.1")
+    listing = bundle_listing.parse_bundles(text, "k.1")
     weights = [0] * len(listing.bundles)
     weights[0], weights[2], weights[8] = 100, 10, 1
-    assert llo.executed_weight(listing, [llo.prefix_sums(weights)]) == (201, 201)
+    assert llo.executed_weight(listing, [bundle_listing.prefix_sums(weights)]) == (201, 201)
     # several weights (MXUs): the busiest outside the loops (100) plus the busiest in the loop
     # (the second, 10 x 30)
     other = [0] * len(listing.bundles)
     other[2] = 30
-    both = [llo.prefix_sums(weights), llo.prefix_sums(other)]
+    both = [bundle_listing.prefix_sums(weights), bundle_listing.prefix_sums(other)]
     assert llo.executed_weight(listing, both) == (400, 400)
     (dma,) = [ins for b in listing.bundles for ins in b.instructions if ins.base == "dma"]
     assert dma.args.startswith("[thread:$0] (!%p4)")
@@ -442,7 +444,7 @@ def test_buffer_slot_counters_are_evaluated_per_iteration():
         "%s47 = sadd.s32 1, %s42  ;;  %s46 = scalar_select %p45, %s42, %s47  ;;  "
         "%p48 = scmp.ne.s32.totalorder %s42, %s43  ;;  %s3 = sadd.s32 1, %s2",
     )
-    listing = llo.parse_bundles(text, "k.1")
+    listing = bundle_listing.parse_bundles(text, "k.1")
     # the slot steps after each odd iteration: 0 0 1 1 2 2 ...; it differs from its previous
     # value on iterations 2, 4, 6, 8
     assert llo.executed_instruction(listing, 2, "%p48") == (4, 4)

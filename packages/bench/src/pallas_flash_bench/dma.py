@@ -21,7 +21,7 @@ import dataclasses
 import math
 import re
 
-from pallas_flash_bench import llo
+from pallas_flash_bench import bundle_listing, llo
 
 __all__ = ["Transfer", "executed_bytes", "transfers"]
 
@@ -45,7 +45,7 @@ class Transfer:
         return self.opcode.endswith("to_vmem")
 
 
-def transfers(listing: llo.BundleListing) -> tuple[Transfer, ...]:
+def transfers(listing: bundle_listing.BundleListing) -> tuple[Transfer, ...]:
     """The HBM<->VMEM DMA instructions of a listing, in bundle order."""
     found = []
     for b in listing.bundles:
@@ -62,7 +62,7 @@ def transfers(listing: llo.BundleListing) -> tuple[Transfer, ...]:
     return tuple(found)
 
 
-def executed_bytes(listing: llo.BundleListing) -> tuple[int, int] | None:
+def executed_bytes(listing: bundle_listing.BundleListing) -> tuple[int, int] | None:
     """(min, max) HBM bytes the kernel's DMAs move over all its grid steps, predicates undecided
     from the schedule taken as false (min) or true (max); None when a transfer has no
     descriptor or sits in a loop whose iterations are not evaluated."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from pallas_flash_bench.llo import Bundle, Instruction
+    from pallas_flash_bench.bundles import Bundle, Instruction
 
 __all__ = ["Counter", "Defs", "Evaluator", "LoopContext", "LoopEval", "evaluate_loop", "trip_count"]
 

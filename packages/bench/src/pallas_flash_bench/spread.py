@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash_bench import critical_path, dma, estimate, llo
+from pallas_flash_bench import bundle_listing, critical_path, dma, estimate, llo
 from pallas_flash_bench.workloads import Workload
 
 __all__ = ["ESTIMATES", "KernelEstimates", "kernel_entry", "kernel_estimates"]
@@ -55,7 +55,7 @@ def kernel_estimates(schedule: llo.KernelSchedule) -> KernelEstimates:
     bundles = listing.bundles
     ones = llo.executed_weight(listing, [list(range(len(bundles) + 1))])  # one per bundle
     matmuls = listing.mxu_prefixes
-    pushes = llo.unit_prefixes(bundles, "vmatpush", lambda _ins: 1)
+    pushes = bundle_listing.unit_prefixes(bundles, "vmatpush", lambda _ins: 1)
     ranges: dict[str, Range | None] = {
         "schedule": ones,
         "mxu": llo.executed_weight(listing, matmuls.values()),
@@ -73,7 +73,9 @@ def kernel_estimates(schedule: llo.KernelSchedule) -> KernelEstimates:
         weights, warnings = critical_path.bundle_weights(
             schedule.critical_path, [b.comment for b in bundles]
         )
-        ranges["critical_path"] = llo.executed_weight(listing, [llo.prefix_sums(weights)])
+        ranges["critical_path"] = llo.executed_weight(
+            listing, [bundle_listing.prefix_sums(weights)]
+        )
     loop = schedule.grid_loop
     lo, hi = (loop.start, loop.end) if loop is not None else (0, len(bundles) - 1)
     in_body = sum(p[hi + 1] - p[lo] for p in pushes.values())
