@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from pallas_flash_bench import readme, report
+from pallas_flash_bench import comparison, readme
 
 README = pathlib.Path(__file__).parents[3] / "README.md"
 
@@ -36,11 +36,11 @@ def test_the_committed_readme_block_has_the_bench_format() -> None:
     assert block.splitlines()[2].startswith("From one run of `pallas-flash bench")
     assert "### Against jax's kernels" in block
     assert "### How sure the estimates are" in block
-    assert _header_line(report.AGAINST_REFERENCES_HEADER) in block
-    assert _header_line(report.SPREAD_HEADER) in block
+    assert _header_line(comparison.AGAINST_REFERENCES_HEADER) in block
+    assert _header_line(comparison.SPREAD_HEADER) in block
     table_lines = [line for line in block.splitlines() if line.startswith("|")]
     widths = {line.count(" | ") for line in table_lines if not line.startswith("|---")}
     assert widths <= {
-        len(report.AGAINST_REFERENCES_HEADER) - 1,
-        len(report.SPREAD_HEADER) - 1,
+        len(comparison.AGAINST_REFERENCES_HEADER) - 1,
+        len(comparison.SPREAD_HEADER) - 1,
     }, "every row has its table's columns"

@@ -11,7 +11,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_flash_bench import report
+from pallas_flash_bench import cells, comparison
 
 BEGIN = "<!-- pallas-flash readme: begin -->"
 END = "<!-- pallas-flash readme: end -->"
@@ -26,12 +26,12 @@ def render_block(results: Mapping[str, Any]) -> str:
     target = (meta.get("target") or {}).get("name", "unknown target")
     quick = " --quick" if meta.get("sweep") == "quick" else ""
     rows = [r for r in results.get("rows", []) if r.get("compiled")]
-    sections = report.against_references_table(rows) + report.spread_table(rows)
+    sections = comparison.against_references_table(rows) + comparison.spread_table(rows)
     lines = [
         BEGIN,
         "",
         f"From one run of `pallas-flash bench{quick} --target {target}` on "
-        f"{meta.get('date') or report.MISSING} ({versions}; a CPU host: no TPU). Every figure "
+        f"{meta.get('date') or cells.MISSING} ({versions}; a CPU host: no TPU). Every figure "
         "is an estimate; its tag says which.",
         "",
         *(f"#{line}" if line.startswith("## ") else line for line in sections),

@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from pallas_flash_bench.report import finite_number
+from pallas_flash_bench.cells import finite_number
 
 OP_MARKERS = {"forward": "o", "forward_backward": "s", "decode": "^"}
 OTHER_OP_MARKER = "D"

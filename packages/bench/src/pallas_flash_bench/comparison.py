@@ -1,0 +1,197 @@
+"""How far the report trusts a lead: each row under every static estimate, and each backend
+against the fastest of jax's own kernels on its workload.
+
+``spread_table`` and ``against_references_table`` are sections of the report and of the
+README's report block (`readme`); ``mfu_range`` is the MFU range column of the results tables.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pallas_flash_bench.cells import (
+    MISSING,
+    figure,
+    finite_number,
+    label,
+    markdown_table,
+    ms,
+    op_then_sort_key,
+    percent,
+    sort_key,
+    subject,
+    tagged,
+    workload_of,
+)
+
+ESTIMATE_TITLES = {
+    "schedule": "Schedule (bundles)",
+    "mxu": "MXU floor (matmuls)",
+    "critical_path": "Critical path",
+    "push8": "Pushes at 8, no overlap",
+    "push16": "Pushes at 16, no overlap",
+    "dma": "DMA bound",
+}
+"""The program estimates of a row (``runner.SPREAD``), as the report names them."""
+
+
+def _estimate(row: Mapping[str, Any], name: str, key: str) -> float | None:
+    """A row's figure ``key`` (``cycles``, ``latency_seconds``, ``mfu``) under one estimate."""
+    return finite_number(((row.get("estimates") or {}).get(name) or {}).get(key))
+
+
+RANGE_ESTIMATES = ("critical_path", "push8", "push16", "dma")
+"""The estimates that are whole figures like the headline: the schedule alone and the MXU
+floor alone are its two parts (each a bound on time only), left out of the MFU range."""
+
+
+def mfu_range(row: Mapping[str, Any]) -> str:
+    """Least and most MFU over the headline and the whole estimates (`RANGE_ESTIMATES`):
+    ``66.7 to 97.6 %``; ``—`` without them."""
+    if not any(_estimate(row, name, "mfu") is not None for name in RANGE_ESTIMATES):
+        return MISSING
+    values = [figure(row, "mfu")[0], *(_estimate(row, name, "mfu") for name in RANGE_ESTIMATES)]
+    known = [v for v in values if v is not None]
+    if not known:
+        return MISSING
+    return f"{100 * min(known):.1f} to {percent(max(known))}"
+
+
+SPREAD_HEADER = ("Workload", "Subject", "MFU (headline)", *ESTIMATE_TITLES.values())
+"""Columns of `spread_table`."""
+
+
+def spread_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each row's MFU under every estimate beside the headline figure."""
+    with_spread = sorted((r for r in rows if r.get("estimates")), key=op_then_sort_key)
+    if not with_spread:
+        return []
+    header = SPREAD_HEADER
+    table = [
+        [
+            label(row),
+            subject(row),
+            tagged(row, "mfu", percent),
+            *(percent(_estimate(row, name, "mfu")) for name in ESTIMATE_TITLES),
+        ]
+        for row in with_spread
+    ]
+    intro = (
+        "The same compiled program under each static estimate (MFU; latency is compute or "
+        "memory time, whichever is longer, as for the headline). Headline: the schedule's "
+        "executed bundles or the busiest MXU's matmul cycles, whichever is more, weight pushes "
+        "free. Schedule: executed bundles only, one per cycle. MXU floor: the busiest MXU's "
+        "`vmatmul`s only (16 cycles per bf16 vreg). Critical path: the compiler's latency model "
+        "per executed basic block, a bf16 weight push 8 cycles, overlapped with the previous "
+        "tile's matmuls. Pushes at 8 / 16, no overlap: every `vmatpush` charged 8 / 16 cycles on "
+        "its MXU on top of the matmuls (or the bundles, if more): how much a lead rests on "
+        "pushes being hidden. DMA bound: per kernel the longer of its compute and its block "
+        "copies at the HBM bandwidth (copies whose predicate the schedule cannot decide "
+        "counted every step). No hardware measurement tells which is right."
+    )
+    return ["## How sure the estimates are", "", intro, "", *markdown_table(header, table), ""]
+
+
+AGAINST_REFERENCES_HEADER = (
+    "Workload",
+    "Backend",
+    "Est. latency",
+    "MFU",
+    "Fastest jax kernel",
+    "Its latency",
+    "Its MFU",
+    "Speed-up",
+    "Speed-up, no overlap",
+    "Lead under every estimate?",
+)
+"""Columns of `against_references_table`."""
+
+
+def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each backend's row beside the fastest reference kernel of the same workload."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(json.dumps(workload_of(row), sort_keys=True), []).append(row)
+    table = []
+    for group in groups.values():
+        timed = [r for r in group if figure(r, "latency_seconds")[0] is not None]
+        references = [r for r in timed if r.get("kind") == "reference"]
+        if not references:
+            continue
+        fastest = min(references, key=lambda r: figure(r, "latency_seconds")[0])
+        fastest_latency = figure(fastest, "latency_seconds")[0]
+        serial = [figure(r, "latency_no_overlap_seconds")[0] for r in references]
+        fastest_serial = min((t for t in serial if t is not None), default=None)
+        for row in sorted((r for r in timed if r.get("kind") != "reference"), key=sort_key):
+            latency = figure(row, "latency_seconds")[0]
+            lead = _lead(row, references)
+            row_serial = figure(row, "latency_no_overlap_seconds")[0]
+            table.append(
+                [
+                    label(row),
+                    subject(row),
+                    tagged(row, "latency_seconds", ms),
+                    tagged(row, "mfu", percent),
+                    subject(fastest).removesuffix(" [reference]"),
+                    tagged(fastest, "latency_seconds", ms),
+                    tagged(fastest, "mfu", percent),
+                    f"{fastest_latency / latency:.2f}x" if latency else MISSING,
+                    f"{fastest_serial / row_serial:.2f}x"
+                    if fastest_serial and row_serial
+                    else MISSING,
+                    lead,
+                ]
+            )
+    if not table:
+        return []
+    header = AGAINST_REFERENCES_HEADER
+    intro = (
+        "Each backend against the fastest of jax's own kernels on the same workload, through "
+        "the same analysis (speed-up: the jax kernel's estimated latency over the backend's). "
+        "The estimate takes a kernel's HBM transfers and its compute to overlap fully; the last "
+        "column takes them not to overlap at all (latency: compute + memory time, against the "
+        "jax kernel with the least of it). A kernel that overlaps them in part lies between "
+        "the two: memory-bound kernels tie in the first and differ by their compute in the "
+        "second. The last column redoes the speed-up under each estimate of the section "
+        "above, against the jax kernel fastest under that estimate: whether the lead (or the "
+        "deficit) holds under all of them, or under which it turns."
+    )
+    return ["## Against jax's kernels", "", intro, "", *markdown_table(header, table), ""]
+
+
+ASSUMPTIONS = {
+    "push8": "weight pushes hidden under the matmuls",
+    "push16": "weight pushes hidden under the matmuls",
+    "dma": "block copies hidden under the compute",
+    "critical_path": "the schedule, not the compiler's latency model",
+    "schedule": "the MXU floor, not the bundles",
+    "mxu": "the bundles, not the MXU floor",
+}
+"""What a lead that turns under an estimate rests on."""
+
+
+def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
+    """Whether a backend's row beats the fastest reference under every estimate, or which
+    estimates its lead rests on (speed-ups under the others)."""
+    ahead, behind, turns = [], [], []
+    for name, title in ESTIMATE_TITLES.items():
+        mine = _estimate(row, name, "latency_seconds")
+        theirs = [t for r in references if (t := _estimate(r, name, "latency_seconds"))]
+        if not mine or not theirs:
+            continue
+        speedup = min(theirs) / mine
+        (ahead if speedup >= 1 else behind).append(f"{title} {speedup:.2f}x")
+        if speedup < 1 and ASSUMPTIONS[name] not in turns:
+            turns.append(ASSUMPTIONS[name])
+    if not ahead and not behind:
+        return MISSING
+    if not behind:
+        return f"ahead under every estimate ({', '.join(ahead)})"
+    if not ahead:
+        return f"behind under every estimate ({', '.join(behind)})"
+    return (
+        f"the lead rests on {' and '.join(turns)}: ahead under {', '.join(ahead)}; "
+        f"behind under {', '.join(behind)}"
+    )
