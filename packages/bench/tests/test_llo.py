@@ -448,3 +448,15 @@ def test_buffer_slot_counters_are_evaluated_per_iteration():
     # the slot steps after each odd iteration: 0 0 1 1 2 2 ...; it differs from its previous
     # value on iterations 2, 4, 6, 8
     assert llo.executed_instruction(listing, 2, "%p48") == (4, 4)
+
+
+def test_a_division_by_three_is_evaluated() -> None:
+    """Mosaic divides by a constant that is no power of two with the high word of a multiply
+    (``smulhi``): a predicate on ``i // 3`` is decided, not left to run on every iteration."""
+    text = TINY.replace(
+        "0x2 : > { %s3 = sadd.s32 1, %s2",
+        "0x2 : > { %s44 = smulhi.u32 2863311531, %s2  ;;  %s45 = sshrl.u32 %s44, 1  ;;  "
+        "%p48 = scmp.eq.s32.totalorder %s45, 1  ;;  %s3 = sadd.s32 1, %s2",
+    )
+    listing = bundle_listing.parse_bundles(text, "k.1")
+    assert llo.executed_instruction(listing, 2, "%p48") == (3, 3)  # iterations 3, 4 and 5

@@ -283,6 +283,11 @@ class Evaluator:
             r = a - b
         elif base == "smul":
             r = (a * b) & _MASK32
+        elif base == "smulhi":  # the high word: a division by a constant that is no power of 2
+            if op.endswith("s32"):
+                r = (_signed(a) * _signed(b)) >> 32
+            else:
+                r = (a.astype(np.uint64) * b.astype(np.uint64) >> np.uint64(32)).astype(np.int64)
         elif base == "sand":
             r = a & b
         elif base == "sor":
