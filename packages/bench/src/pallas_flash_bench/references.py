@@ -214,7 +214,11 @@ def _paged_build(pages_per_block: int, workload: Workload) -> Callable[..., obje
 PAGED_BLOCKS = {"quick": [16], "default": [8, 16]}
 """jax ``paged_attention`` pages per compute block to try (of 128 positions each)."""
 FLASH_BLOCKS: dict[str, list[FlashBlocks | None]] = {
-    "quick": [FlashBlocks(512, 512, 512), FlashBlocks(1024, 1024, 1024)],
+    "quick": [
+        FlashBlocks(512, 512, 512),
+        FlashBlocks(1024, 1024, 1024),
+        FlashBlocks(4096, 1024, 1024),
+    ],
     "default": [
         None,
         FlashBlocks(512, 512, 512),
@@ -231,10 +235,15 @@ FLASH_BLOCKS: dict[str, list[FlashBlocks | None]] = {
 estimate) 1024 is its fastest causal forward and forward+backward, 4096/1024 and 2048/1024
 its fastest forward without a mask. 1280 and 1536 are for `workloads.OTHER_LENGTHS`: at
 N=1536 no power of two above 512 divides the sequence, and 1280 (5120) and 1536 (3072, 6144,
-12288, 24576) are the blocks a user would try there beside the powers of two. Quick: 1024,
-and 512 for short sequences."""
+12288, 24576) are the blocks a user would try there beside the powers of two. Quick: the
+fastest of each kind of workload (1024; 4096/1024 without a mask), and 512 for short
+sequences."""
 SPLASH_BLOCKS = {
-    "quick": [SplashBlocks(1024, 1024, 1024), SplashBlocks(1024, 1024, 512, fused=True)],
+    "quick": [
+        SplashBlocks(1024, 1024, 1024),
+        SplashBlocks(2048, 2048, 2048),
+        SplashBlocks(1024, 1024, 512, fused=True),
+    ],
     "default": [
         SplashBlocks(512, 1024, 1024),
         SplashBlocks(1024, 1024, 1024),
@@ -257,7 +266,8 @@ to both and are left out. 1280 and 1536 as for jax ``flash_attention``. The fuse
 pays off only with kv sub-blocks: causal forward+backward at 1024/1024 takes 7.9 ms with
 separate kernels, 9.5 ms fused, 6.5 ms fused with kv compute 256 and 6.3 ms with 512; fused
 without sub-blocks (512 to 2048) and fused 2048/1024 lost every time. Quick: the fastest
-forward (1024/1024) and forward+backward (fused, kv compute 512)."""
+forwards (2048/2048 without a mask, 1024/1024 causal) and forward+backward (fused, kv
+compute 512)."""
 TOKAMAX_BLOCKS: dict[str, list[SplashBlocks | None]] = {
     "quick": [None],
     "default": [None, SplashBlocks(1024, 1024, 1024), SplashBlocks(2048, 2048, 1024)],
