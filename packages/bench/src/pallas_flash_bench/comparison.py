@@ -156,7 +156,8 @@ def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "the two: memory-bound kernels tie in the first and differ by their compute in the "
         "second. The last column redoes the speed-up under each estimate of the section "
         "above, against the jax kernel fastest under that estimate: whether the lead (or the "
-        "deficit) holds under all of them, or under which it turns."
+        "deficit) holds under all of them, or under which it turns; within "
+        f"{LEVEL:.1%} of 1x the two are level."
     )
     return ["## Against jax's kernels", "", intro, "", *markdown_table(header, table), ""]
 
@@ -172,26 +173,34 @@ ASSUMPTIONS = {
 """What a lead that turns under an estimate rests on."""
 
 
+LEVEL = 0.005
+"""A speed-up within this of 1 is a tie ("level"): no estimate is that exact."""
+
+
 def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
     """Whether a backend's row beats the fastest reference under every estimate, or which
-    estimates its lead rests on (speed-ups under the others)."""
-    ahead, behind, turns = [], [], []
+    estimates its lead rests on (speed-ups under the others); within `LEVEL` of 1 is level."""
+    verdicts: dict[str, list[str]] = {"ahead": [], "level": [], "behind": []}
+    turns: list[str] = []
     for name, title in ESTIMATE_TITLES.items():
         mine = _estimate(row, name, "latency_seconds")
         theirs = [t for r in references if (t := _estimate(r, name, "latency_seconds"))]
         if not mine or not theirs:
             continue
         speedup = min(theirs) / mine
-        (ahead if speedup >= 1 else behind).append(f"{title} {speedup:.2f}x")
-        if speedup < 1 and ASSUMPTIONS[name] not in turns:
+        verdict = "ahead" if speedup >= 1 + LEVEL else "level" if speedup > 1 - LEVEL else "behind"
+        verdicts[verdict].append(f"{title} {speedup:.2f}x")
+        if verdict == "behind" and ASSUMPTIONS[name] not in turns:
             turns.append(ASSUMPTIONS[name])
-    if not ahead and not behind:
+    found = {verdict: items for verdict, items in verdicts.items() if items}
+    if not found:
         return MISSING
-    if not behind:
-        return f"ahead under every estimate ({', '.join(ahead)})"
-    if not ahead:
-        return f"behind under every estimate ({', '.join(behind)})"
-    return (
-        f"the lead rests on {' and '.join(turns)}: ahead under {', '.join(ahead)}; "
-        f"behind under {', '.join(behind)}"
-    )
+    if len(found) == 1:
+        ((verdict, items),) = found.items()
+        return f"{verdict} under every estimate ({', '.join(items)})"
+    parts = "; ".join(f"{verdict} under {', '.join(items)}" for verdict, items in found.items())
+    if "behind" not in found:
+        return f"never behind: {parts}"
+    if "ahead" not in found:
+        return f"never ahead: {parts}"
+    return f"the lead rests on {' and '.join(turns)}: {parts}"
