@@ -460,3 +460,17 @@ def test_a_division_by_three_is_evaluated() -> None:
     )
     listing = bundle_listing.parse_bundles(text, "k.1")
     assert llo.executed_instruction(listing, 2, "%p48") == (3, 3)  # iterations 3, 4 and 5
+
+
+def test_a_hardware_divide_is_evaluated() -> None:
+    """Mosaic divides by some constants with ``sdivrem`` and pops the quotient, then the
+    remainder (``spop.drf``): predicates on ``i // 3`` and ``i % 3`` are decided."""
+    text = TINY.replace(
+        "0x2 : > { %s3 = sadd.s32 1, %s2",
+        "0x2 : > { %44 = sdivrem.u32 %s2, 3 /* kDivAndRem */  ;;  %s45 = spop.drf %44  ;;  "
+        "%s46 = spop.drf %44  ;;  %p47 = scmp.eq.s32.totalorder %s45, 1  ;;  "
+        "%p48 = scmp.eq.s32.totalorder %s46, 0  ;;  %s3 = sadd.s32 1, %s2",
+    )
+    listing = bundle_listing.parse_bundles(text, "k.1")
+    assert llo.executed_instruction(listing, 2, "%p47") == (3, 3)  # iterations 3, 4 and 5
+    assert llo.executed_instruction(listing, 2, "%p48") == (4, 4)  # iterations 0, 3, 6 and 9

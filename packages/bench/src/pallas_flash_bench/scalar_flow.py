@@ -45,11 +45,15 @@ class Defs:
 
     def __init__(self, bundles: Iterable[Bundle]):
         self.defs: dict[str, Instruction] = {}
+        # a divide's ``sdivrem`` -> the registers its ``spop.drf``s pop (quotient, remainder)
+        self.pops: dict[str, list[str]] = {}
         stored: dict[str, set[str]] = {}  # spill slot -> registers stored to it
         for b in bundles:
             for ins in b.instructions:
                 if ins.dest is not None:
                     self.defs.setdefault(ins.dest, ins)
+                    if ins.opcode == "spop.drf":
+                        self.pops.setdefault(ins.args.strip(), []).append(ins.dest)
                 if ins.opcode == "sst" and ins.guard is None:
                     m = _SPILL_STORE_RE.match(ins.args)
                     if m:
@@ -264,6 +268,8 @@ class Evaluator:
             p = self.pred(cm["pred"], depth + 1)
             old, new = self.value(cm["old"], depth + 1), self.value(cm["new"], depth + 1)
             return None if p is None or old is None or new is None else np.where(p, new, old)
+        if op == "spop.drf":  # the quotient, then the remainder, of an ``sdivrem.u32``
+            return self._divrem(name, ops[0], depth)
         if op == "scalar_select" and len(ops) == 3:
             p = self.pred(ops[0], depth + 1)
             a, b = self.value(ops[1], depth + 1), self.value(ops[2], depth + 1)
@@ -306,6 +312,17 @@ class Evaluator:
         else:
             return None
         return r & _MASK32
+
+    def _divrem(self, name: str, source: str, depth: int) -> np.ndarray | None:
+        """The value ``name`` pops from the divider: ``a // b`` first, ``a % b`` second."""
+        divide = self.defs.defs.get(source)
+        pops = self.defs.pops.get(source, [])
+        if divide is None or divide.opcode != "sdivrem.u32" or pops.index(name) > 1:
+            return None
+        a, b = (self.value(o, depth + 1) for o in self.defs.operands(divide))
+        if a is None or b is None or not np.all(b):
+            return None
+        return a // b if pops.index(name) == 0 else a % b
 
     def pred(self, name: str, depth: int = 0) -> np.ndarray | None:
         """Boolean values of predicate ``name`` (``!`` allowed) per iteration."""
