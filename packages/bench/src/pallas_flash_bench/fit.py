@@ -68,8 +68,6 @@ def longest_fitting(
         return result(_bisect(fits, low, 2 * low, step, limit))
     guess = min(max(int(guess) // step * step, low), limit)
     if fits(guess):
-        if guess == limit:
-            return result(limit)
         return result(_bisect(fits, guess, guess + step, step, limit))
     # Too long: gallop down from the guess until a length fits, then bisect between.
     high, gap = guess, step

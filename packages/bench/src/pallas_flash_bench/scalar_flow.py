@@ -316,13 +316,13 @@ class Evaluator:
     def _divrem(self, name: str, source: str, depth: int) -> np.ndarray | None:
         """The value ``name`` pops from the divider: ``a // b`` first, ``a % b`` second."""
         divide = self.defs.defs.get(source)
-        pops = self.defs.pops.get(source, [])
-        if divide is None or divide.opcode != "sdivrem.u32" or pops.index(name) > 1:
+        popped = self.defs.pops[source].index(name)  # 0: the quotient, 1: the remainder
+        if divide is None or divide.opcode != "sdivrem.u32" or popped > 1:
             return None
         a, b = (self.value(o, depth + 1) for o in self.defs.operands(divide))
         if a is None or b is None or not np.all(b):
             return None
-        return a // b if pops.index(name) == 0 else a % b
+        return a // b if popped == 0 else a % b
 
     def pred(self, name: str, depth: int = 0) -> np.ndarray | None:
         """Boolean values of predicate ``name`` (``!`` allowed) per iteration."""
