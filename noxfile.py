@@ -60,7 +60,14 @@ def tests(session: nox.Session) -> None:
     test_dirs = [str(path) for path in sorted(PACKAGES.glob("*/tests"))]
     # AOT tests load libtpu in this process while the bench tests start compile workers that
     # load it too: let libtpu's lock file admit more than one process.
-    session.run("pytest", *test_dirs, *session.posargs, env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+    # --durations: the CI log names the slowest tests, what to trim when the run grows.
+    session.run(
+        "pytest",
+        "--durations=15",
+        *test_dirs,
+        *session.posargs,
+        env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
+    )
 
 
 @nox.session

@@ -172,7 +172,7 @@ def test_long_gqa_gradients_fit_in_chunks(v5e: jax.Device) -> None:
 
 
 GENERATION_CASES = {
-    # The default blocks at their longest (4096-row query blocks without a mask, at head_dim
+    # The default blocks at their longest (8192-row query blocks without a mask, at head_dim
     # 256 in float32: the most VMEM), and a causal GQA call with its gradients.
     "d256-f32": ((1, 2, 2, 8192, 8192, 256), jnp.float32, False, {}),
     "causal-gqa-gradients": ((1, 4, 2, 4096, 4096, 128), jnp.bfloat16, True, {"causal": True}),
