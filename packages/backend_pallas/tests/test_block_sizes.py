@@ -27,14 +27,16 @@ WINDOW = pf.AttentionSpec(sm_scale=1.0, causal=True, window=(512, 0))
 
 def test_defaults_and_clamping() -> None:
     full = BlockSizes().for_call(FULL, 16384, 16384, V5E)
-    assert full == BlockSizes(8192, 1024, 1024, 1024, 1024, 256)
+    assert full == BlockSizes(8192, 1024, 1024, 1024, 1024, 256, full_block_compute=1024)
     causal = BlockSizes().for_call(CAUSAL, 8192, 8192, V5E)
-    assert causal == BlockSizes(2048, 2048, 256, 1024, 1024, 256)
+    assert causal == BlockSizes(2048, 2048, 256, 1024, 1024, 256, full_block_compute=1024)
     assert BlockSizes().for_call(WINDOW, 8192, 8192, V5E).block_kv == 1024
-    assert BlockSizes().for_call(FULL, 130, 7, V5E) == BlockSizes(130, 7, 1024, 130, 7, 256)
+    assert BlockSizes().for_call(FULL, 130, 7, V5E) == BlockSizes(
+        130, 7, 1024, 130, 7, 256, full_block_compute=1024
+    )
     # Sizes given override the defaults, one by one, and are not balanced.
     assert BlockSizes(512, backward_block_kv=512).for_call(FULL, 1000, 4096, V5E) == BlockSizes(
-        512, 1024, 1024, 1000, 512, 256
+        512, 1024, 1024, 1000, 512, 256, full_block_compute=1024
     )
     assert BlockSizes(4096).for_call(FULL, 6144, 6144, V5E).block_q == 4096
 
@@ -65,13 +67,13 @@ def test_balanced_blocks(block: int, length: int, expected: int) -> None:
 
 def test_default_blocks_are_balanced_over_the_sequence() -> None:
     assert BlockSizes().for_call(FULL, 12288, 12288, V5E) == BlockSizes(
-        6144, 1024, 1024, 1024, 1024, 256
+        6144, 1024, 1024, 1024, 1024, 256, full_block_compute=1024
     )
     assert BlockSizes().for_call(CAUSAL, 5120, 5120, V5E) == BlockSizes(
-        1280, 1280, 256, 1024, 1024, 256
+        1280, 1280, 256, 1024, 1024, 256, full_block_compute=1024
     )
     assert BlockSizes().for_call(CAUSAL, 1536, 1536, V5E) == BlockSizes(
-        1536, 1536, 256, 768, 768, 256
+        1536, 1536, 256, 768, 768, 256, full_block_compute=1024
     )
 
 
@@ -100,7 +102,7 @@ def test_default_blocks_fit_every_generation(
 def test_generations_with_less_vmem_get_shorter_blocks() -> None:
     v4, v5p = tpu.GENERATIONS["v4"], tpu.GENERATIONS["v5p"]
     assert BlockSizes().for_call(FULL, 16384, 16384, tpu.GENERATIONS["v6e"]) == BlockSizes(
-        8192, 1024, 1024, 1024, 1024, 256
+        8192, 1024, 1024, 1024, 1024, 256, full_block_compute=1024
     )
     assert BlockSizes().for_call(FULL, 8192, 8192, v5p).block_q < 4096
     small = BlockSizes().for_call(CAUSAL, 8192, 8192, v4)
@@ -116,6 +118,7 @@ def test_generations_with_less_vmem_get_shorter_blocks() -> None:
         {"block_kv": True},
         {"block_q_compute": 64},
         {"backward_block_kv_compute": 200},
+        {"full_block_compute": 100},
         {"backward_block_q": 0},
         {"backward_chunk_blocks": 0},
     ],

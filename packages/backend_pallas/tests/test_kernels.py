@@ -38,7 +38,8 @@ SMALL = BlockSizes(
     backward_block_kv=256,
     backward_block_kv_compute=128,
 )
-DIAGONAL = BlockSizes(256, 256, 128, 256, 256, 128)
+# Blocks below the causal diagonal folded in 2 x 2 tiles of 128 rows by 128 keys.
+DIAGONAL = BlockSizes(256, 256, 128, 256, 256, 128, full_block_compute=128)
 CHUNKED = dataclasses.replace(SMALL, backward_chunk_blocks=1)
 
 

@@ -36,6 +36,7 @@ _SIZES = (
     "backward_block_q",
     "backward_block_kv",
     "backward_block_kv_compute",
+    "full_block_compute",
 )
 
 
@@ -52,10 +53,11 @@ class BlockSizes:
     Attributes:
       block_q: forward: query rows resident in VMEM while the K/V blocks stream past.
       block_kv: forward: key/value rows per grid step.
-      block_q_compute: forward: the query block is processed in sub-blocks of this many rows,
-        one after another in straight-line code; they are independent, so the compiler
-        overlaps the matmuls of one with the softmax of another and keeps the MXU busy.
-        Clamped to ``block_q``; a multiple of 128 (the last sub-block may be shorter).
+      block_q_compute: forward: a kv block that a mask crosses is folded into the query block
+        in sub-blocks of this many rows, one after another in straight-line code; they are
+        independent, so the compiler overlaps the matmuls of one with the softmax of another
+        and keeps the MXU busy. Clamped to ``block_q``; a multiple of 128 (the last sub-block
+        may be shorter).
       backward_block_q: backward: query rows (with their output gradient) per grid step.
       backward_block_kv: backward: key/value rows resident in VMEM, with their gradients,
         while the query blocks stream past.
@@ -63,6 +65,10 @@ class BlockSizes:
         many keys, as ``block_q_compute`` in the forward.
       backward_chunk_blocks: backward: query blocks whose gradient is accumulated in VMEM at
         once; None: all of them if they fit in `dq_vmem_budget_bytes`, else as many as fit.
+      full_block_compute: forward: a kv block that no mask crosses (every key visible to
+        every row, e.g. below the causal diagonal) is folded in tiles of this many query rows
+        by this many keys, as ``block_q_compute`` (which then applies to masked blocks only):
+        each weight tile pushed into an MXU serves this many rows. A multiple of 128.
     """
 
     block_q: int | None = None
@@ -72,6 +78,7 @@ class BlockSizes:
     backward_block_kv: int | None = None
     backward_block_kv_compute: int | None = None
     backward_chunk_blocks: int | None = None
+    full_block_compute: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -80,7 +87,7 @@ class BlockSizes:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}")
-        for name in ("block_q_compute", "backward_block_kv_compute"):
+        for name in ("block_q_compute", "backward_block_kv_compute", "full_block_compute"):
             value = getattr(self, name)
             if value is not None and value % LANES:
                 raise ValueError(f"BlockSizes.{name} must be a multiple of {LANES}, got {value}")
@@ -104,6 +111,7 @@ class BlockSizes:
             ("backward_block_q", q_len),
             ("backward_block_kv", kv_len),
             ("backward_block_kv_compute", None),
+            ("full_block_compute", None),
         ):
             block = sizes[name]
             if block is None:
@@ -162,16 +170,20 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
       Each weight tile pushed into an MXU serves a sub-block's 1024 rows (one push per
       eight matmuls, as splash), so the kernel leads jax's kernels whether or not pushes
       overlap the matmuls; 256-row sub-blocks schedule 6 % faster only if they do.
-    - Causal: 2048 x 2048 (every block that straddles the diagonal starts on it) in
-      sub-blocks of 256 rows (on the diagonal a sub-block computes the keys up to its last
-      row: shorter sub-blocks compute fewer masked scores).
+    - Causal: 2048 x 2048 (every block that straddles the diagonal starts on it); blocks on
+      the diagonal in sub-blocks of 256 rows (a sub-block computes the keys up to its last
+      row: shorter sub-blocks compute fewer masked scores), blocks below it in tiles of 1024
+      x 1024 (`full_block_compute`: a weight tile serves 1024 rows, one push per eight
+      matmuls; at N=12288 the kernel schedules 5,358,209 cycles, not 5,397,649 in 256-row
+      sub-blocks, and 5,764,608 with pushes at 16 cycles and no overlap, not 7,239,168).
     - With a sliding window: 1024 x 1024 (fewer keys computed past its edges), sub-blocks of
       256 rows.
     - Backward: 1024 x 1024 block pairs in key sub-blocks of 256 (MXU-bound without a mask).
 
     Every block fits the largest supported call (head_dim 256, float32, segment ids) in the
     generation's VMEM: at most 8192 rows on v5e and v6e (128 MiB), 2048 on v5p (64 MiB),
-    512 on v4 (16 MiB).
+    512 on v4 (16 MiB); tiles of unmasked blocks at most a quarter of that (512 on v5p, 128
+    on v4).
     """
     compute = 256
     if spec.window is not None:
@@ -189,6 +201,7 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
         backward,
         backward,
         256,
+        full_block_compute=min(1024, longest // 4),
     )
 
 
@@ -228,8 +241,9 @@ def forward_vmem_bytes(
     Counts the double-buffered pipeline blocks (q, k, v, output, log-sum-exp, segment ids),
     the scratch (running max and sum ``[block_q, 128]``, accumulator ``[block_q, head_dim]``,
     all float32; the queries' segment ids ``[block_q, 128]``) and the float32 temporaries
-    (scores, probabilities, mask, exponentials: ``[block_q_compute, block_kv]`` each) of the
-    row sub-blocks alive at once (`LIVE_SUB_BLOCKS`).
+    (scores, probabilities, mask, exponentials: ``[block_q_compute, block_kv]`` each, or
+    ``[full_block_compute, full_block_compute]`` if larger) of the sub-blocks alive at once
+    (`LIVE_SUB_BLOCKS`).
     """
     bq, bkv = blocks.block_q, blocks.block_kv
     pipelined = (
@@ -243,6 +257,13 @@ def forward_vmem_bytes(
         scratch += _tile_bytes(bq, LANES, _I32)
     rows = min(blocks.block_q_compute, bq)
     temporaries = _temporaries(rows, bkv, math.ceil(bq / rows), 4)
+    if blocks.full_block_compute is not None:
+        tile_rows, tile_keys = (
+            min(blocks.full_block_compute, bq),
+            min(blocks.full_block_compute, bkv),
+        )
+        tiles = math.ceil(bq / tile_rows) * math.ceil(bkv / tile_keys)
+        temporaries = max(temporaries, _temporaries(tile_rows, tile_keys, tiles, 4))
     return 2 * pipelined + scratch + temporaries
 
 

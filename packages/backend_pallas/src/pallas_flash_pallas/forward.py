@@ -19,9 +19,10 @@ Per visited block (online softmax, in float32): ``s = softcap(q k^T * sm_scale)`
 writes ``m = rowmax(s)``, ``l = rowsum(p)``, ``acc = p v`` instead, so nothing is
 zero-initialised (except for a query block that sees no key at all). After the last step the
 output is ``acc / l`` and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros
-and a log-sum-exp of ``-inf``. The block is folded in row sub-blocks of ``block_q_compute``
-rows, in straight-line code, so the compiler overlaps the matmuls of one sub-block with the
-softmax of another. Only blocks that cross a mask boundary build a mask
+and a log-sum-exp of ``-inf``. The block is folded in tiles, in straight-line code, so the
+compiler overlaps the matmuls of one tile with the softmax of another: a block that no mask
+crosses in ``full_block_compute`` rows by as many keys, others in row sub-blocks of
+``block_q_compute`` rows by all the keys. Only blocks that cross a mask boundary build a mask
 (`schedule.BlockKind`); on the causal diagonal each row sub-block stops at its last row's key
 and masks only its square tile on the diagonal.
 """
@@ -54,6 +55,7 @@ def _kernel(
     spec: AttentionSpec,
     schedule: KvSchedule,
     block_q_compute: int,
+    full_block_compute: int,
     segment_ids: bool,
     with_lse: bool,
     precision: lax.Precision | None,
@@ -94,16 +96,17 @@ def _kernel(
             l_ref[...] = jnp.zeros(l_ref.shape, _F32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
-    def fold_rows(first_row: int, num_rows: int, kind: BlockKind, first: bool) -> None:
-        """Folds the kv block's keys into rows ``first_row ...`` of the query block: all of
-        them, masked by the causal, window and key-range rules unless ``kind`` is FULL; on the
-        DIAGONAL only the keys up to the last row, masked in the diagonal tile only. The
-        ``first`` block of a query block writes the running max, sum and accumulator instead
-        of updating them."""
-        num_keys = block_kv
+    def fold_tile(
+        first_row: int, num_rows: int, first_key: int, num_keys: int, kind: BlockKind, first: bool
+    ) -> None:
+        """Folds keys ``first_key ...`` of the kv block into rows ``first_row ...`` of the
+        query block, masked by the causal, window and key-range rules unless ``kind`` is FULL;
+        on the DIAGONAL (from key 0) only the keys up to the last row, masked in the diagonal
+        tile only. The ``first`` tile of a row's first block writes the running max, sum and
+        accumulator instead of updating them."""
         if kind == BlockKind.DIAGONAL:  # relative row r sees relative keys <= r only
-            num_keys = min(block_kv, first_row + num_rows)
-        rows, keys = pl.ds(first_row, num_rows), pl.ds(0, num_keys)
+            num_keys = min(num_keys, first_row + num_rows)
+        rows, keys = pl.ds(first_row, num_rows), pl.ds(first_key, num_keys)
         v = v_ref[keys, :]
         s = lax.dot_general(
             q_ref[rows, :], k_ref[keys, :], _NT, preferred_element_type=_F32, precision=precision
@@ -111,13 +114,13 @@ def _kernel(
         s = apply_softcap(s * spec.sm_scale, spec.softcap)
         visible = None
         if kind == BlockKind.MASKED:
-            first_key = kv_block * block_kv
+            key_pos = kv_block * block_kv + first_key
             q_pos = i * block_q + first_row + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            kv_pos = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            kv_pos = key_pos + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             visible = positional_mask(q_pos, kv_pos, spec)
             if schedule.kv_len % block_kv:  # the last kv block is partial: hide its tail
                 visible = both(visible, kv_pos < schedule.kv_len)
-                v_pos = first_key + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+                v_pos = key_pos + lax.broadcasted_iota(jnp.int32, v.shape, 0)
                 v = jnp.where(v_pos < schedule.kv_len, v, jnp.zeros_like(v))
         if segment_ids:
             visible = both(visible, lanes(ids_ref[rows, :], num_keys) == kv_ids_ref[:, keys])
@@ -149,10 +152,23 @@ def _kernel(
             acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, head_dim) + pv
 
     def fold(kind: BlockKind, first: bool) -> None:
-        """Folds the kv block in, one row sub-block after another (unrolled): the rows are
-        independent, so the compiler overlaps one sub-block's matmuls with another's softmax."""
-        for first_row in range(0, block_q, block_q_compute):
-            fold_rows(first_row, min(block_q_compute, block_q - first_row), kind, first)
+        """Folds the kv block in, one tile after another (unrolled): tiles of different rows
+        are independent, so the compiler overlaps one tile's matmuls with another's softmax.
+        A FULL block in square tiles of ``full_block_compute`` (each weight tile pushed into
+        the MXU serves that many rows), others in ``block_q_compute`` rows by all keys."""
+        rows, keys = block_q_compute, block_kv
+        if kind == BlockKind.FULL:
+            rows = keys = full_block_compute
+        for first_key in range(0, block_kv, keys):
+            for first_row in range(0, block_q, rows):
+                fold_tile(
+                    first_row,
+                    min(rows, block_q - first_row),
+                    first_key,
+                    min(keys, block_kv - first_key),
+                    kind,
+                    first and first_key == 0,
+                )
 
     visited = True if schedule.visits_every_step else schedule.is_visited(i, j)
     for first, kinds in ((True, schedule.step_kinds(first=True)), (False, schedule.step_kinds())):
@@ -321,6 +337,7 @@ def _flash_forward(
         spec=spec,
         schedule=schedule,
         block_q_compute=blocks.block_q_compute,
+        full_block_compute=blocks.full_block_compute,
         segment_ids=has_ids,
         with_lse=with_lse,
         precision=precision,
