@@ -177,7 +177,9 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
       matmuls; at N=12288 the kernel schedules 5,358,209 cycles, not 5,397,649 in 256-row
       sub-blocks, and 5,764,608 with pushes at 16 cycles and no overlap, not 7,239,168).
     - With a sliding window: 1024 x 1024 (fewer keys computed past its edges), sub-blocks of
-      256 rows.
+      256 rows, tiles of 512 x 512 inside the window (N=8192, window 2048: 1,632,251 cycles
+      of schedule, 1,949,696 with pushes at 16, against 1,643,691 and 2,080,512 in 256-row
+      sub-blocks, and 1,697,131 and 1,892,352 in one 1024 tile).
     - Backward: 1024 x 1024 block pairs in key sub-blocks of 256 (MXU-bound without a mask).
 
     Every block fits the largest supported call (head_dim 256, float32, segment ids) in the
@@ -185,9 +187,9 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
     512 on v4 (16 MiB); tiles of unmasked blocks at most a quarter of that (512 on v5p, 128
     on v4).
     """
-    compute = 256
+    compute, tile = 256, 1024
     if spec.window is not None:
-        block_q, block_kv = 1024, 1024
+        block_q, block_kv, tile = 1024, 1024, 512
     elif spec.causal:
         block_q, block_kv = 2048, 2048
     else:
@@ -201,7 +203,7 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
         backward,
         backward,
         256,
-        full_block_compute=min(1024, longest // 4),
+        full_block_compute=min(tile, longest // 4),
     )
 
 
