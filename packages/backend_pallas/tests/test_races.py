@@ -15,11 +15,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_flash as pf
-from pallas_flash.interpret import DETECT_RACES_ENV_VAR, INTERPRET_ENV_VAR, interpret_params
+from pallas_flash.interpret import (
+    DETECT_RACES_ENV_VAR,
+    INTERPRET_ENV_VAR,
+    RACE_REPORT,
+    interpret_params,
+)
 from pallas_flash_conformance import inputs
 from pallas_flash_pallas import BlockSizes, flash_attention
-
-RACE = "RACE DETECTED"
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +49,7 @@ def test_a_planted_race_is_reported(capfd: pytest.CaptureFixture[str]) -> None:
         interpret=interpret_params(),
     )
     jax.block_until_ready(racy(x))
-    assert RACE in capfd.readouterr().out
+    assert RACE_REPORT in capfd.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -64,4 +67,4 @@ def test_forward_and_backward_have_no_races(
     spec = pf.AttentionSpec(sm_scale=0.125, causal=True)
     out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, None, spec, blocks), q, k, v)
     jax.block_until_ready((out, vjp(out)))
-    assert RACE not in capfd.readouterr().out
+    assert RACE_REPORT not in capfd.readouterr().out

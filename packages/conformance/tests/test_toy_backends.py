@@ -16,12 +16,16 @@ import xml.etree.ElementTree as ET
 HERE = pathlib.Path(__file__).parent
 
 
-def _run_suite(tmp_path: pathlib.Path, backend: str, target: str) -> tuple[int, dict[str, str]]:
-    """Runs the suite on ``backend``; returns the exit code and ``{test id: outcome}``."""
+def _run_suite(
+    tmp_path: pathlib.Path, backend: str, target: str, *args: str, **env_vars: str
+) -> tuple[int, dict[str, str]]:
+    """Runs the suite on ``backend`` (extra pytest ``args``, environment variables
+    ``env_vars``); returns the exit code and ``{test id: outcome}``."""
     report = tmp_path / "report.xml"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        **env_vars,
     }
     env.pop("PALLAS_FLASH_BACKEND", None)
     completed = subprocess.run(
@@ -41,6 +45,7 @@ def _run_suite(tmp_path: pathlib.Path, backend: str, target: str) -> tuple[int, 
             f"--junitxml={report}",
             "-o",
             "junit_family=xunit1",
+            *args,
         ],
         cwd=tmp_path,
         env=env,
@@ -80,3 +85,17 @@ def test_wrong_toy_backend_fails(tmp_path) -> None:
     assert code == 1
     assert "test_attention::test_shapes[square-128-float32]" in failed
     assert "test_attention::test_features[causal-square-bfloat16]" in failed
+
+
+def test_a_race_fails_the_suite_with_the_detector_on(tmp_path) -> None:
+    """``toy-racy`` is right but races: it passes, then fails once the detector is on."""
+    one_test = ("-k", "test_features and causal-square-float32")
+    target = "pallas_flash_conformance.test_attention"
+    test_id = "test_attention::test_features[causal-square-float32]"
+    code, outcomes = _run_suite(tmp_path, "toy-racy", target, *one_test)
+    assert (code, outcomes) == (0, {test_id: "passed"})
+    code, outcomes = _run_suite(
+        tmp_path, "toy-racy", target, *one_test, PALLAS_FLASH_DETECT_RACES="1"
+    )
+    assert code == 1
+    assert outcomes[test_id] in ("failure", "error"), outcomes

@@ -7,10 +7,12 @@ works from any directory. Outside the suite's own tests it only adds the option.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
 import pallas_flash as pf
+from pallas_flash import interpret
 
 SUITE = "pallas_flash_conformance"
 
@@ -84,6 +86,20 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         f"pallas-flash backend: {info.name} from {info.distribution}; "
         f"capabilities: {', '.join(sorted(info.capabilities))}"
     )
+
+
+@pytest.fixture(autouse=True)
+def _races_fail_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """With the race detector on (``PALLAS_FLASH_DETECT_RACES=1``), a suite test whose kernels
+    it reports racing fails: the detector only prints `pallas_flash.interpret.RACE_REPORT`."""
+    if not (_in_suite(request.node) and interpret.detects_races()):
+        yield
+        return
+    capfd = request.getfixturevalue("capfd")
+    yield
+    printed = capfd.readouterr().out
+    if interpret.RACE_REPORT in printed:
+        pytest.fail(f"the interpreter's race detector reported a data race:\n{printed}")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ Environment variables:
   compile for a TPU ahead of time on a host without one); unset or empty: Mosaic on TPU,
   the interpreter elsewhere.
   ``PALLAS_FLASH_DETECT_RACES``: ``1`` turns on the interpreter's race detector, which prints
-  ``RACE DETECTED`` for every data race it sees.
+  `RACE_REPORT` for every data race it sees.
 
 A kernel that runs inside ``shard_map`` on several devices is interpreted by Pallas's generic
 interpreter instead (``interpret=True``): the TPU interpreter makes its simulated devices meet
@@ -32,6 +32,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 INTERPRET_ENV_VAR = "PALLAS_FLASH_INTERPRET"
 DETECT_RACES_ENV_VAR = "PALLAS_FLASH_DETECT_RACES"
+RACE_REPORT = "RACE DETECTED"
+"""What the race detector prints (to stdout) for each race; it does not raise."""
 
 
 def _flag(name: str) -> bool | None:
@@ -40,6 +42,11 @@ def _flag(name: str) -> bool | None:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name} must be 0, 1 or unset, got {value!r}")
     return None if value == "" else value == "1"
+
+
+def detects_races() -> bool:
+    """Whether ``PALLAS_FLASH_DETECT_RACES`` turns the interpreter's race detector on."""
+    return bool(_flag(DETECT_RACES_ENV_VAR))
 
 
 def interpret_params(devices: int = 1) -> pltpu.InterpretParams | bool | None:
@@ -53,7 +60,7 @@ def interpret_params(devices: int = 1) -> pltpu.InterpretParams | bool | None:
     interpret = _flag(INTERPRET_ENV_VAR)
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
-    detect_races = bool(_flag(DETECT_RACES_ENV_VAR))
+    detect_races = detects_races()
     if not interpret:
         return None
     if devices > 1:
