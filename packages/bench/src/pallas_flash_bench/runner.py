@@ -277,6 +277,12 @@ SPREAD = (*ESTIMATES, "dma")
 its headline cycles and its DMA cycles (`estimate.dma_cycles`)."""
 
 
+def _dma_cycles(kernel: dict, target: Target) -> float | None:
+    """Cycles the target's HBM needs for a kernel entry's block copies (None: not known)."""
+    dma_bytes = kernel.get("dma_bytes")
+    return None if dma_bytes is None else estimate.dma_cycles(dma_bytes, target)
+
+
 def program_estimates(row: dict, target: Target) -> dict[str, int | None]:
     """The whole program's static cycles under each estimate of `SPREAD`: its kernels' figure
     plus the other ops' headline cycles; None where a kernel lacks it (or with no kernel)."""
@@ -285,11 +291,10 @@ def program_estimates(row: dict, target: Target) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for name in SPREAD:
         if name == "dma":
+            dma = [_dma_cycles(k, target) for k in kernels]
             values = [
-                None
-                if k.get("dma_bytes") is None
-                else max(k["cycles"], math.ceil(estimate.dma_cycles(k["dma_bytes"], target)))
-                for k in kernels
+                None if d is None else max(k["cycles"], math.ceil(d))
+                for k, d in zip(kernels, dma, strict=True)
             ]
         else:
             values = [(k.get("estimates") or {}).get(name) for k in kernels]
@@ -303,10 +308,8 @@ def _dma_notes(row: dict, target: Target) -> list[str]:
     so it runs below its static figure."""
     notes = []
     for k in row["kernels"]:
-        if k.get("dma_bytes") is None or not k["cycles"]:
-            continue
-        dma = estimate.dma_cycles(k["dma_bytes"], target)
-        if dma > k["cycles"]:
+        dma = _dma_cycles(k, target)
+        if dma is not None and k["cycles"] and dma > k["cycles"]:
             notes.append(
                 f"{k['name']}: its block copies need {dma / k['cycles']:.2f}x its compute "
                 f"({k['dma_bytes']} bytes at most over {k['steps']} steps): DMA-bound"
