@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--target", choices=sorted(TARGETS), default=DEFAULT_TARGET)
     bench.add_argument(
-        "--quick", action="store_true", help="a small sweep (a few minutes on 2 CPU cores)"
+        "--quick", action="store_true", help="a small sweep (about 20 minutes on 2 CPU cores)"
     )
     bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
     bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")

@@ -111,7 +111,7 @@ def default_sweep(chips: int = 1) -> list[Workload]:
 
 
 def quick_sweep(chips: int = 1) -> list[Workload]:
-    """A few points of the default sweep, for a run of a few minutes on a 2-core CPU: given a
+    """A few points of the default sweep (about 20 minutes on a 2-core CPU): given a
     slice of ``chips`` > 1, decoding 128k tokens on one chip and on all of them."""
     quick = [
         Workload("forward", 1024),
