@@ -208,16 +208,17 @@ def test_compiles_for_each_generation(
 
 
 ESTIMATE_CASES = {
-    # name: (q and kv shape, dtype, gradients, block sizes, pf.attention kwargs)
-    "4096x4096-in-16-sub-blocks": ((1, 2, 8192, 128), jnp.bfloat16, False, (4096, 4096, 256), {}),
-    "defaults-d256-f32": ((1, 2, 8192, 256), jnp.float32, False, (None, None, None), {}),
-    "defaults-causal-gradients": (
-        (1, 2, 4096, 128),
+    # name: (q and kv shape, dtype, gradients, BlockSizes kwargs, pf.attention kwargs)
+    "4096x4096-in-16-sub-blocks": (
+        (1, 2, 8192, 128),
         jnp.bfloat16,
-        True,
-        (None, None, None),
-        {"causal": True},
+        False,
+        {"block_q": 4096, "block_kv": 4096, "block_q_compute": 256, "full_block_compute": 1024},
+        {},
     ),
+    # 2048 x 1024 tiles, the last of each block cut, the widest the defaults fold.
+    "defaults-d256-f32": ((1, 2, 8192, 256), jnp.float32, False, {}, {}),
+    "defaults-causal-gradients": ((1, 2, 4096, 128), jnp.bfloat16, True, {}, {"causal": True}),
 }
 
 
@@ -234,8 +235,8 @@ def test_the_vmem_estimate_is_enough(
     monkeypatch.setattr(block_sizes, "VMEM_HEADROOM", 1.0)
     monkeypatch.setattr(block_sizes, "MIN_VMEM_LIMIT_BYTES", 0)
     jax.clear_caches()  # kernels traced earlier carry their earlier limits
-    shape, dtype, grad, (block_q, block_kv, compute), kwargs = ESTIMATE_CASES[name]
-    sizes = BlockSizes(block_q, block_kv, compute)
+    shape, dtype, grad, sizes, kwargs = ESTIMATE_CASES[name]
+    sizes = BlockSizes(**sizes)
     plugin = _Plugin(PallasBackend(sizes, name="pallas-estimate"))
     pf.register_plugin(plugin)
     try:

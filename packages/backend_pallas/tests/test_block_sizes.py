@@ -15,6 +15,7 @@ from pallas_flash_pallas.block_sizes import (
     backward_vmem_bytes,
     balanced,
     forward_vmem_bytes,
+    full_block_tiles,
     vmem_limit_bytes,
 )
 
@@ -27,16 +28,16 @@ WINDOW = pf.AttentionSpec(sm_scale=1.0, causal=True, window=(512, 0))
 
 def test_defaults_and_clamping() -> None:
     full = BlockSizes().for_call(FULL, 16384, 16384, V5E)
-    assert full == BlockSizes(8192, 1024, 1024, 1024, 1024, 256, full_block_compute=1024)
+    assert full == BlockSizes(8192, 1024, 1024, 1024, 1024, 256, full_block_compute=2048)
     causal = BlockSizes().for_call(CAUSAL, 8192, 8192, V5E)
     assert causal == BlockSizes(2048, 2048, 256, 1024, 1024, 256, full_block_compute=1024)
     assert BlockSizes().for_call(WINDOW, 8192, 8192, V5E).block_kv == 1024
     assert BlockSizes().for_call(FULL, 130, 7, V5E) == BlockSizes(
-        130, 7, 1024, 130, 7, 256, full_block_compute=1024
+        130, 7, 1024, 130, 7, 256, full_block_compute=2048
     )
     # Sizes given override the defaults, one by one, and are not balanced.
     assert BlockSizes(512, backward_block_kv=512).for_call(FULL, 1000, 4096, V5E) == BlockSizes(
-        512, 1024, 1024, 1000, 512, 256, full_block_compute=1024
+        512, 1024, 1024, 1000, 512, 256, full_block_compute=2048
     )
     assert BlockSizes(4096).for_call(FULL, 6144, 6144, V5E).block_q == 4096
 
@@ -67,7 +68,7 @@ def test_balanced_blocks(block: int, length: int, expected: int) -> None:
 
 def test_default_blocks_are_balanced_over_the_sequence() -> None:
     assert BlockSizes().for_call(FULL, 12288, 12288, V5E) == BlockSizes(
-        6144, 1024, 1024, 1024, 1024, 256, full_block_compute=1024
+        6144, 1024, 1024, 1024, 1024, 256, full_block_compute=2048
     )
     assert BlockSizes().for_call(CAUSAL, 5120, 5120, V5E) == BlockSizes(
         1280, 1280, 256, 1024, 1024, 256, full_block_compute=1024
@@ -75,6 +76,33 @@ def test_default_blocks_are_balanced_over_the_sequence() -> None:
     assert BlockSizes().for_call(CAUSAL, 1536, 1536, V5E) == BlockSizes(
         1536, 1536, 256, 768, 768, 256, full_block_compute=1024
     )
+
+
+@pytest.mark.parametrize(
+    ("block_q", "block_kv", "tile", "expected"),
+    [
+        # One key range, several row tiles: the last cut 3:1.
+        (6144, 1024, 2048, [(0, 2048, 0, 1024), (2048, 2048, 0, 1024), (4096, 1536, 0, 1024),
+                            (5632, 512, 0, 1024)]),
+        (3072, 1024, 2048, [(0, 2048, 0, 1024), (2048, 768, 0, 1024), (2816, 256, 0, 1024)]),
+        # At most one tile of rows: tiles of half as many, not cut.
+        (1024, 1024, 2048, [(0, 1024, 0, 1024)]),
+        (1536, 768, 2048, [(0, 1024, 0, 768), (1024, 512, 0, 768)]),
+        # Two key ranges (causal 2048 x 2048): not cut.
+        (2048, 2048, 1024, [(0, 1024, 0, 1024), (1024, 1024, 0, 1024), (0, 1024, 1024, 1024),
+                            (1024, 1024, 1024, 1024)]),
+        # Partial last key range; a last tile too short to cut (128 rows).
+        (256, 300, 128, [(0, 128, 0, 128), (128, 128, 0, 128), (0, 128, 128, 128),
+                         (128, 128, 128, 128), (0, 128, 256, 44), (128, 128, 256, 44)]),
+    ],
+)  # fmt: skip
+def test_full_block_tiles(block_q: int, block_kv: int, tile: int, expected: list) -> None:
+    tiles = full_block_tiles(block_q, block_kv, tile)
+    assert tiles == expected
+    covered = np.zeros((block_q, block_kv), int)
+    for first_row, rows, first_key, keys in tiles:
+        covered[first_row : first_row + rows, first_key : first_key + keys] += 1
+    assert (covered == 1).all(), "the tiles cover the block once"
 
 
 @pytest.mark.parametrize("generation", list(tpu.GENERATIONS.values()), ids=list(tpu.GENERATIONS))
@@ -102,7 +130,7 @@ def test_default_blocks_fit_every_generation(
 def test_generations_with_less_vmem_get_shorter_blocks() -> None:
     v4, v5p = tpu.GENERATIONS["v4"], tpu.GENERATIONS["v5p"]
     assert BlockSizes().for_call(FULL, 16384, 16384, tpu.GENERATIONS["v6e"]) == BlockSizes(
-        8192, 1024, 1024, 1024, 1024, 256, full_block_compute=1024
+        8192, 1024, 1024, 1024, 1024, 256, full_block_compute=2048
     )
     assert BlockSizes().for_call(FULL, 8192, 8192, v5p).block_q < 4096
     small = BlockSizes().for_call(CAUSAL, 8192, 8192, v4)

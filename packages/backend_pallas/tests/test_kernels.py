@@ -41,6 +41,8 @@ SMALL = BlockSizes(
 # Blocks below the causal diagonal folded in 2 x 2 tiles of 128 rows by 128 keys.
 DIAGONAL = BlockSizes(256, 256, 128, 256, 256, 128, full_block_compute=128)
 CHUNKED = dataclasses.replace(SMALL, backward_chunk_blocks=1)
+# Unmasked blocks of 1024 rows by 128 keys folded in tiles of 512 rows, the last cut 384 + 128.
+CUT_TILES = dataclasses.replace(SMALL, block_q=1024, full_block_compute=512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +147,7 @@ CALLS = {
     "causal-diagonal-offset-bf16": Call(
         1, 2, 2, 344, 600, 128, dtype="bfloat16", causal=True, segments=2, blocks=DIAGONAL
     ),
+    "cut-last-tile-partial-blocks": Call(1, 2, 1, 1100, 300, 64, blocks=CUT_TILES),
     # The backward in chunks of one query block: dk and dv summed over float32 partials.
     "chunked-gqa-causal": Call(1, 4, 2, 300, 300, 64, causal=True, blocks=CHUNKED),
     "chunked-mqa-window-segments": Call(

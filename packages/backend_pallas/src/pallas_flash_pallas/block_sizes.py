@@ -67,8 +67,9 @@ class BlockSizes:
         once; None: all of them if they fit in `dq_vmem_budget_bytes`, else as many as fit.
       full_block_compute: forward: a kv block that no mask crosses (every key visible to
         every row, e.g. below the causal diagonal) is folded in tiles of this many query rows
-        by this many keys, as ``block_q_compute`` (which then applies to masked blocks only):
-        each weight tile pushed into an MXU serves this many rows. A multiple of 128.
+        by as many keys (at most ``block_kv``), as ``block_q_compute`` (which then applies to
+        masked blocks only): each weight tile pushed into an MXU serves this many rows
+        (`full_block_tiles`). A multiple of 128.
     """
 
     block_q: int | None = None
@@ -156,20 +157,54 @@ MAX_PADDING = 0.01
 allows it: padded rows are computed (and masked) like real ones."""
 
 
+def full_block_tiles(block_q: int, block_kv: int, tile: int) -> list[tuple[int, int, int, int]]:
+    """The tiles ``(first_row, rows, first_key, keys)`` a block no mask crosses is folded in:
+    ``tile`` query rows by ``min(tile, block_kv)`` keys (each weight tile pushed into an MXU
+    serves ``tile`` rows), key ranges one after another. When one key range spans the block,
+    the last of its row tiles is cut into three quarters and a quarter of its rows (multiples
+    of 128). A block of at most ``tile`` rows is folded in tiles of half as many, uncut.
+
+    The cut shortens the step's end, where the MXU idles while the last tile's softmax
+    drains: 6144 x 1024 in tiles of 2048 rows (2048, 2048, 1536, 512) schedules 26,059 v5e
+    cycles a step against 26,541 for (2048, 2048, 1024, 1024) and 26,974 uncut. With two key
+    ranges (causal 2048 x 2048 in 1024 tiles) the extra tile's weight pushes cost more than
+    the cut saves if pushes do not overlap the matmuls (N=12288 causal with pushes at 16
+    cycles: 5,887,296 cycles against 5,764,608), so such blocks are not cut. One tile could
+    not overlap its softmax with another tile's matmuls: 1536 x 768 without a mask schedules
+    5,934 cycles a step in one tile against 5,330 in 1024 + 512 rows.
+    """
+    cut = block_q > tile
+    if not cut:
+        tile = max(LANES, tile // 2 // LANES * LANES)
+    keys = min(tile, block_kv)
+    rows = [min(tile, block_q - first) for first in range(0, block_q, tile)]
+    quarter = rows[-1] // 4 // LANES * LANES
+    if cut and keys == block_kv and quarter:
+        rows[-1:] = [rows[-1] - quarter, quarter]
+    starts = np.cumsum([0, *rows[:-1]]).tolist()
+    return [
+        (first_row, num_rows, first_key, min(keys, block_kv - first_key))
+        for first_key in range(0, block_kv, keys)
+        for first_row, num_rows in zip(starts, rows, strict=True)
+    ]
+
+
 def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> BlockSizes:
     """The default block sizes of a call on ``generation``, before balancing.
 
     Tuned on the static v5e schedule (B=1, H=16, head_dim 128, bfloat16, N = 4k..16k; the
     package README has the sweeps) for v5e, and v6e, which has as much VMEM:
 
-    - Forward without a mask: 8192 x 1024 in query sub-blocks of 1024 rows. Each grid step
-      has a fixed cost (about 1,200 cycles of v5e's schedule: the MXU idles while the last
-      sub-block's softmax drains) that longer query blocks amortise: at N=16384 query
-      blocks of 4096 schedule at 91.6 % of the MXU floor, 8192 at 94.7 %, 16384 at 96.4 %
-      (but compile 2.3 times as long as 8192, and do not fit head_dim 256 in float32).
-      Each weight tile pushed into an MXU serves a sub-block's 1024 rows (one push per
-      eight matmuls, as splash), so the kernel leads jax's kernels whether or not pushes
-      overlap the matmuls; 256-row sub-blocks schedule 6 % faster only if they do.
+    - Forward without a mask: 8192 x 1024 in tiles of 2048 rows by the block's 1024 keys,
+      the last cut 3:1 (`full_block_tiles`). Each grid step has a fixed cost (about 1,200
+      cycles of v5e's schedule: the MXU idles while the last tile's softmax drains) that
+      longer query blocks amortise and the cut shortens: at N=16384 query blocks of 4096
+      schedule at 91.6 % of the MXU floor, 8192 at 94.7 %, 16384 at 96.4 % (but compile 2.3
+      times as long as 8192, and do not fit head_dim 256 in float32). Each weight tile
+      pushed into an MXU serves 2048 rows (one push per 16 matmuls, as splash 2048/2048), so
+      the kernel leads jax's kernels whether or not pushes overlap the matmuls: 1024-row
+      tiles scheduled 0.3 % faster at N=8192 but fell 3 % behind splash 2048/2048 with
+      pushes at 16 cycles and no overlap.
     - Causal: 2048 x 2048 (every block that straddles the diagonal starts on it); blocks on
       the diagonal in sub-blocks of 256 rows (a sub-block computes the keys up to its last
       row: shorter sub-blocks compute fewer masked scores), blocks below it in tiles of 1024
@@ -184,8 +219,8 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
 
     Every block fits the largest supported call (head_dim 256, float32, segment ids) in the
     generation's VMEM: at most 8192 rows on v5e and v6e (128 MiB), 2048 on v5p (64 MiB),
-    512 on v4 (16 MiB); tiles of unmasked blocks at most a quarter of that (512 on v5p, 128
-    on v4).
+    512 on v4 (16 MiB); tiles of unmasked blocks at most a quarter of that (2048 on v5e and
+    v6e, 512 on v5p, 128 on v4).
     """
     compute, tile = 256, 1024
     if spec.window is not None:
@@ -193,7 +228,7 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
     elif spec.causal:
         block_q, block_kv = 2048, 2048
     else:
-        block_q, block_kv, compute = 8192, 1024, 1024
+        block_q, block_kv, compute, tile = 8192, 1024, 1024, 2048
     longest = _LONGEST_BLOCK.get(generation.vmem_bytes >> 20, 512)
     backward = min(1024, longest)
     return BlockSizes(
@@ -228,6 +263,14 @@ in VMEM. Calibrated on compiled v5e kernels (forward 4096 x 4096 in 16 sub-block
 at head_dim 128 needs 68.2 MiB, 54 of them such temporaries: under this bound's 64)."""
 
 
+FULL_BLOCK_SCORE_COPIES = 2
+"""Float32 ``[block_q, block_kv]`` score blocks whose worth of temporaries the compiler keeps
+alive at most while it folds an unmasked block in tiles (`full_block_tiles`), whatever the
+tiles' size. Calibrated on compiled v5e kernels (8192 x 1024 without a mask, 32 MiB of scores:
+Mosaic needs 28-29 MiB beyond the pipeline and scratch at head_dim 128 in bfloat16 in tiles
+of 1024 x 1024 or 2048 x 1024, 48 and 61 MiB at head_dim 256 in float32 with segment ids)."""
+
+
 def _temporaries(rows: int, cols: int, sub_blocks: int, per_sub_block: int) -> int:
     """VMEM of the float32 ``[rows, cols]`` temporaries, ``per_sub_block`` of them, of the
     sub-blocks alive at once (at most `LIVE_SUB_BLOCKS` of ``sub_blocks``)."""
@@ -243,9 +286,9 @@ def forward_vmem_bytes(
     Counts the double-buffered pipeline blocks (q, k, v, output, log-sum-exp, segment ids),
     the scratch (running max and sum ``[block_q, 128]``, accumulator ``[block_q, head_dim]``,
     all float32; the queries' segment ids ``[block_q, 128]``) and the float32 temporaries
-    (scores, probabilities, mask, exponentials: ``[block_q_compute, block_kv]`` each, or
-    ``[full_block_compute, full_block_compute]`` if larger) of the sub-blocks alive at once
-    (`LIVE_SUB_BLOCKS`).
+    (scores, probabilities, mask, exponentials: ``[block_q_compute, block_kv]`` each) of the
+    sub-blocks alive at once (`LIVE_SUB_BLOCKS`), or those of the unmasked block's tiles
+    (`full_block_tiles`, at most `FULL_BLOCK_SCORE_COPIES` score blocks' worth) if more.
     """
     bq, bkv = blocks.block_q, blocks.block_kv
     pipelined = (
@@ -260,12 +303,11 @@ def forward_vmem_bytes(
     rows = min(blocks.block_q_compute, bq)
     temporaries = _temporaries(rows, bkv, math.ceil(bq / rows), 4)
     if blocks.full_block_compute is not None:
-        tile_rows, tile_keys = (
-            min(blocks.full_block_compute, bq),
-            min(blocks.full_block_compute, bkv),
-        )
-        tiles = math.ceil(bq / tile_rows) * math.ceil(bkv / tile_keys)
-        temporaries = max(temporaries, _temporaries(tile_rows, tile_keys, tiles, 4))
+        tiles = full_block_tiles(bq, bkv, blocks.full_block_compute)
+        _, tile_rows, _, tile_keys = tiles[0]
+        in_tiles = _temporaries(tile_rows, tile_keys, len(tiles), 4)
+        block_copies = FULL_BLOCK_SCORE_COPIES * _tile_bytes(bq, bkv, _F32)
+        temporaries = max(temporaries, min(in_tiles, block_copies))
     return 2 * pipelined + scratch + temporaries
 
 

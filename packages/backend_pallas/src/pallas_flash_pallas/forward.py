@@ -21,10 +21,10 @@ zero-initialised (except for a query block that sees no key at all). After the l
 output is ``acc / l`` and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros
 and a log-sum-exp of ``-inf``. The block is folded in tiles, in straight-line code, so the
 compiler overlaps the matmuls of one tile with the softmax of another: a block that no mask
-crosses in ``full_block_compute`` rows by as many keys, others in row sub-blocks of
-``block_q_compute`` rows by all the keys. Only blocks that cross a mask boundary build a mask
-(`schedule.BlockKind`); on the causal diagonal each row sub-block stops at its last row's key
-and masks only its square tile on the diagonal.
+crosses in ``full_block_compute`` rows by as many keys (`block_sizes.full_block_tiles`),
+others in row sub-blocks of ``block_q_compute`` rows by all the keys. Only blocks that cross a
+mask boundary build a mask (`schedule.BlockKind`); on the causal diagonal each row sub-block
+stops at its last row's key and masks only its square tile on the diagonal.
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_flash import interpret, tpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas.block_sizes import LANES, BlockSizes, forward_vmem_bytes, vmem_limit_bytes
+from pallas_flash_pallas.block_sizes import (
+    LANES,
+    BlockSizes,
+    forward_vmem_bytes,
+    full_block_tiles,
+    vmem_limit_bytes,
+)
 from pallas_flash_pallas.kernel_helpers import both, lanes, mask_diagonal_tile, when
 from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
@@ -154,21 +160,17 @@ def _kernel(
     def fold(kind: BlockKind, first: bool) -> None:
         """Folds the kv block in, one tile after another (unrolled): tiles of different rows
         are independent, so the compiler overlaps one tile's matmuls with another's softmax.
-        A FULL block in square tiles of ``full_block_compute`` (each weight tile pushed into
-        the MXU serves that many rows), others in ``block_q_compute`` rows by all keys."""
-        rows, keys = block_q_compute, block_kv
+        A FULL block in the tiles of `full_block_tiles`, others in ``block_q_compute`` rows by
+        all keys."""
         if kind == BlockKind.FULL:
-            rows = keys = full_block_compute
-        for first_key in range(0, block_kv, keys):
-            for first_row in range(0, block_q, rows):
-                fold_tile(
-                    first_row,
-                    min(rows, block_q - first_row),
-                    first_key,
-                    min(keys, block_kv - first_key),
-                    kind,
-                    first and first_key == 0,
-                )
+            tiles = full_block_tiles(block_q, block_kv, full_block_compute)
+        else:
+            tiles = [
+                (first_row, min(block_q_compute, block_q - first_row), 0, block_kv)
+                for first_row in range(0, block_q, block_q_compute)
+            ]
+        for first_row, num_rows, first_key, num_keys in tiles:
+            fold_tile(first_row, num_rows, first_key, num_keys, kind, first and first_key == 0)
 
     visited = True if schedule.visits_every_step else schedule.is_visited(i, j)
     for first, kinds in ((True, schedule.step_kinds(first=True)), (False, schedule.step_kinds())):
