@@ -42,6 +42,19 @@ def test_defaults_and_clamping() -> None:
     assert BlockSizes(4096).for_call(FULL, 6144, 6144, V5E).block_q == 4096
 
 
+def test_short_key_sequences_are_one_kv_block() -> None:
+    """Without a mask on v5e, calls of up to 2048 queries and keys take all keys in one kv
+    block (one grid step); longer ones, masked calls and generations with less VMEM are
+    balanced."""
+    assert BlockSizes().for_call(FULL, 1536, 1536, V5E).block_kv == 1536
+    assert BlockSizes().for_call(FULL, 1024, 2048, V5E).block_kv == 2048
+    assert BlockSizes().for_call(FULL, 4096, 2048, V5E).block_kv == 1024
+    assert BlockSizes().for_call(FULL, 3072, 3072, V5E).block_kv == 1024
+    assert BlockSizes().for_call(WINDOW, 2048, 2048, V5E).block_kv == 1024
+    assert BlockSizes().for_call(FULL, 2048, 2048, tpu.GENERATIONS["v5p"]).block_kv == 1024
+    assert BlockSizes(block_kv=512).for_call(FULL, 1536, 1536, V5E).block_kv == 512
+
+
 @pytest.mark.parametrize(
     ("block", "length", "expected"),
     [
@@ -110,12 +123,14 @@ def test_full_block_tiles(block_q: int, block_kv: int, tile: int, expected: list
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("segment_ids", [False, True])
+@pytest.mark.parametrize("length", [2048, 32768])
 def test_default_blocks_fit_every_generation(
-    generation: tpu.TpuGeneration, spec, head_dim: int, dtype, segment_ids: bool
+    generation: tpu.TpuGeneration, spec, head_dim: int, dtype, segment_ids: bool, length: int
 ) -> None:
     """The defaults of each generation fit its VMEM at every supported head_dim and dtype,
-    with and without segment ids: a default call never raises the VMEM error."""
-    blocks = BlockSizes().for_call(spec, 32768, 32768, generation)
+    with and without segment ids, for long and short sequences (one kv block): a default call
+    never raises the VMEM error."""
+    blocks = BlockSizes().for_call(spec, length, length, generation)
     dtype = np.dtype(dtype)
     needs = [
         forward_vmem_bytes(blocks, head_dim, dtype, segment_ids),

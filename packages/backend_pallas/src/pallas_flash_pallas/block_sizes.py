@@ -97,8 +97,9 @@ class BlockSizes:
         self, spec: AttentionSpec, q_len: int, kv_len: int, generation: TpuGeneration
     ) -> BlockSizes:
         """The sizes for one call on ``generation``: every None size replaced by its default
-        (`default_block_sizes`) balanced over its sequence (`balanced`); then every block at
-        most its sequence's length.
+        (`default_block_sizes`) balanced over its sequence (`balanced`), the kv block the
+        whole key sequence if both are short (`whole_kv_block`); then every block at most its
+        sequence's length.
 
         Raises:
           ValueError: a block shorter than its sequence is not a multiple of 128.
@@ -118,6 +119,8 @@ class BlockSizes:
             if block is None:
                 block = getattr(defaults, name)
                 block = block if length is None else balanced(block, length)
+                if name == "block_kv" and max(q_len, kv_len) <= whole_kv_block(spec, generation):
+                    block = kv_len
             elif length is not None and block < length and block % LANES:
                 raise ValueError(
                     f"BlockSizes.{name}={block} is shorter than the sequence ({length}) and so "
@@ -187,6 +190,22 @@ def full_block_tiles(block_q: int, block_kv: int, tile: int) -> list[tuple[int, 
         for first_key in range(0, block_kv, keys)
         for first_row, num_rows in zip(starts, rows, strict=True)
     ]
+
+
+def whole_kv_block(spec: AttentionSpec, generation: TpuGeneration) -> int:
+    """The longest sequences (queries and keys) whose default kv block is the whole key
+    sequence: 2048 without a mask on v5e and v6e (a quarter of the longest default block), else
+    0. The query block is then the whole query sequence too, folded in 1024-row tiles.
+
+    Each grid step has a fixed cost; with one kv step per query block it is paid once. Static
+    v5e cycles without a mask: N=1536 in one kv block 152,284 (critical path 151,119, pushes at
+    16 cycles 172,032) against 170,560 (163,776, 172,032) in two of 768, where jax's flash
+    kernel with 1536 blocks needs 187,296 (151,056; 187,296); N=2048 266,684 (265,791;
+    294,912) against 297,977 (269,725; 297,977) in two of 1024.
+    """
+    if spec.causal or spec.window is not None:
+        return 0
+    return _LONGEST_BLOCK.get(generation.vmem_bytes >> 20, 512) // 4
 
 
 def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> BlockSizes:
