@@ -4,6 +4,7 @@ the VMEM-fit check."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -184,7 +185,7 @@ def full_block_tiles(block_q: int, block_kv: int, tile: int) -> list[tuple[int, 
     quarter = rows[-1] // 4 // LANES * LANES
     if cut and keys == block_kv and quarter:
         rows[-1:] = [rows[-1] - quarter, quarter]
-    starts = np.cumsum([0, *rows[:-1]]).tolist()
+    starts = list(itertools.accumulate(rows[:-1], initial=0))
     return [
         (first_row, num_rows, first_key, min(keys, block_kv - first_key))
         for first_key in range(0, block_kv, keys)
@@ -205,7 +206,7 @@ def whole_kv_block(spec: AttentionSpec, generation: TpuGeneration) -> int:
     """
     if spec.causal or spec.window is not None:
         return 0
-    return _LONGEST_BLOCK.get(generation.vmem_bytes >> 20, 512) // 4
+    return _longest_block(generation) // 4
 
 
 def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> BlockSizes:
@@ -248,7 +249,7 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
         block_q, block_kv = 2048, 2048
     else:
         block_q, block_kv, compute, tile = 8192, 1024, 1024, 2048
-    longest = _LONGEST_BLOCK.get(generation.vmem_bytes >> 20, 512)
+    longest = _longest_block(generation)
     backward = min(1024, longest)
     return BlockSizes(
         min(block_q, longest),
@@ -263,6 +264,12 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
 
 _LONGEST_BLOCK = {128: 8192, 64: 2048}
 """MiB of VMEM per core -> the longest default query or kv block (`default_block_sizes`)."""
+
+
+def _longest_block(generation: TpuGeneration) -> int:
+    """The longest default query or kv block on ``generation`` (512 on cores with less VMEM
+    than `_LONGEST_BLOCK` lists)."""
+    return _LONGEST_BLOCK.get(generation.vmem_bytes >> 20, 512)
 
 
 def _tile_bytes(rows: int, cols: int, dtype: np.dtype) -> int:
