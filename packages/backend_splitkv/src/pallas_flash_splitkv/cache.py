@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash.cache_write import write_token
 from pallas_flash_splitkv import placement
 
 
@@ -101,29 +100,6 @@ class KVCache:
         return pf.decode(q, self.k, self.v, self.lengths, **kwargs)
 
 
-def _write(cache: jax.Array, row: jax.Array, position: jax.Array, owns: jax.Array) -> jax.Array:
-    """``cache [kv_heads, length, head_dim]`` with ``row [kv_heads, head_dim]`` at
-    ``position`` if ``owns``, else unchanged (its row at the clipped position written back)."""
-    at = jnp.clip(position, 0, cache.shape[1] - 1)
-    keep = jax.lax.dynamic_slice_in_dim(cache, at, 1, axis=1)
-    row = jnp.where(owns, row[:, None, :].astype(cache.dtype), keep)
-    return jax.lax.dynamic_update_slice_in_dim(cache, row, at, axis=1)
-
-
-def _write_all(
-    k: jax.Array,
-    v: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    positions: jax.Array,
-    room: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Writes each sequence's row at its position where it has room; caches ``[batch,
-    kv_heads, length, head_dim]``, rows ``[batch, kv_heads, head_dim]``, the rest ``[batch]``."""
-    owns = room & (positions >= 0) & (positions < k.shape[2])
-    return jax.vmap(_write)(k, k_new, positions, owns), jax.vmap(_write)(v, v_new, positions, owns)
-
-
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="split")
 def _append(
     cache: KVCache, k_new: jax.Array, v_new: jax.Array, split: placement.Split | None
@@ -131,24 +107,11 @@ def _append(
     """`KVCache.append` without the checks; a full sequence is left unchanged.
 
     With a ``split`` (the cache's sequence axis split over a mesh) each device writes only the
-    positions in its own slice, so no cache row crosses the interconnect.
+    positions in its own slice, so no cache row crosses the interconnect
+    (`pallas_flash.cache_write`).
     """
     room = cache.lengths < cache.max_len
-    if split is None:
-        k, v = _write_all(cache.k, cache.v, k_new, v_new, cache.lengths, room)
-    else:
-        mesh, axes = split
-        part = cache.max_len // math.prod(mesh.shape[name] for name in axes)
-
-        def on_device(k, v, k_new, v_new, lengths, room):
-            first = jax.lax.axis_index(axes) * part if axes else 0
-            return _write_all(k, v, k_new, v_new, lengths - first, room)
-
-        local = PartitionSpec(None, None, axes or None, None)
-        k, v = jax.shard_map(
-            on_device,
-            mesh=mesh,
-            in_specs=(local, local) + (PartitionSpec(),) * 4,
-            out_specs=(local, local),
-        )(cache.k, cache.v, k_new, v_new, cache.lengths, room)
+    positions = jnp.where(room, cache.lengths, -1)  # a full sequence is written nowhere
+    k = write_token(cache.k, k_new, positions, split=split)
+    v = write_token(cache.v, v_new, positions, split=split)
     return KVCache(k, v, cache.lengths + room.astype(jnp.int32))

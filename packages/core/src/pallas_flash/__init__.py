@@ -7,11 +7,13 @@ Quick start::
     out = pf.attention(q, k, v, causal=True)            # [batch, heads, seq, head_dim]
     out = pf.attention(q, k, v, backend="xla")          # pick a backend by name
     tok = pf.decode(q1, k_cache, v_cache, lengths)      # one token against a KV cache
+    k_cache = pf.write_token(k_cache, k1, lengths)      # its keys, in place under donation
     [info.name for info in pf.list_backends()]
 """
 
 from pallas_flash.api import attention, decode
 from pallas_flash.backend import Backend, BackendInfo
+from pallas_flash.cache_write import write_token
 from pallas_flash.capabilities import Capability
 from pallas_flash.dot_product_attention import dot_product_attention
 from pallas_flash.errors import BackendNotFoundError, InvalidInputError, UnsupportedFeatureError
@@ -37,4 +39,5 @@ __all__ = [
     "list_backends",
     "register_plugin",
     "unregister_plugin",
+    "write_token",
 ]
