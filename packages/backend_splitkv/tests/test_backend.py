@@ -8,9 +8,9 @@ import importlib.metadata
 import jax
 import jax.numpy as jnp
 import pytest
-from pallas_flash_splitkv import DecodeBlocks, SplitKvBackend, split_kv_decode
 
 import pallas_flash as pf
+from pallas_flash_splitkv import DecodeBlocks, SplitKvBackend, split_kv_decode
 
 
 def test_registered_as_the_tpu_decode_backend() -> None:

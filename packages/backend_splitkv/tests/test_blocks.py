@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pallas_flash_splitkv import DecodeBlocks
 
 

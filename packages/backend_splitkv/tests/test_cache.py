@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_flash_splitkv import KVCache
 
 import pallas_flash as pf
 from pallas_flash_conformance import inputs, reference
+from pallas_flash_splitkv import KVCache
 
 
 def with_lengths(cache: KVCache, lengths: list[int]) -> KVCache:

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pallas_flash_splitkv import DecodeBlocks, split_kv_decode
 
 import pallas_flash as pf
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
+from pallas_flash_splitkv import DecodeBlocks, split_kv_decode
 
 BLOCKS = [DecodeBlocks(128, 1), DecodeBlocks(128, 3), DecodeBlocks(256, 2), DecodeBlocks()]
 

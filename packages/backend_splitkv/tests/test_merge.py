@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from pallas_flash_splitkv.merge import merge
 
 

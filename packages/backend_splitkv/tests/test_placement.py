@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
-from pallas_flash_splitkv import KVCache, placement
-from pallas_flash_splitkv.cache import _append
 
 import pallas_flash as pf
 from pallas_flash_bench import hlo
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
+from pallas_flash_splitkv import KVCache, placement
+from pallas_flash_splitkv.cache import _append
 
 DEVICES = 4
 HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
