@@ -1,0 +1,229 @@
+"""``pallas-flash-llama``: create a tiny model, generate text, train.
+
+    pallas-flash-llama init-tiny DIR
+    pallas-flash-llama generate --model DIR --prompt "Once upon a time" --max-new-tokens 32
+    pallas-flash-llama train --model DIR --data FILE --steps 100 --save OUT
+
+Compiled programs are kept in a persistent compilation cache (`DEFAULT_CACHE_DIR`, or
+``$PALLAS_FLASH_LLAMA_CACHE``; ``--compilation-cache off`` disables it), so a second run
+starts without recompiling. ``jax.distributed.initialize()`` runs first when the environment
+describes a multi-host job (`sharding.initialize_distributed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+
+import pallas_flash as pf
+from pallas_flash_llama import data, sharding, tiny
+from pallas_flash_llama.config import REMAT_POLICIES, get_config
+from pallas_flash_llama.generate import generate
+from pallas_flash_llama.model import init_params
+from pallas_flash_llama.sampling import Sampling
+from pallas_flash_llama.tokenizer import TOKENIZER_FILE, encode, load_tokenizer
+from pallas_flash_llama.train import TrainConfig, init_state, make_train_step, shard_batch
+from pallas_flash_llama.weights import load_params, save_params
+
+DEFAULT_CACHE_DIR = pathlib.Path.home() / ".cache" / "pallas-flash-llama" / "jax"
+CACHE_ENV_VAR = "PALLAS_FLASH_LLAMA_CACHE"
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Turns on jax's persistent compilation cache in ``directory`` (None: the default;
+    ``"off"``: leave it off)."""
+    if directory == "off":
+        return
+    path = directory or os.environ.get(CACHE_ENV_VAR) or str(DEFAULT_CACHE_DIR)
+    jax.config.update("jax_compilation_cache_dir", path)
+
+
+def _mesh(text: str | None) -> jax.sharding.Mesh | None:
+    """``--mesh data,fsdp,tensor`` (one may be -1) as a mesh; None without the flag."""
+    if text is None:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != 3:
+        raise pf.InvalidInputError(f"--mesh: expected DATA,FSDP,TENSOR sizes, got {text!r}")
+    return sharding.make_mesh(*sizes)
+
+
+def _init_tiny(args: argparse.Namespace) -> None:
+    tiny.init_tiny(args.directory, seed=args.seed)
+    print(f"wrote a tiny LLaMa to {args.directory} (train on {args.directory}/{tiny.SAMPLE_FILE})")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    mesh = _mesh(args.mesh)
+    config, params = load_params(args.model, mesh=mesh)
+    if args.dtype:
+        config = config.replace(dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    prompts = [encode(tokenizer, text, config) for text in args.prompt]
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    steps = generate(
+        params,
+        config,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        key=jax.random.key(args.seed),
+        max_len=args.max_len,
+        backend=args.backend,
+        decode_backend=args.decode_backend,
+        mesh=mesh,
+    )
+    generated: list[list[int]] = [[] for _ in prompts]
+    start = time.perf_counter()
+    count, shown = 0, ""
+    for tokens in steps:
+        for i, token in enumerate(tokens):
+            if token >= 0:
+                generated[i].append(int(token))
+                count += 1
+        if len(prompts) == 1:  # stream one prompt's text as it comes (whole characters)
+            text = tokenizer.decode(generated[0])
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+    elapsed = time.perf_counter() - start
+    if len(prompts) == 1:
+        print()
+    else:
+        for text, ids in zip(args.prompt, generated, strict=True):
+            print(f"{text!r} -> {tokenizer.decode(ids)!r}")
+    print(f"[{count} tokens in {elapsed:.1f} s, compiles included]", file=sys.stderr)
+
+
+def _train(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    mesh = _mesh(args.mesh)
+    if args.model:
+        config, params = load_params(args.model, mesh=mesh)
+        tokenizer_dir = args.tokenizer or args.model
+    else:
+        if not args.tokenizer:
+            raise pf.InvalidInputError("--tokenizer: required with --config (a directory)")
+        config = get_config(args.config)
+        params = init_params(config, jax.random.key(args.seed), mesh)
+        tokenizer_dir = args.tokenizer
+    config = config.replace(remat=args.remat, **({"dtype": args.dtype} if args.dtype else {}))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    documents = [
+        encode(tokenizer, text, config) + list(config.eos_ids[:1])
+        for text in data.read_documents(args.data)
+    ]
+    packed = data.pack(documents, args.seq_len)
+    train_config = TrainConfig(
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        total_steps=args.steps,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+    )
+    if mesh is not None:
+        sharding.check_mesh(config, mesh, batch=args.batch_size)
+    state = init_state(params, train_config)
+    step_fn = make_train_step(config, train_config, backend=args.backend, mesh=mesh)
+    batches = data.batches(packed, args.batch_size, seed=args.seed)
+
+    def save(directory: pathlib.Path) -> None:
+        save_params(directory, state.params, config)
+        shutil.copy(pathlib.Path(tokenizer_dir) / TOKENIZER_FILE, directory / TOKENIZER_FILE)
+
+    bar = tqdm(range(1, args.steps + 1), desc="train", unit="step")
+    start, tokens_seen = time.perf_counter(), 0
+    for step in bar:
+        state, metrics = step_fn(state, shard_batch(next(batches), mesh))
+        tokens_seen += args.batch_size * args.seq_len
+        loss = float(metrics["loss"])
+        rate = tokens_seen / (time.perf_counter() - start)
+        bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{rate:,.0f}")
+        if args.save and args.save_every and step % args.save_every == 0:
+            save(pathlib.Path(args.save))
+    if args.save:
+        save(pathlib.Path(args.save))
+        print(f"saved to {args.save}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pallas-flash-llama", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help=f"persistent compilation cache (default ${CACHE_ENV_VAR} or {DEFAULT_CACHE_DIR}; "
+        "'off' disables it)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    init = commands.add_parser("init-tiny", help="write a tiny random model directory")
+    init.add_argument("directory")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(run=_init_tiny)
+
+    def common(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--backend", help="pf.attention backend (default: the registry's)")
+        sub.add_argument(
+            "--mesh", metavar="DATA,FSDP,TENSOR", help="a device mesh, e.g. 1,-1,1 (one -1)"
+        )
+        sub.add_argument("--dtype", help="compute dtype (default: the config's, bfloat16)")
+        sub.add_argument("--seed", type=int, default=0)
+
+    gen = commands.add_parser("generate", help="generate text from prompts")
+    gen.add_argument("--model", required=True, help="a Hugging Face LLaMa directory")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--max-len", type=int, help="cache positions per sequence")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--decode-backend", help="pf.decode backend (splitkv splits over --mesh)")
+    common(gen)
+    gen.set_defaults(run=_generate)
+
+    tr = commands.add_parser("train", help="train on a text or jsonl file")
+    source = tr.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="start from this Hugging Face LLaMa directory")
+    source.add_argument("--config", help="start from random weights of this config name")
+    tr.add_argument("--tokenizer", help="directory with tokenizer.json (default: --model)")
+    tr.add_argument("--data", required=True, help="a .txt (a document per line) or .jsonl file")
+    tr.add_argument("--seq-len", type=int, default=128)
+    tr.add_argument("--batch-size", type=int, default=8)
+    tr.add_argument("--steps", type=int, default=100)
+    tr.add_argument("--lr", type=float, default=3e-4)
+    tr.add_argument("--warmup", type=int, default=10)
+    tr.add_argument("--weight-decay", type=float, default=0.1)
+    tr.add_argument("--clip-norm", type=float, default=1.0)
+    tr.add_argument("--remat", choices=REMAT_POLICIES, default="none")
+    tr.add_argument("--save", help="write the trained model here (safetensors)")
+    tr.add_argument("--save-every", type=int, help="also save every N steps")
+    common(tr)
+    tr.set_defaults(run=_train)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sharding.initialize_distributed()
+    enable_compilation_cache(args.compilation_cache)
+    try:
+        args.run(args)
+    except (pf.InvalidInputError, pf.UnsupportedFeatureError, pf.BackendNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
