@@ -20,15 +20,23 @@ SequenceSplit = tuple[Mesh, tuple[str, ...]]
 """A mesh and the names of its axes that split a cache's sequence axis (axis 2)."""
 
 
-def _write(cache: jax.Array, row: jax.Array, position: jax.Array) -> jax.Array:
-    """``cache [kv_heads, length, head_dim]`` with ``row [kv_heads, head_dim]`` at
-    ``position`` when it is in range, else unchanged (its row at the clipped position
-    written back)."""
-    at = jnp.clip(position, 0, cache.shape[1] - 1)
-    keep = jax.lax.dynamic_slice_in_dim(cache, at, 1, axis=1)
-    owns = (position >= 0) & (position < cache.shape[1])
-    row = jnp.where(owns, row[:, None, :].astype(cache.dtype), keep)
-    return jax.lax.dynamic_update_slice_in_dim(cache, row, at, axis=1)
+def _write_all(cache: jax.Array, row: jax.Array, positions: jax.Array) -> jax.Array:
+    """``cache [batch, kv_heads, length, head_dim]`` with each ``row[b] [kv_heads, head_dim]``
+    at ``positions[b]`` when in range, else unchanged (its row at the clipped position written
+    back).
+
+    One ``dynamic_update_slice`` per sequence, unrolled: a ``vmap`` of them becomes a scatter,
+    which XLA on TPU runs as a loop over a re-laid-out copy of the whole cache.
+    """
+    length = cache.shape[2]
+    for b in range(cache.shape[0]):
+        at = jnp.clip(positions[b], 0, length - 1)
+        start = (b, 0, at, 0)
+        keep = jax.lax.dynamic_slice(cache, start, (1, cache.shape[1], 1, cache.shape[3]))
+        owns = (positions[b] >= 0) & (positions[b] < length)
+        new = jnp.where(owns, row[b][None, :, None, :].astype(cache.dtype), keep)
+        cache = jax.lax.dynamic_update_slice(cache, new, start)
+    return cache
 
 
 def write_token(
@@ -50,13 +58,13 @@ def write_token(
         own contiguous slice (``max_len / devices`` positions), inside ``shard_map``.
     """
     if split is None or not split[1]:
-        return jax.vmap(_write)(cache, row, positions)
+        return _write_all(cache, row, positions)
     mesh, axes = split
     part = cache.shape[2] // math.prod(mesh.shape[name] for name in axes)
 
     def on_device(cache, row, positions):
         first = jax.lax.axis_index(axes) * part
-        return jax.vmap(_write)(cache, row, positions - first)
+        return _write_all(cache, row, positions - first)
 
     local = PartitionSpec(None, None, axes, None)
     return jax.shard_map(
