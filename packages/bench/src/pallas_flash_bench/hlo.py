@@ -463,6 +463,51 @@ def kernel_calls(text: str) -> list[HloOp]:
     ]
 
 
+_BOOKKEEPING_OPCODES = frozenset({"parameter", "bitcast", "tuple", "get-tuple-element"})
+
+
+def _only_moves_data(comps: dict[str, Computation], name: str) -> bool:
+    """Whether a called computation does nothing but copy or transpose (a relayout fusion)."""
+    comp = comps.get(name)
+    if comp is None:
+        return False
+    work = [op for op in comp.ops if op.opcode not in _BOOKKEEPING_OPCODES]
+    return bool(work) and all(op.opcode in ("copy", "transpose") for op in work)
+
+
+def kernel_operand_copies(text: str) -> list[tuple[HloOp, HloOp]]:
+    """``(kernel call, producer)`` for each operand of a Mosaic kernel call, in any computation
+    (a scanned layer's while body included), that an op makes only by copying data: a
+    ``copy`` or ``transpose``, a ``copy-done`` that re-lays the data out, or a fusion of
+    nothing but copies and transposes. Memory-space moves (prefetches into VMEM) and ops that
+    compute their output (a fused RoPE producing q) are not reported."""
+    comps = parse_computations(text)
+    found = []
+    for comp in comps.values():
+        ops = {op.name: op for op in comp.ops}
+        for call in comp.ops:
+            if call.opcode != "custom-call" or call.detail != "tpu_custom_call":
+                continue
+            for operand in call.operands:
+                producer = ops.get(operand)
+                if producer is None:
+                    continue
+                if producer.opcode in ("copy", "copy-done"):
+                    source = ops.get(producer.operands[0]) if producer.operands else None
+                    if producer.opcode == "copy-done" and source is not None:
+                        source = ops.get(source.operands[0]) if source.operands else None
+                    relayout, _ = _copy_direction(source.shape if source else "", producer.shape)
+                    copies = relayout is not False
+                elif producer.opcode == "transpose":
+                    copies = True
+                else:
+                    callees = _callees(producer.attributes)
+                    copies = bool(callees) and all(_only_moves_data(comps, c) for c in callees)
+                if copies:
+                    found.append((call, producer))
+    return found
+
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 """Opcodes of the ops that move data between devices (asynchronous ones end in ``-start``)."""
 
