@@ -13,13 +13,13 @@ Quick start::
 Modules: `config` (shapes by name or config.json), `model` (parameters and forward),
 `layers`, `rope`, `attention` (the calls into ``pf.attention`` / ``pf.decode``), `sharding`
 (the mesh and its rules table), `weights` (safetensors), `tokenizer`, `data`, `train`,
-`kv_cache`, `generate`, `sampling`, `flax_attention` (an ``attention_fn`` for Flax),
+`kv_cache`, `generation`, `sampling`, `flax_attention` (an ``attention_fn`` for Flax),
 `tiny` and `cli`.
 """
 
 from pallas_flash_llama.config import CONFIGS, LlamaConfig, RopeScaling, get_config
 from pallas_flash_llama.flax_attention import attention_fn
-from pallas_flash_llama.generate import generate, generate_all
+from pallas_flash_llama.generation import generate, generate_all
 from pallas_flash_llama.kv_cache import KVCache
 from pallas_flash_llama.model import forward, init_params
 from pallas_flash_llama.sampling import Sampling

@@ -25,7 +25,7 @@ import jax
 import pallas_flash as pf
 from pallas_flash_llama import data, sharding, tiny
 from pallas_flash_llama.config import REMAT_POLICIES, get_config
-from pallas_flash_llama.generate import generate
+from pallas_flash_llama.generation import generate
 from pallas_flash_llama.model import init_params
 from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.tokenizer import TOKENIZER_FILE, encode, load_tokenizer

@@ -129,7 +129,7 @@ def make_train_step(
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = metrics | {
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": schedule(state.step),
         }
         return TrainState(params, opt_state, state.step + 1), metrics

@@ -1,0 +1,88 @@
+"""The ``pallas-flash-llama`` commands, end to end on the tiny model (in this process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pallas_flash_llama.cli import main
+from pallas_flash_llama.weights import load_params
+
+OFF = ["--compilation-cache", "off"]
+
+
+def test_init_tiny_generate_train_and_generate_again(tmp_path, capsys) -> None:
+    model = tmp_path / "tiny"
+    assert main([*OFF, "init-tiny", str(model)]) == 0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "sample.txt"):
+        assert (model / name).exists(), name
+    prompt = ["--prompt", "The quick brown"]
+    assert (
+        main(
+            [
+                *OFF,
+                "generate",
+                "--model",
+                str(model),
+                *prompt,
+                "--backend",
+                "xla",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    trained = tmp_path / "trained"
+    args = [
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(model / "sample.txt"),
+        "--steps",
+        "30",
+        "--lr",
+        "3e-3",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "64",
+        "--backend",
+        "xla",
+        "--save",
+        str(trained),
+    ]
+    assert main([*OFF, *args]) == 0
+    assert load_params(trained)[0] == load_params(model)[0]
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                *OFF,
+                "generate",
+                "--model",
+                str(trained),
+                *prompt,
+                "--prompt",
+                "Once upon",
+                "--backend",
+                "xla",
+                "--max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    # 30 steps on the sample text are enough for the tiny model to continue it
+    assert "'The quick brown' -> ' fox jumps over" in out, out
+
+
+def test_errors_exit_with_a_message(tmp_path, capsys) -> None:
+    assert main([*OFF, "generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    args = ["train", "--config", "llama-9", "--tokenizer", str(tmp_path), "--data", "x.txt"]
+    assert main([*OFF, *args]) == 2
+    assert "llama-9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--model", "a", "--config", "tiny", "--data", "x"])
