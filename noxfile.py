@@ -21,6 +21,7 @@ CONSTRAINTS = ("--constraint", str(ROOT / "constraints.txt"))
 CORE = str(PACKAGES / "core")
 CONFORMANCE = str(PACKAGES / "conformance")
 BENCH = str(PACKAGES / "bench")
+LLAMA = str(PACKAGES / "llama")
 BACKENDS = {
     path.name.removeprefix("backend_"): str(path)
     for path in sorted(PACKAGES.glob("backend_*"))
@@ -59,9 +60,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Each package's own unit tests, with every package installed."""
-    _install(session, "pytest-xdist", CORE, CONFORMANCE, BENCH, *BACKENDS.values())
-    test_dirs = [str(path) for path in sorted(PACKAGES.glob("*/tests"))]
+    """Each package's own unit tests, with every package installed.
+
+    The llama package's tests run in a pytest process of their own: they start jax with 4
+    host CPU devices (its conftest sets the flag), which the other packages' tests do not
+    expect.
+    """
+    _install(
+        session, "pytest-xdist", CORE, CONFORMANCE, BENCH, f"{LLAMA}[flax]", *BACKENDS.values()
+    )
+    test_dirs = [
+        str(path) for path in sorted(PACKAGES.glob("*/tests")) if path.parent.name != "llama"
+    ]
     # AOT tests load libtpu in this process while the bench tests start compile workers that
     # load it too: let libtpu's lock file admit more than one process.
     # --durations: the CI log names the slowest tests, what to trim when the run grows.
@@ -70,6 +80,14 @@ def tests(session: nox.Session) -> None:
         *PARALLEL,
         "--durations=15",
         *test_dirs,
+        *session.posargs,
+        env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
+    )
+    session.run(
+        "pytest",
+        *PARALLEL,
+        "--durations=10",
+        str(PACKAGES / "llama" / "tests"),
         *session.posargs,
         env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
     )
