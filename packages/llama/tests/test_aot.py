@@ -34,16 +34,11 @@ SMALL_COPY = 1 << 20
 
 @pytest.fixture(scope="module")
 def v5e_devices() -> list[jax.Device]:
-    from jax.experimental import topologies
+    """The four chips of a v5e 2x2 topology (no hardware needed)."""
+    from pallas_flash_bench.aot import target_devices
+    from pallas_flash_bench.targets import TARGETS
 
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name="v5e:2x2",
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-    )
-    return list(topology.devices)
+    return list(target_devices(TARGETS["v5e-4"]))
 
 
 @pytest.fixture(autouse=True)
