@@ -5,11 +5,14 @@ One chip: one decode kernel, nothing that copies or re-lays-out the cache (the p
 KiB, may be), no cache-sized temporary.
 Four chips (``shard_map`` over the 2x2 topology): each chip's program holds a quarter of the
 cache, and its collectives carry only ``[batch, q_heads, head_dim]``-sized partials.
+A ``head_dim`` 64 cache is copied for the kernel in XLA's default layout, never in
+`pf.cache_format`'s.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash.interpret import INTERPRET_ENV_VAR
 from pallas_flash_bench import hlo
+from pallas_flash_splitkv import KVCache
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
@@ -106,3 +110,32 @@ def test_four_chips_hold_a_quarter_each_and_exchange_only_partials(
     assert collectives, "the partials must be merged across the chips"
     assert max(collectives) <= PARTIAL_BYTES, collectives
     assert not _large_relayouts(text)
+
+
+@pytest.mark.parametrize("row_major", [True, False], ids=["cache_format", "xla_default"])
+def test_a_head_dim_64_cache_is_decoded_in_place_only_row_major(
+    v5e_devices: list[jax.Device], row_major: bool
+) -> None:
+    """XLA's default layout of a ``head_dim`` 64 cache puts the sequence axis minor, so a
+    decode step (append, then decode) copies the whole cache for the kernel; a cache kept in
+    `pf.cache_format` is written and read in place."""
+    sharding = jax.sharding.SingleDeviceSharding(v5e_devices[0])
+    shape = (BATCH, KV_HEADS, MAX_LEN, 64)
+    placed = pf.cache_format(sharding) if row_major else sharding
+    side = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=placed)
+    cache = KVCache(side, side, jax.ShapeDtypeStruct((BATCH,), jnp.int32, sharding=sharding))
+    new = jax.ShapeDtypeStruct((BATCH, KV_HEADS, 64), jnp.bfloat16, sharding=sharding)
+    q = jax.ShapeDtypeStruct((BATCH, Q_HEADS, 64), jnp.bfloat16, sharding=sharding)
+
+    def step(cache: KVCache, k_new: jax.Array, v_new: jax.Array, q: jax.Array):
+        cache = cache.append(k_new, v_new)
+        return cache.decode(q, backend="splitkv"), cache
+
+    kept = pf.cache_format(sharding) if row_major else None
+    jitted = jax.jit(step, donate_argnums=0, out_shardings=(None, KVCache(kept, kept, None)))
+    compiled = jitted.trace(cache, new, new, q).lower(lowering_platforms=("tpu",)).compile()
+    side_bytes = math.prod(shape) * 2
+    copies = [op.name for op in hlo.find_copy_trap(compiled.as_text()) if op.bytes >= side_bytes]
+    assert bool(copies) != row_major, copies
+    if row_major:
+        assert compiled.memory_analysis().alias_size_in_bytes >= 2 * side_bytes

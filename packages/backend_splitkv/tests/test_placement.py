@@ -28,7 +28,7 @@ from pallas_flash_bench import hlo
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
 from pallas_flash_splitkv import KVCache, placement
-from pallas_flash_splitkv.cache import _append
+from pallas_flash_splitkv.cache import append_step
 
 DEVICES = 4
 HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
@@ -158,11 +158,12 @@ def test_append_to_a_sequence_split_cache_stays_on_each_device() -> None:
         return KVCache(empty.k, empty.v, jnp.asarray(lengths, jnp.int32))
 
     full = [0, 127, 128, 512]  # slice edges; a full sequence
-    compiled = _append.lower(cache(full, sharding), k_new, v_new, (mesh, ("kv",))).compile()
+    step = append_step(sharding, (mesh, ("kv",)))
+    compiled = step.lower(cache(full, sharding), k_new, v_new).compile()
     assert not hlo.collectives(compiled.as_text())
     split, one = (
         compiled(cache(full, sharding), k_new, v_new),
-        _append(cache(full, None), k_new, v_new, None),
+        append_step(None, None)(cache(full, None), k_new, v_new),
     )
     np.testing.assert_array_equal(split.lengths, [1, 128, 129, 512])
     for got, expected in ((split.k, one.k), (split.v, one.v)):

@@ -6,12 +6,16 @@ token. `KVCache.append` instead writes each sequence's new K/V row at position
 updates the buffers in place. A cache whose sequence axis is split over a mesh
 (`placement.sequence_split`) is appended to inside ``shard_map``: each device writes the row
 only if the position falls in its slice, so an append moves no cache data between devices.
+The buffers are row-major (`pf.zeros_cache`) and every append returns them so
+(`pf.cache_format`): on TPU a ``head_dim`` under 128 would otherwise be laid out sequence-minor
+and copied for the kernel on every call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +58,8 @@ class KVCache:
             to split the sequence axis over a mesh as `decode` does.
         """
         shape = (batch, kv_heads, max_len, head_dim)
-        k = jnp.zeros(shape, dtype, device=sharding)
-        v = jnp.zeros(shape, dtype, device=sharding)
+        k = pf.zeros_cache(shape, dtype, sharding)
+        v = pf.zeros_cache(shape, dtype, sharding)
         return cls(k, v, jnp.zeros((batch,), jnp.int32))
 
     @property
@@ -93,18 +97,34 @@ class KVCache:
                     f"lengths: expected room for one more token, got full sequences "
                     f"{full.tolist()} (max_len={self.max_len})"
                 )
-        return _append(self, k_new, v_new, placement.sequence_split(self.k))
+        sharding = None if isinstance(self.k, jax.core.Tracer) else self.k.sharding
+        step = append_step(sharding, placement.sequence_split(self.k))
+        return step(self, k_new, v_new)
 
     def decode(self, q: jax.Array, **kwargs: object) -> jax.Array:
         """``pf.decode(q, self.k, self.v, self.lengths, **kwargs)``."""
         return pf.decode(q, self.k, self.v, self.lengths, **kwargs)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="split")
+@functools.cache
+def append_step(
+    sharding: jax.sharding.Sharding | None, split: placement.Split | None
+) -> Callable[[KVCache, jax.Array, jax.Array], KVCache]:
+    """`KVCache.append` without the checks, jitted with the cache donated and, placed by
+    ``sharding``, kept row-major (`pallas_flash.cache_layout`) so that it is written in place.
+    """
+    kept = None if sharding is None else pf.cache_format(sharding)
+    return jax.jit(
+        functools.partial(_append, split=split),
+        donate_argnums=0,
+        out_shardings=KVCache(kept, kept, None),
+    )
+
+
 def _append(
     cache: KVCache, k_new: jax.Array, v_new: jax.Array, split: placement.Split | None
 ) -> KVCache:
-    """`KVCache.append` without the checks; a full sequence is left unchanged.
+    """The cache with one more token per sequence; a full sequence is left unchanged.
 
     With a ``split`` (the cache's sequence axis split over a mesh) each device writes only the
     positions in its own slice, so no cache row crosses the interconnect

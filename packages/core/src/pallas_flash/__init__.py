@@ -6,6 +6,7 @@ Quick start::
 
     out = pf.attention(q, k, v, causal=True)            # [batch, heads, seq, head_dim]
     out = pf.attention(q, k, v, backend="xla")          # pick a backend by name
+    k_cache = pf.zeros_cache((batch, kv_heads, max_len, head_dim), jnp.bfloat16)
     tok = pf.decode(q1, k_cache, v_cache, lengths)      # one token against a KV cache
     k_cache = pf.write_token(k_cache, k1, lengths)      # its keys, in place under donation
     [info.name for info in pf.list_backends()]
@@ -13,6 +14,7 @@ Quick start::
 
 from pallas_flash.api import attention, decode
 from pallas_flash.backend import Backend, BackendInfo
+from pallas_flash.cache_layout import cache_format, zeros_cache
 from pallas_flash.cache_write import write_token
 from pallas_flash.capabilities import Capability
 from pallas_flash.dot_product_attention import dot_product_attention
@@ -32,6 +34,7 @@ __all__ = [
     "SegmentIds",
     "UnsupportedFeatureError",
     "attention",
+    "cache_format",
     "decode",
     "dot_product_attention",
     "get_backend",
@@ -40,4 +43,5 @@ __all__ = [
     "register_plugin",
     "unregister_plugin",
     "write_token",
+    "zeros_cache",
 ]

@@ -1,0 +1,43 @@
+"""The memory layout of a decode cache: row-major, the layout the kernels read.
+
+XLA on TPU lays out an array whose last dimension is narrower than the 128 lanes (a cache
+``[batch, kv_heads, max_len, head_dim]`` with ``head_dim`` 64) with its sequence axis minor,
+so that the last dimension is not padded. A Mosaic kernel reads its operands row-major, so a
+cache left in that default layout is re-laid out, a copy of the whole cache, before every
+kernel call, and a jit that updates it cannot return it in place.
+
+A cache made by `zeros_cache` is row-major, and a jit that returns an updated cache keeps it
+so when its ``out_shardings`` give the cache `cache_format`: input and output then alias and
+the update is in place. The price, for ``head_dim`` below 128, is lane padding: a cache with
+``head_dim`` 64 takes twice its size in HBM. On CPU and GPU row-major is the default layout
+and both functions change nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
+
+ROW_MAJOR = Layout(major_to_minor=(0, 1, 2, 3))
+"""``[batch, kv_heads, max_len, head_dim]`` with ``head_dim`` minor."""
+
+
+def cache_format(sharding: jax.sharding.Sharding) -> Format:
+    """``sharding`` with the row-major layout, for a jit's ``in_shardings``/``out_shardings``."""
+    return Format(ROW_MAJOR, sharding)
+
+
+def zeros_cache(
+    shape: tuple[int, int, int, int],
+    dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding | None = None,
+) -> jax.Array:
+    """A zero cache ``[batch, kv_heads, max_len, head_dim]``, row-major.
+
+    Args:
+      sharding: its placement; default: the first device.
+    """
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache_format(sharding))()
