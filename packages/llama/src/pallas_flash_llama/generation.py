@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,6 @@ def inference_params(params: Params, config: LlamaConfig) -> Params:
     return p
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "mesh"), donate_argnames="cache")
 def prefill(
     params: Params,
     cache: KVCache,
@@ -55,7 +55,7 @@ def prefill(
     backend: str | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs the prompts and fills the cache.
+    """Runs the prompts and fills the cache (jitted by `jitted`, the cache donated).
 
     Args:
       params: `inference_params`.
@@ -67,6 +67,11 @@ def prefill(
       Float32 logits ``[batch, vocab]`` at each prompt's last token, and the cache holding
       ``lengths`` tokens per sequence.
     """
+    step = jitted("prefill", cache, config, backend, mesh)
+    return step(params, cache, tokens, lengths)
+
+
+def _prefill(params, cache, tokens, lengths, config, backend, mesh):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = sharding.constrain(embed(params, tokens, config), ("batch", "seq", "act_embed"), mesh)
 
@@ -82,7 +87,6 @@ def prefill(
     return unembed(params, last, config), KVCache(tuple(ks), tuple(vs), lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "mesh"), donate_argnames="cache")
 def decode_step(
     params: Params,
     cache: KVCache,
@@ -91,7 +95,8 @@ def decode_step(
     backend: str | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Feeds one token per sequence at position ``cache.lengths[b]``.
+    """Feeds one token per sequence at position ``cache.lengths[b]`` (jitted by `jitted`, the
+    cache donated).
 
     Args:
       params: `inference_params`.
@@ -101,6 +106,10 @@ def decode_step(
     Returns:
       Float32 logits ``[batch, vocab]`` for the token after it, and the cache one longer.
     """
+    return jitted("decode", cache, config, backend, mesh)(params, cache, tokens)
+
+
+def _decode_step(params, cache, tokens, config, backend, mesh):
     positions = cache.lengths[:, None]
     x = embed(params, tokens[:, None], config)
     ks, vs = [], []
@@ -118,6 +127,39 @@ def decode_step(
         vs.append(v)
     logits = unembed(params, x[:, 0], config)
     return logits, KVCache(tuple(ks), tuple(vs), cache.lengths + 1)
+
+
+_STEPS = {"prefill": _prefill, "decode": _decode_step}
+
+
+def jitted(
+    step: Literal["prefill", "decode"],
+    cache: KVCache,
+    config: LlamaConfig,
+    backend: str | None = None,
+    mesh: Mesh | None = None,
+) -> jax.stages.Wrapped:
+    """The ``"prefill"`` or ``"decode"`` step, jitted for ``cache``: the cache is donated and
+    returned row-major in its own placement (`pf.cache_format`), so input and output alias and
+    every step writes it in place. ``cache`` may hold ``jax.ShapeDtypeStruct``s, to compile
+    ahead of time (``.trace(...)``); traced, it is left to the enclosing jit.
+    """
+    if step not in _STEPS:
+        raise pf.InvalidInputError(f"step: expected one of {sorted(_STEPS)}, got {step!r}")
+    first = cache.k[0]
+    sharding = None if isinstance(first, jax.core.Tracer) else first.sharding
+    return _jit(_STEPS[step], config, backend, mesh, sharding)
+
+
+@functools.cache
+def _jit(step, config, backend, mesh, cache_sharding) -> jax.stages.Wrapped:
+    kept = None if cache_sharding is None else pf.cache_format(cache_sharding)
+    layers = (kept,) * config.layers
+    return jax.jit(
+        functools.partial(step, config=config, backend=backend, mesh=mesh),
+        donate_argnames="cache",
+        out_shardings=(None, KVCache(layers, layers, None)),
+    )
 
 
 def _padded_length(n: int) -> int:

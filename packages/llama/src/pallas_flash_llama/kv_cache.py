@@ -3,7 +3,9 @@
 Each layer's ``[batch, kv_heads, max_len, head_dim]`` buffer is its own array, not a slice of
 a ``[layers, ...]`` stack: a kernel's operand must be a whole buffer, and slicing a layer out
 of a stack would copy it (a cache-sized copy per layer per token). Prefill and decode steps
-donate the cache and write it with ``dynamic_update_slice``, so XLA updates it in place.
+donate the cache and write it with ``dynamic_update_slice``, so XLA updates it in place; the
+buffers are row-major (`pf.zeros_cache`), the layout the kernels read, which XLA on TPU
+would not choose by itself for a ``head_dim`` under 128.
 With a mesh the sequence axis is split over all its devices, as ``pf.decode`` expects.
 """
 
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import pallas_flash as pf
 from pallas_flash_llama.config import LlamaConfig
 
 
@@ -44,11 +47,12 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def init_cache(config: LlamaConfig, batch: int, max_len: int, mesh: Mesh | None = None) -> KVCache:
-    """A zero cache of ``max_len`` positions per sequence in the compute dtype, lengths 0."""
+    """A zero cache of ``max_len`` positions per sequence in the compute dtype, lengths 0,
+    on the first device or split over ``mesh`` (`cache_sharding`)."""
     shape = (batch, config.kv_heads, max_len, config.head_dim)
-    device = None if mesh is None else cache_sharding(mesh)
+    sharding = None if mesh is None else cache_sharding(mesh)
 
     def zeros() -> tuple[jax.Array, ...]:
-        return tuple(jnp.zeros(shape, config.dtype, device=device) for _ in range(config.layers))
+        return tuple(pf.zeros_cache(shape, config.dtype, sharding) for _ in range(config.layers))
 
     return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
