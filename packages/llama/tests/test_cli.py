@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from pallas_flash_llama.cli import main
@@ -76,6 +78,39 @@ def test_init_tiny_generate_train_and_generate_again(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     # 30 steps on the sample text are enough for the tiny model to continue it
     assert "'The quick brown' -> ' fox jumps over" in out, out
+
+
+def test_a_resumed_training_run_equals_one_that_never_stopped(tmp_path, capsys) -> None:
+    model = tmp_path / "tiny"
+    assert main([*OFF, "init-tiny", str(model)]) == 0
+    checkpoints = tmp_path / "checkpoints"
+    args = [
+        *OFF,
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(model / "sample.txt"),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--backend",
+        "xla",
+    ]
+    resumable = [*args, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
+    assert main([*args, "--steps", "4", "--save", str(tmp_path / "straight")]) == 0
+    assert main([*resumable, "--steps", "3"]) == 0  # checkpoints at steps 2 and 3 (the end)
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [2, 3]
+    capsys.readouterr()
+    assert main([*resumable, "--steps", "4", "--save", str(tmp_path / "resumed")]) == 0
+    assert "resuming at step 3" in capsys.readouterr().out
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [2, 3, 4]
+    straight, resumed = load_params(tmp_path / "straight")[1], load_params(tmp_path / "resumed")[1]
+    for got, expected in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert main([*resumable, "--steps", "5", "--checkpoint-every", "0"]) == 2
+    assert "--checkpoint-every: expected at least 1" in capsys.readouterr().err
 
 
 def test_errors_exit_with_a_message(tmp_path, capsys) -> None:

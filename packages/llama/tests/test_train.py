@@ -47,6 +47,10 @@ def test_packed_loss_is_the_token_weighted_loss_of_each_document() -> None:
     np.testing.assert_allclose(float(packed_loss), total / count, rtol=1e-5)
 
 
+LOSS_STEPS = 8
+"""Enough for the tiny model's loss to fall by more than 30 % (6.8 to 3.7 with xla)."""
+
+
 @pytest.mark.parametrize(
     "backend, remat",
     # Pallas's TPU interpreter calls back into Python, which remat cannot trace (jax raises);
@@ -58,16 +62,16 @@ def test_loss_decreases_on_a_tiny_packed_dataset(backend: str, remat: str) -> No
     rng = np.random.default_rng(0)
     docs = [list(rng.integers(3, 40, rng.integers(5, 20))) for _ in range(12)]
     batches = data.batches(data.pack(docs, seq_len=32), batch_size=4)
-    train_config = TrainConfig(learning_rate=3e-3, warmup_steps=2, total_steps=15)
+    train_config = TrainConfig(learning_rate=3e-3, warmup_steps=2, total_steps=LOSS_STEPS)
     state = init_state(model.init_params(config, jax.random.key(0)), train_config)
     step = make_train_step(config.replace(remat=remat), train_config, backend=backend)
     losses = []
-    for _ in range(15):
+    for _ in range(LOSS_STEPS):
         state, metrics = step(state, jax.device_put(next(batches)))
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all()
     assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
-    assert int(state.step) == 15
+    assert int(state.step) == LOSS_STEPS
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
 
 

@@ -13,8 +13,8 @@ Quick start::
 Modules: `config` (shapes by name or config.json), `model` (parameters and forward),
 `layers`, `rope`, `attention` (the calls into ``pf.attention`` / ``pf.decode``), `sharding`
 (the mesh and its rules table), `weights` (safetensors), `tokenizer`, `data`, `train`,
-`kv_cache`, `generation`, `sampling`, `flax_attention` (an ``attention_fn`` for Flax),
-`tiny` and `cli`.
+`checkpoint` (the training state with orbax; import it on its own), `kv_cache`,
+`generation`, `sampling`, `flax_attention` (an ``attention_fn`` for Flax), `tiny` and `cli`.
 """
 
 from pallas_flash_llama.config import CONFIGS, LlamaConfig, RopeScaling, get_config

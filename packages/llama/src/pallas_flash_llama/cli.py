@@ -3,6 +3,7 @@
     pallas-flash-llama init-tiny DIR
     pallas-flash-llama generate --model DIR --prompt "Once upon a time" --max-new-tokens 32
     pallas-flash-llama train --model DIR --data FILE --steps 100 --save OUT
+    pallas-flash-llama train ... --checkpoint-dir CKPT   (run again to resume)
 
 Compiled programs are kept in a persistent compilation cache (`DEFAULT_CACHE_DIR`, or
 ``$PALLAS_FLASH_LLAMA_CACHE``; ``--compilation-cache off`` disables it), so a second run
@@ -135,14 +136,29 @@ def _train(args: argparse.Namespace) -> None:
     if mesh is not None:
         sharding.check_mesh(config, mesh, batch=args.batch_size)
     state = init_state(params, train_config)
+    checkpoints = None
+    if args.checkpoint_dir:
+        from pallas_flash_llama import checkpoint  # orbax: imported only when checkpointing
+
+        if args.checkpoint_every < 1:
+            raise pf.InvalidInputError(
+                f"--checkpoint-every: expected at least 1 step, got {args.checkpoint_every}"
+            )
+        checkpoints = checkpoint.checkpoint_manager(args.checkpoint_dir, args.keep_checkpoints)
+        state = checkpoint.restore_state(checkpoints, state) or state
+    first = int(state.step)
+    if first:
+        print(f"resuming at step {first} from {args.checkpoint_dir}")
     step_fn = make_train_step(config, train_config, backend=args.backend, mesh=mesh)
     batches = data.batches(packed, args.batch_size, seed=args.seed)
+    for _ in range(first):  # the batches the checkpointed steps already took
+        next(batches)
 
     def save(directory: pathlib.Path) -> None:
         save_params(directory, state.params, config)
         shutil.copy(pathlib.Path(tokenizer_dir) / TOKENIZER_FILE, directory / TOKENIZER_FILE)
 
-    bar = tqdm(range(1, args.steps + 1), desc="train", unit="step")
+    bar = tqdm(range(first + 1, args.steps + 1), desc="train", unit="step", initial=first)
     start, tokens_seen = time.perf_counter(), 0
     for step in bar:
         state, metrics = step_fn(state, shard_batch(next(batches), mesh))
@@ -152,6 +168,13 @@ def _train(args: argparse.Namespace) -> None:
         bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{rate:,.0f}")
         if args.save and args.save_every and step % args.save_every == 0:
             save(pathlib.Path(args.save))
+        if checkpoints and step % args.checkpoint_every == 0:
+            checkpoint.save_state(checkpoints, state)
+    if checkpoints:
+        if int(state.step) > first and int(state.step) % args.checkpoint_every:
+            checkpoint.save_state(checkpoints, state)
+        checkpoints.wait_until_finished()
+        checkpoints.close()
     if args.save:
         save(pathlib.Path(args.save))
         print(f"saved to {args.save}")
@@ -208,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--remat", choices=REMAT_POLICIES, default="none")
     tr.add_argument("--save", help="write the trained model here (safetensors)")
     tr.add_argument("--save-every", type=int, help="also save every N steps")
+    tr.add_argument(
+        "--checkpoint-dir",
+        help="orbax checkpoints of the whole training state; resumes from the newest one",
+    )
+    tr.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    tr.add_argument("--keep-checkpoints", type=int, default=3)
     common(tr)
     tr.set_defaults(run=_train)
     return parser

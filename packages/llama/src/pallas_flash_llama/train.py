@@ -9,6 +9,7 @@ and optimiser state are updated in place. Under a mesh the state keeps the shard
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -84,8 +85,13 @@ class TrainState:
 
 def init_state(params: Params, train_config: TrainConfig) -> TrainState:
     """The state at step 0 (the optimiser state takes the parameters' shardings)."""
-    opt_state = jax.jit(train_config.optimizer().init)(params)
+    opt_state = _optimizer_init(train_config)(params)
     return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+
+
+@functools.cache
+def _optimizer_init(train_config: TrainConfig) -> Callable[[Params], optax.OptState]:
+    return jax.jit(train_config.optimizer().init)  # one compile per optimiser and shapes
 
 
 def loss_fn(
