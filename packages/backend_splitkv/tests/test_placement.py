@@ -158,7 +158,7 @@ def test_append_to_a_sequence_split_cache_stays_on_each_device() -> None:
         return KVCache(empty.k, empty.v, jnp.asarray(lengths, jnp.int32))
 
     full = [0, 127, 128, 512]  # slice edges; a full sequence
-    step = append_step(sharding, (mesh, ("kv",)))
+    step = append_step(pf.cache_format(sharding), (mesh, ("kv",)))
     compiled = step.lower(cache(full, sharding), k_new, v_new).compile()
     assert not hlo.collectives(compiled.as_text())
     split, one = (

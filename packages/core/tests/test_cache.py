@@ -48,3 +48,12 @@ def test_write_token_under_donation_keeps_the_cache_format() -> None:
     for b, position in enumerate((1, 2, 3)):
         expected[b, :, position] = 1
     np.testing.assert_array_equal(written, expected)
+
+
+def test_kept_format_is_the_cache_s_own_placement_row_major_and_none_when_traced() -> None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[-1])
+    kept = pf.kept_format(pf.zeros_cache(SHAPE, jnp.float32, sharding))
+    assert kept.sharding == sharding and kept.layout.major_to_minor == (0, 1, 2, 3)
+    traced = []
+    jax.jit(lambda x: traced.append(pf.kept_format(x)))(jnp.zeros(SHAPE))
+    assert traced == [None]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format
 
 import pallas_flash as pf
 from pallas_flash.cache_write import write_token
@@ -97,8 +98,7 @@ class KVCache:
                     f"lengths: expected room for one more token, got full sequences "
                     f"{full.tolist()} (max_len={self.max_len})"
                 )
-        sharding = None if isinstance(self.k, jax.core.Tracer) else self.k.sharding
-        step = append_step(sharding, placement.sequence_split(self.k))
+        step = append_step(pf.kept_format(self.k), placement.sequence_split(self.k))
         return step(self, k_new, v_new)
 
     def decode(self, q: jax.Array, **kwargs: object) -> jax.Array:
@@ -108,12 +108,10 @@ class KVCache:
 
 @functools.cache
 def append_step(
-    sharding: jax.sharding.Sharding | None, split: placement.Split | None
+    kept: Format | None, split: placement.Split | None
 ) -> Callable[[KVCache, jax.Array, jax.Array], KVCache]:
-    """`KVCache.append` without the checks, jitted with the cache donated and, placed by
-    ``sharding``, kept row-major (`pallas_flash.cache_layout`) so that it is written in place.
-    """
-    kept = None if sharding is None else pf.cache_format(sharding)
+    """`KVCache.append` without the checks, jitted with the cache donated and returned in
+    ``kept`` (`pallas_flash.cache_layout.kept_format`), so that it is written in place."""
     return jax.jit(
         functools.partial(_append, split=split),
         donate_argnums=0,

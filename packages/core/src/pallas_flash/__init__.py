@@ -14,7 +14,7 @@ Quick start::
 
 from pallas_flash.api import attention, decode
 from pallas_flash.backend import Backend, BackendInfo
-from pallas_flash.cache_layout import cache_format, zeros_cache
+from pallas_flash.cache_layout import cache_format, kept_format, zeros_cache
 from pallas_flash.cache_write import write_token
 from pallas_flash.capabilities import Capability
 from pallas_flash.dot_product_attention import dot_product_attention
@@ -39,6 +39,7 @@ __all__ = [
     "dot_product_attention",
     "get_backend",
     "hookimpl",
+    "kept_format",
     "list_backends",
     "register_plugin",
     "unregister_plugin",

@@ -28,6 +28,15 @@ def cache_format(sharding: jax.sharding.Sharding) -> Format:
     return Format(ROW_MAJOR, sharding)
 
 
+def kept_format(cache: jax.Array | jax.ShapeDtypeStruct) -> Format | None:
+    """The ``out_shardings`` entry of a jit that returns ``cache`` updated: its own placement,
+    row-major (`cache_format`); None for a traced cache, whose placement is the enclosing
+    jit's to decide."""
+    if isinstance(cache, jax.core.Tracer):
+        return None
+    return cache_format(cache.sharding)
+
+
 def zeros_cache(
     shape: tuple[int, int, int, int],
     dtype: jnp.dtype,

@@ -146,14 +146,11 @@ def jitted(
     """
     if step not in _STEPS:
         raise pf.InvalidInputError(f"step: expected one of {sorted(_STEPS)}, got {step!r}")
-    first = cache.k[0]
-    sharding = None if isinstance(first, jax.core.Tracer) else first.sharding
-    return _jit(_STEPS[step], config, backend, mesh, sharding)
+    return _jit(_STEPS[step], config, backend, mesh, pf.kept_format(cache.k[0]))
 
 
 @functools.cache
-def _jit(step, config, backend, mesh, cache_sharding) -> jax.stages.Wrapped:
-    kept = None if cache_sharding is None else pf.cache_format(cache_sharding)
+def _jit(step, config, backend, mesh, kept) -> jax.stages.Wrapped:
     layers = (kept,) * config.layers
     return jax.jit(
         functools.partial(step, config=config, backend=backend, mesh=mesh),
