@@ -18,7 +18,8 @@ def test_registered_as_the_tpu_decode_backend() -> None:
     assert info.distribution == "pallas-flash-splitkv"
     assert importlib.metadata.version(info.distribution)
     assert info.platforms == {"tpu"} and info.priority == 100
-    assert info.capabilities == {"decode", "gqa", "softcap", "multi_device"}
+    expected = {"decode", "gqa", "softcap", "paged_cache", "int8_cache", "multi_device"}
+    assert info.capabilities == expected
     assert SplitKvBackend().blocks == DecodeBlocks()
 
 
@@ -29,8 +30,21 @@ def test_a_mesh_that_does_not_divide_the_cache_raises() -> None:
     with pytest.raises(pf.InvalidInputError, match=r"k_cache: expected max_len divisible by"):
         split_kv_decode(
             x,
-            cache,
-            cache,
+            pf.DecodeCache(cache, cache),
+            jnp.array([5]),
+            spec=pf.DecodeSpec(sm_scale=0.125),
+            blocks=DecodeBlocks(),
+            mesh=mesh,
+        )
+
+
+def test_a_paged_cache_over_several_devices_is_unsupported() -> None:
+    mesh = jax.sharding.AbstractMesh((2,), ("kv",))
+    pages = jnp.zeros((4, 2, 16, 64))
+    with pytest.raises(pf.UnsupportedFeatureError, match="paged cache on one device"):
+        split_kv_decode(
+            jnp.zeros((1, 2, 64)),
+            pf.DecodeCache(pages, pages, jnp.zeros((1, 2), jnp.int32)),
             jnp.array([5]),
             spec=pf.DecodeSpec(sm_scale=0.125),
             blocks=DecodeBlocks(),

@@ -33,8 +33,7 @@ def test_matches_reference_with_stale_nan_slots(blocks: DecodeBlocks, dtype: str
         v[b, :, length:] = np.nan
     out = split_kv_decode(
         q,
-        jnp.asarray(k, q.dtype),
-        jnp.asarray(v, q.dtype),
+        pf.DecodeCache(jnp.asarray(k, q.dtype), jnp.asarray(v, q.dtype)),
         jnp.asarray(lengths),
         spec=pf.DecodeSpec(sm_scale=scale, softcap=2.0),
         blocks=blocks,
@@ -57,7 +56,12 @@ def test_traced_lengths_out_of_range_are_clipped(blocks: DecodeBlocks) -> None:
     scale = 1 / math.sqrt(head_dim)
     out = jax.jit(
         lambda lengths: split_kv_decode(
-            q, k, v, lengths, spec=pf.DecodeSpec(sm_scale=scale), blocks=blocks, mesh=None
+            q,
+            pf.DecodeCache(k, v),
+            lengths,
+            spec=pf.DecodeSpec(sm_scale=scale),
+            blocks=blocks,
+            mesh=None,
         )
     )(lengths)
     clipped = np.clip(lengths, 0, max_len)

@@ -72,10 +72,8 @@ class ToyBackend(pf.Backend):
         )
         return self.fn(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask)
 
-    def decode(self, q, k_cache, v_cache, lengths, spec, *, mesh=None):
-        self.calls.append(
-            dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, spec=spec, mesh=mesh)
-        )
+    def decode(self, q, cache, lengths, spec, *, mesh=None):
+        self.calls.append(dict(q=q, cache=cache, lengths=lengths, spec=spec, mesh=mesh))
         return q + 1
 
 

@@ -263,9 +263,25 @@ def test_decode_passes_decode_spec_int32_lengths_and_mesh(toy):
     assert call["lengths"].dtype == jnp.int32
     np.testing.assert_array_equal(call["lengths"], [3, 6])
     assert call["mesh"] is mesh
-    np.testing.assert_array_equal(call["k_cache"], k_cache)
-    np.testing.assert_array_equal(call["v_cache"], v_cache)
+    assert isinstance(call["cache"], pf.DecodeCache)
+    np.testing.assert_array_equal(call["cache"].k, k_cache)
+    np.testing.assert_array_equal(call["cache"].v, v_cache)
+    assert call["cache"][2:] == (None, None, None)  # no page table, no scales
     np.testing.assert_array_equal(out, q + 1)  # the toy decode returns q + 1
+
+
+def test_decode_passes_a_paged_int8_cache_with_an_int32_table(toy):
+    q, pages = _normal(9, 2, 4, 8), _normal(10, 3, 2, 4, 8)
+    k, k_scales = pf.quantize_int8(pages)
+    table = np.array([[2, 0], [1, 2]], np.int64)
+
+    pf.decode(q, k, k, [5, 8], page_table=table, k_scales=k_scales, v_scales=k_scales)
+
+    cache = toy.calls[-1]["cache"]
+    assert (cache.paged, cache.quantized, cache.max_len) == (True, True, 8)
+    assert cache.page_table.dtype == jnp.int32
+    np.testing.assert_array_equal(cache.page_table, table)
+    np.testing.assert_array_equal(cache.k_scales, k_scales)
 
 
 def test_decode_passes_explicit_sm_scale_and_no_mesh_by_default(toy):
@@ -390,7 +406,8 @@ def test_attention_features_directly():
         bias=0.0,
         mask=True,
     )
-    assert everything == EVERY - {CAPS.DECODE, CAPS.GRAD, CAPS.MULTI_DEVICE}
+    decode_only = {CAPS.DECODE, CAPS.PAGED_CACHE, CAPS.INT8_CACHE, CAPS.MULTI_DEVICE}
+    assert everything == EVERY - decode_only - {CAPS.GRAD}
 
 
 @pytest.mark.parametrize(
@@ -399,6 +416,7 @@ def test_attention_features_directly():
         (CAPS.DECODE, {}, 2),
         (CAPS.GQA, {}, 4),
         (CAPS.SOFTCAP, {"softcap": 3.0}, 2),
+        (CAPS.PAGED_CACHE, {"page_table": [[0]]}, 2),  # the cache as one page of 3 positions
     ],
 )
 def test_decode_requires_a_feature_exactly_when_used(
@@ -412,6 +430,14 @@ def test_decode_requires_a_feature_exactly_when_used(
     if lacking != CAPS.DECODE:  # the same backend serves a call without the feature
         q = _normal(14, 1, 2, 4)
         assert pf.decode(q, cache, cache, [2], backend="lacking").shape == q.shape
+
+
+def test_an_int8_cache_requires_int8_cache(make_backend, install):
+    q, (k, scales) = _normal(14, 1, 2, 4), pf.quantize_int8(_normal(15, 1, 2, 3, 4))
+    install(make_backend("lacking", EVERY - {CAPS.INT8_CACHE}))
+
+    with pytest.raises(pf.UnsupportedFeatureError, match="does not support int8_cache;"):
+        pf.decode(q, k, k, [2], k_scales=scales, v_scales=scales, backend="lacking")
 
 
 def test_plain_decode_needs_only_the_decode_capability(make_backend, install):

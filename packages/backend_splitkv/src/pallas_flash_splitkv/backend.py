@@ -27,6 +27,8 @@ class SplitKvBackend(pf.Backend):
             pf.Capability.DECODE,
             pf.Capability.GQA,
             pf.Capability.SOFTCAP,
+            pf.Capability.PAGED_CACHE,
+            pf.Capability.INT8_CACHE,
             pf.Capability.MULTI_DEVICE,
         }
     )
@@ -43,13 +45,10 @@ class SplitKvBackend(pf.Backend):
     def decode(
         self,
         q: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
+        cache: pf.DecodeCache,
         lengths: jax.Array,
         spec: pf.DecodeSpec,
         *,
         mesh: jax.sharding.Mesh | None = None,
     ) -> jax.Array:
-        return split_kv_decode(
-            q, k_cache, v_cache, lengths, spec=spec, blocks=self.blocks, mesh=mesh
-        )
+        return split_kv_decode(q, cache, lengths, spec=spec, blocks=self.blocks, mesh=mesh)

@@ -1,32 +1,43 @@
 """The Split-KV decode kernel: partial attention of one query token per sequence over splits
-of one device's KV cache.
+of one device's KV cache, contiguous or paged, bfloat16/float32 or int8.
 
 Layouts: q ``[batch, kv_heads, group, head_dim]`` (the query heads of each kv head together:
-a free view of ``[batch, q_heads, head_dim]``); the caches ``[batch, kv_heads, max_len,
-head_dim]``; ``lengths [batch]`` int32. Outputs per split: the normalised partial output
-``[batch, kv_heads, splits, group, head_dim]`` and its log-sum-exp ``[batch, kv_heads, splits,
-group]``, both float32.
+a free view of ``[batch, q_heads, head_dim]``); ``lengths [batch]`` int32. The caches are
 
-Grid ``(batch, kv_heads, splits, blocks per split)``: the first three axes are parallel, the
-last sequential. Each step reads one ``[block_kv, head_dim]`` block of K and of V once for all
-``group`` query heads of its kv head (GQA/MQA read each cache byte once) and folds it into a
-running max, sum and accumulator (the online softmax, float32). ``lengths`` is prefetched into
-SMEM and clipped to ``[0, max_len]`` where it is read (the index maps and the kernel: traced
-lengths cannot be checked beforehand, and one past ``max_len`` would read a partial last block
-as whole, or point an index map past the cache). The index maps re-point the steps past
-``ceil(lengths[b] / block_kv)`` blocks at the last valid block, so no DMA is issued for them,
-and the kernel skips them. Cache slots at and past ``lengths[b]`` may hold anything, NaN
-included: their scores are masked (on every step: a few vregs of one query row) and, in the
-block that holds the sequence's end, their V rows are zeroed in the VMEM buffer before the
-one fold of the step. One fold body, not a masked and an unmasked copy: a static schedule
-counts both copies of a data-dependent branch, and the matmuls (and their weight pushes)
-are the part of a decode step worth counting exactly. A split that sees no valid
-position yields output 0 and log-sum-exp ``-inf``.
+- contiguous: ``[batch, kv_heads, max_len, head_dim]``;
+- paged: ``[num_pages, kv_heads, page_size, head_dim]`` with ``page_table [batch,
+  pages_per_sequence]`` int32: position ``p`` of sequence ``b`` is row ``p % page_size`` of
+  page ``page_table[b, p // page_size]``.
+
+An int8 cache comes with float32 scales of the cache's shape without ``head_dim`` (one per
+token and kv head); its values are ``int8 * scale``. Outputs per split: the normalised partial
+output ``[batch, splits, kv_heads, group, head_dim]`` and its log-sum-exp ``[batch, splits,
+kv_heads, group]``, both float32.
+
+Grid ``(batch, splits, blocks per split)``: the first two axes are parallel, the last
+sequential. A block is ``block_kv`` positions of every kv head (a page, when paged): one DMA
+of ``[kv_heads, block_kv, head_dim]`` per step for K and for V, read once for all ``group``
+query heads of each kv head (GQA/MQA read each cache byte once), so that even small pages
+make steps large enough to hide the fixed cost of a step. Each head's block is folded into
+its running max, sum and accumulator (the online softmax, float32). An int8 block is
+converted to q's dtype in VMEM and its scales applied to the scores (K) and to the
+probabilities (V), ``[group, block_kv]`` products rather than ``[block_kv, head_dim]`` ones.
+
+``lengths`` (and the page table) are prefetched into SMEM. ``lengths`` is clipped to ``[0,
+max_len]`` where it is read, and page indices to ``[0, num_pages)``: traced values cannot be
+checked beforehand, and nothing may be read outside the cache. The index maps re-point the
+steps past ``ceil(lengths[b] / block_kv)`` blocks at the last valid block, so no DMA is
+issued for them, and the kernel skips them. Cache slots at and past ``lengths[b]`` may hold
+anything, NaN included: their scores are masked and, in the block that holds the sequence's
+end, their V rows (their V scales, for int8) are zeroed before the one fold of the step. A
+split that sees no valid position yields output 0 and log-sum-exp ``-inf``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,37 +56,59 @@ _NT = (((1,), (1,)), ((), ()))  # q k^T
 _NN = (((1,), (0,)), ((), ()))  # p v
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """The static facts the kernel body needs."""
+
+    spec: DecodeSpec
+    max_len: int  # positions per sequence the cache can hold
+    block_kv: int
+    blocks_per_split: int
+    kv_heads: int
+    paged: bool
+    quantized: bool
+    compute_dtype: jnp.dtype
+    precision: lax.Precision | None
+
+
 def _length(lengths_ref: jax.Ref, b: jax.Array, max_len: int) -> jax.Array:
     """Sequence ``b``'s length clipped to ``[0, max_len]``."""
     return jnp.clip(lengths_ref[b], 0, max_len)
 
 
-def _kernel(
-    lengths_ref: jax.Ref,
-    q_ref: jax.Ref,
-    k_ref: jax.Ref,
-    v_ref: jax.Ref,
-    o_ref: jax.Ref,
-    lse_ref: jax.Ref,
-    m_ref: jax.Ref,
-    l_ref: jax.Ref,
-    acc_ref: jax.Ref,
-    *,
-    spec: DecodeSpec,
-    max_len: int,
-    block_kv: int,
-    blocks_per_split: int,
-    precision: lax.Precision | None,
-) -> None:
-    """One grid step ``(b, h, s, t)``: folds cache block ``s * blocks_per_split + t``.
+class _Refs(NamedTuple):
+    """One step's blocks (layouts in `_kernel`); the scales are None unless quantized."""
 
-    Refs: ``lengths [batch]`` (SMEM); q ``[group, head_dim]``; k, v ``[block_kv, head_dim]``;
-    outputs ``[group, head_dim]`` and log-sum-exp ``[group, 128]`` (equal lanes); scratch:
-    running max and sum ``[group, 128]`` and accumulator ``[group, head_dim]``, float32.
+    q: jax.Ref
+    k: jax.Ref
+    v: jax.Ref
+    k_scales: jax.Ref | None
+    v_scales: jax.Ref | None
+    max: jax.Ref
+    sum: jax.Ref
+    acc: jax.Ref
+
+
+def _kernel(*refs: jax.Ref, tiling: _Tiling) -> None:
+    """One grid step ``(b, s, t)``: folds block ``s * blocks_per_split + t`` of every kv head.
+
+    Refs, in order: ``lengths [batch]`` and, when paged, the flat page table (SMEM); q
+    ``[kv_heads, group, head_dim]``; k, v ``[kv_heads, block_kv, head_dim]``; when quantized,
+    their scales ``[kv_heads, block_kv]``; outputs ``[kv_heads, group, head_dim]`` and
+    log-sum-exp ``[kv_heads, group, 128]`` (equal lanes); scratch: running max and sum
+    ``[kv_heads, group, 128]`` and accumulator ``[kv_heads, group, head_dim]``, float32.
     """
-    b, s, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    length = _length(lengths_ref, b, max_len)
-    first = (s * blocks_per_split + t) * block_kv  # cache position of the block's first row
+    lengths_ref, *refs = refs
+    if tiling.paged:
+        refs = refs[1:]  # the page table: read by the index maps only
+    if not tiling.quantized:
+        refs[3:3] = [None, None]
+    q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    step = _Refs(q_ref, k_ref, v_ref, ks_ref, vs_ref, m_ref, l_ref, acc_ref)
+
+    b, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = _length(lengths_ref, b, tiling.max_len)
+    first = (s * tiling.blocks_per_split + t) * tiling.block_kv  # the block's first position
 
     @pl.when(t == 0)
     def _start() -> None:
@@ -83,38 +116,46 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
-    @pl.when((first < length) & (first + block_kv > length))
+    @pl.when((first < length) & (first + tiling.block_kv > length))
     def _zero_stale_values() -> None:  # a stale NaN would poison p @ v even where p is 0
-        pos = first + lax.broadcasted_iota(jnp.int32, v_ref.shape, 0)
-        v_ref[...] = jnp.where(pos < length, v_ref[...], jnp.zeros_like(v_ref))
+        stale = vs_ref if tiling.quantized else v_ref  # int8 values are finite, scales not
+        pos = first + lax.broadcasted_iota(jnp.int32, stale.shape, 1)
+        stale[...] = jnp.where(pos < length, stale[...], jnp.zeros_like(stale))
 
     @pl.when(first < length)
     def _fold() -> None:
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        scores = lax.dot_general(q, k, _NT, preferred_element_type=_F32, precision=precision)
-        scores = apply_softcap(scores * spec.sm_scale, spec.softcap)  # [group, block_kv]
-        pos = first + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(pos < length, scores, -jnp.inf)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(
-            m_prev, jnp.max(scores, axis=1, keepdims=True)
-        )  # finite: first < length
-        p = jnp.exp(scores - m_next[:, :1])
-        alpha = jnp.exp(m_prev - m_next)
-        m_ref[...] = m_next
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(
-            p.astype(v.dtype), v, _NN, preferred_element_type=_F32, precision=precision
-        )
-        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+        for h in range(tiling.kv_heads):
+            _fold_head(step, h, first, length, tiling)
 
-    @pl.when(t == blocks_per_split - 1)
+    @pl.when(t == tiling.blocks_per_split - 1)
     def _finish() -> None:
         total = l_ref[...]
         seen = total > 0.0  # the sum is >= 1 once the split has seen a position
         inverse = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
-        o_ref[...] = acc_ref[...] * inverse[:, :1]
+        o_ref[...] = acc_ref[...] * inverse[..., :1]
         lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+
+
+def _fold_head(step: _Refs, h: int, first: jax.Array, length: jax.Array, tiling: _Tiling) -> None:
+    """Folds kv head ``h``'s block into its running max, sum and accumulator."""
+    dtype, precision = tiling.compute_dtype, tiling.precision
+    q, k, v = step.q[h], step.k[h].astype(dtype), step.v[h].astype(dtype)
+    scores = lax.dot_general(q, k, _NT, preferred_element_type=_F32, precision=precision)
+    if tiling.quantized:
+        scores = scores * step.k_scales[pl.ds(h, 1), :]  # [group, block_kv] * [1, block_kv]
+    scores = apply_softcap(scores * tiling.spec.sm_scale, tiling.spec.softcap)
+    pos = first + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    scores = jnp.where(pos < length, scores, -jnp.inf)
+    m_prev = step.max[h]
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))  # finite
+    p = jnp.exp(scores - m_next[:, :1])
+    alpha = jnp.exp(m_prev - m_next)
+    step.max[h] = m_next
+    step.sum[h] = alpha * step.sum[h] + jnp.sum(p, axis=1, keepdims=True)
+    if tiling.quantized:
+        p = p * step.v_scales[pl.ds(h, 1), :]
+    pv = lax.dot_general(p.astype(dtype), v, _NN, preferred_element_type=_F32, precision=precision)
+    step.acc[h] = step.acc[h] * alpha[:, :1] + pv
 
 
 def split_partials(
@@ -122,6 +163,9 @@ def split_partials(
     k_cache: jax.Array,
     v_cache: jax.Array,
     lengths: jax.Array,
+    page_table: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     spec: DecodeSpec,
     blocks: DecodeBlocks,
@@ -133,20 +177,25 @@ def split_partials(
 
     Args:
       q: ``[batch, kv_heads, group, head_dim]``.
-      k_cache, v_cache: ``[batch, kv_heads, max_len, head_dim]``, dtype of q.
+      k_cache, v_cache: contiguous or paged (module doc), dtype of q or int8.
       lengths: ``[batch]`` int32; values past ``[0, max_len]`` count as the nearest end.
+      page_table: ``[batch, pages_per_sequence]`` int32 for a paged cache, else None.
+      k_scales, v_scales: float32, the caches' shapes without ``head_dim``, for an int8 cache.
       spec: the call's settings.
-      blocks: the tiling.
+      blocks: the tiling (of a contiguous cache; a paged one is read a page per step).
       devices: how many devices run the kernel at once (inside ``shard_map``).
 
     Returns:
-      ``(out, lse)``: ``[batch, kv_heads, splits, group, head_dim]`` and
-      ``[batch, kv_heads, splits, group]``, float32.
+      ``(out, lse)``: ``[batch, splits, kv_heads, group, head_dim]`` and
+      ``[batch, splits, kv_heads, group]``, float32.
 
     Raises:
       ValueError: ``blocks.block_kv`` is illegal for this cache.
     """
-    return _split_partials(q, k_cache, v_cache, lengths, spec=spec, blocks=blocks, devices=devices)
+    return _split_partials(
+        q, k_cache, v_cache, lengths, page_table, k_scales, v_scales,
+        spec=spec, blocks=blocks, devices=devices,
+    )  # fmt: skip
 
 
 def _split_partials_kernel(
@@ -154,6 +203,9 @@ def _split_partials_kernel(
     k_cache: jax.Array,
     v_cache: jax.Array,
     lengths: jax.Array,
+    page_table: jax.Array | None,
+    k_scales: jax.Array | None,
+    v_scales: jax.Array | None,
     *,
     spec: DecodeSpec,
     blocks: DecodeBlocks,
@@ -162,54 +214,89 @@ def _split_partials_kernel(
     """`split_partials` with the interpreter's settings (True: the generic interpreter), or
     None for Mosaic."""
     batch, kv_heads, group, head_dim = q.shape
-    max_len = k_cache.shape[2]
-    block_kv, splits, per_split = blocks.for_cache(max_len)
+    paged = page_table is not None
+    quantized = k_scales is not None
+    if paged:
+        num_pages, block_kv = k_cache.shape[0], k_cache.shape[2]
+        pages_per_sequence = page_table.shape[1]
+        max_len = pages_per_sequence * block_kv
+        splits, per_split = blocks.for_pages(pages_per_sequence)
+    else:
+        max_len = k_cache.shape[2]
+        block_kv, splits, per_split = blocks.for_cache(
+            max_len, kv_heads * head_dim * 2 * k_cache.dtype.itemsize
+        )
 
-    def kv_map(b, h, s, t, lengths_ref):  # past the sequence's end: stay on its last block
-        last = jnp.maximum(pl.cdiv(_length(lengths_ref, b, max_len), block_kv) - 1, 0)
-        return b, h, jnp.minimum(s * per_split + t, last), 0
+    def last_block(b, lengths_ref):
+        return jnp.maximum(pl.cdiv(_length(lengths_ref, b, max_len), block_kv) - 1, 0)
 
-    def q_map(b, h, s, t, lengths_ref):
-        return b, h, 0, 0
+    if paged:
 
-    def out_map(b, h, s, t, lengths_ref):
-        return b, h, s, 0, 0
+        def cache_block(b, s, t, lengths_ref, table_ref):  # past the end: stay on the last page
+            j = jnp.minimum(s * per_split + t, last_block(b, lengths_ref))
+            page = jnp.clip(table_ref[b * pages_per_sequence + j], 0, num_pages - 1)
+            return page, 0, 0
 
-    kernel = functools.partial(
-        _kernel,
+        prefetch = (lengths, page_table.reshape(-1))  # flat: SMEM pads a 2-D table's rows
+    else:
+
+        def cache_block(b, s, t, lengths_ref):  # past the sequence's end: stay on its last block
+            return b, 0, jnp.minimum(s * per_split + t, last_block(b, lengths_ref))
+
+        prefetch = (lengths,)
+
+    def kv_map(b, s, t, *refs):
+        return (*cache_block(b, s, t, *refs), 0)
+
+    def q_map(b, s, t, *refs):
+        return b, 0, 0, 0
+
+    def out_map(b, s, t, *refs):
+        return b, s, 0, 0, 0
+
+    tiling = _Tiling(
         spec=spec,
         max_len=max_len,
         block_kv=block_kv,
         blocks_per_split=per_split,
+        kv_heads=kv_heads,
+        paged=paged,
+        quantized=quantized,
+        compute_dtype=q.dtype,
         precision=lax.Precision.HIGHEST if q.dtype == np.float32 else None,
     )
-    kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
+    kv_spec = pl.BlockSpec((None, kv_heads, block_kv, head_dim), kv_map)
+    in_specs = [pl.BlockSpec((None, kv_heads, group, head_dim), q_map), kv_spec, kv_spec]
+    operands = [q, k_cache, v_cache]
+    if quantized:
+        in_specs += [pl.BlockSpec((None, kv_heads, block_kv), cache_block)] * 2
+        operands += [k_scales, v_scales]
     out, lse = pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, tiling=tiling),
         out_shape=(
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, group, head_dim), _F32),
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, group, LANES), _F32),
+            jax.ShapeDtypeStruct((batch, splits, kv_heads, group, head_dim), _F32),
+            jax.ShapeDtypeStruct((batch, splits, kv_heads, group, LANES), _F32),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(batch, kv_heads, splits, per_split),
-            in_specs=[pl.BlockSpec((None, None, group, head_dim), q_map), kv_spec, kv_spec],
+            num_scalar_prefetch=len(prefetch),
+            grid=(batch, splits, per_split),
+            in_specs=in_specs,
             out_specs=(
-                pl.BlockSpec((None, None, None, group, head_dim), out_map),
-                pl.BlockSpec((None, None, None, group, LANES), out_map),
+                pl.BlockSpec((None, None, kv_heads, group, head_dim), out_map),
+                pl.BlockSpec((None, None, kv_heads, group, LANES), out_map),
             ),
             scratch_shapes=[
-                pltpu.VMEM((group, LANES), _F32),
-                pltpu.VMEM((group, LANES), _F32),
-                pltpu.VMEM((group, head_dim), _F32),
+                pltpu.VMEM((kv_heads, group, LANES), _F32),
+                pltpu.VMEM((kv_heads, group, LANES), _F32),
+                pltpu.VMEM((kv_heads, group, head_dim), _F32),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "arbitrary")
         ),
         interpret=False if interpret is None else interpret,
         name="pallas_flash_split_kv_decode",
-    )(lengths, q, k_cache, v_cache)
+    )(*prefetch, *operands)
     return out, lse[..., 0]
 
 

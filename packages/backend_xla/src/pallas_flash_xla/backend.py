@@ -32,11 +32,10 @@ class XlaBackend(pf.Backend):
     def decode(
         self,
         q: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
+        cache: pf.DecodeCache,
         lengths: jax.Array,
         spec: pf.DecodeSpec,
         *,
         mesh: jax.sharding.Mesh | None = None,
     ) -> jax.Array:
-        return dense.decode(q, k_cache, v_cache, lengths, spec)
+        return dense.decode(q, cache, lengths, spec)

@@ -119,23 +119,41 @@ def attention(
     return out.reshape(batch, q_heads, q_len, head_dim)
 
 
+def contiguous(cache: pf.DecodeCache, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """K and V ``[batch, kv_heads, max_len, head_dim]`` in ``dtype``: a paged cache's pages
+    gathered in sequence order (indices clipped into the cache), an int8 one dequantized."""
+    k, v, k_scales, v_scales = cache.k, cache.v, cache.k_scales, cache.v_scales
+    if cache.paged:
+        pages = jnp.clip(cache.page_table, 0, k.shape[0] - 1)
+
+        def gather(x: jax.Array) -> jax.Array:  # [pages, heads, page_size, ...] to contiguous
+            x = jnp.moveaxis(x[pages], 2, 1)  # [batch, heads, pages_per_sequence, page_size, ...]
+            return x.reshape(*x.shape[:2], -1, *x.shape[4:])
+
+        k, v = gather(k), gather(v)
+        if cache.quantized:
+            k_scales, v_scales = gather(k_scales), gather(v_scales)
+    if cache.quantized:
+        return pf.dequantize_int8(k, k_scales, dtype), pf.dequantize_int8(v, v_scales, dtype)
+    return k, v
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def decode(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    lengths: jax.Array,
-    spec: pf.DecodeSpec,
+    q: jax.Array, cache: pf.DecodeCache, lengths: jax.Array, spec: pf.DecodeSpec
 ) -> jax.Array:
-    """Dense decode; arguments as ``pf.Backend.decode``, output ``[batch, q_heads, head_dim]``."""
+    """Dense decode; arguments as ``pf.Backend.decode``, output ``[batch, q_heads, head_dim]``.
+    An int8 cache is dequantized to float32 and attended to in float32."""
     batch, q_heads, head_dim = q.shape
+    k_cache, v_cache = contiguous(cache, _F32 if cache.quantized else q.dtype)
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    lengths = jnp.clip(lengths, 0, max_len)
     visible = jnp.arange(max_len)[None, :] < lengths[:, None]  # [batch, max_len]
     # Slots past a sequence's length may hold stale values, even NaN: a zero probability
     # times NaN is NaN, so they are zeroed, not just given zero weight.
     v_cache = jnp.where(visible[:, None, :, None], v_cache, 0)
     out = _softmax_attention(
-        q.reshape(batch, kv_heads, q_heads // kv_heads, 1, head_dim),
+        q.astype(k_cache.dtype).reshape(batch, kv_heads, q_heads // kv_heads, 1, head_dim),
         k_cache,
         v_cache,
         sm_scale=spec.sm_scale,
@@ -143,4 +161,4 @@ def decode(
         bias=None,
         visible=visible[:, None, None, None, :],
     )
-    return out.reshape(batch, q_heads, head_dim)
+    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)

@@ -183,3 +183,20 @@ def decode(
         mask=mask[:, None, None, :],
     )
     return out[:, :, 0, :]
+
+
+def gather_pages(pages: ArrayLike, page_table: ArrayLike) -> np.ndarray:
+    """A paged cache ``[num_pages, kv_heads, page_size, ...]`` read through ``page_table
+    [batch, pages_per_sequence]`` as a contiguous ``[batch, kv_heads, pages_per_sequence *
+    page_size, ...]`` (float64); every table entry must be a valid page."""
+    pages = _f64(pages)
+    gathered = pages[
+        np.asarray(page_table)
+    ]  # [batch, pages_per_sequence, kv_heads, page_size, ...]
+    gathered = np.moveaxis(gathered, 2, 1)
+    return gathered.reshape(*gathered.shape[:2], -1, *gathered.shape[4:])
+
+
+def dequantize(values: ArrayLike, scales: ArrayLike) -> np.ndarray:
+    """An int8 cache's values times their per-row scales, ``[..., head_dim]`` float64."""
+    return _f64(values) * _f64(scales)[..., None]

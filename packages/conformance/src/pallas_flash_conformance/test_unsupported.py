@@ -25,6 +25,20 @@ def _decode(backend: str, q_heads: int = 2, **kwargs):
     return pf.decode(q, cache, cache, np.array([16], np.int32), backend=backend, **kwargs)
 
 
+def _paged(backend: str):
+    pages = inputs.normal(1, (2, 2, 8, 64))  # 2 pages of 8 positions
+    q = inputs.normal(0, (1, 2, 64))
+    table = np.array([[1, 0]], np.int32)
+    return pf.decode(q, pages, pages, np.array([16], np.int32), page_table=table, backend=backend)
+
+
+def _int8(backend: str):
+    values, scales = pf.quantize_int8(inputs.normal(1, (1, 2, 16, 64)))
+    q = inputs.normal(0, (1, 2, 64))
+    lengths = np.array([16], np.int32)
+    return pf.decode(q, values, values, lengths, k_scales=scales, v_scales=scales, backend=backend)
+
+
 def _grouped_query(backend: str):
     q, k, v = inputs.qkv(1, 4, 2, 16, 16, 64)
     return pf.attention(q, k, v, backend=backend)
@@ -45,6 +59,8 @@ CALLS = {
     ),
     "sliding_window": (lambda b: _attention(b, sliding_window=4), "attention"),
     "softcap": (lambda b: _attention(b, softcap=5.0), "attention"),
+    "paged_cache": (_paged, "decode"),
+    "int8_cache": (_int8, "decode"),
     "bias": (
         lambda b: pf.dot_product_attention(
             *_swapped(), bias=np.zeros((1, 2, 16, 16), np.float32), implementation=b

@@ -8,6 +8,7 @@ Quick start::
     out = pf.attention(q, k, v, backend="xla")          # pick a backend by name
     k_cache = pf.zeros_cache((batch, kv_heads, max_len, head_dim), jnp.bfloat16)
     tok = pf.decode(q1, k_cache, v_cache, lengths)      # one token against a KV cache
+    tok = pf.decode(q1, k_pages, v_pages, lengths, page_table=table)  # a paged cache
     k_cache = pf.write_token(k_cache, k1, lengths)      # its keys, in place under donation
     [info.name for info in pf.list_backends()]
 """
@@ -17,9 +18,11 @@ from pallas_flash.backend import Backend, BackendInfo
 from pallas_flash.cache_layout import cache_format, kept_format, zeros_cache
 from pallas_flash.cache_write import write_token
 from pallas_flash.capabilities import Capability
+from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.dot_product_attention import dot_product_attention
 from pallas_flash.errors import BackendNotFoundError, InvalidInputError, UnsupportedFeatureError
 from pallas_flash.hookspecs import hookimpl
+from pallas_flash.quantization import dequantize_int8, quantize_int8
 from pallas_flash.registry import get_backend, list_backends, register_plugin, unregister_plugin
 from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
 
@@ -29,6 +32,7 @@ __all__ = [
     "BackendInfo",
     "BackendNotFoundError",
     "Capability",
+    "DecodeCache",
     "DecodeSpec",
     "InvalidInputError",
     "SegmentIds",
@@ -36,11 +40,13 @@ __all__ = [
     "attention",
     "cache_format",
     "decode",
+    "dequantize_int8",
     "dot_product_attention",
     "get_backend",
     "hookimpl",
     "kept_format",
     "list_backends",
+    "quantize_int8",
     "register_plugin",
     "unregister_plugin",
     "write_token",

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from pallas_flash import validation
 from pallas_flash.capabilities import Capability, as_capabilities
+from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.decode_validation import check_decode
 from pallas_flash.errors import UnsupportedFeatureError
 from pallas_flash.registry import select_backend
 from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
@@ -141,6 +143,9 @@ def decode(
     v_cache: jax.Array,
     lengths: jax.Array,
     *,
+    page_table: jax.Array | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
     softcap: float | None = None,
     backend: str | None = None,
@@ -148,13 +153,25 @@ def decode(
 ) -> jax.Array:
     """Attention of one new query token per sequence against a KV cache.
 
+    The cache is contiguous, or paged when ``page_table`` is given, and holds q's dtype, or
+    int8 with per-token scales (layouts: `pallas_flash.DecodeCache`).
+
     Args:
       q: ``[batch, q_heads, head_dim]``.
-      k_cache: ``[batch, kv_heads, max_len, head_dim]``, same dtype as q.
-      v_cache: ``[batch, kv_heads, max_len, head_dim]``, same dtype as q.
-      lengths: ``[batch]`` int32 in ``[0, max_len]``; sequence ``b`` attends to cache
-        positions ``< lengths[b]``. Concrete values outside the range raise; traced ones
-        (under ``jit``) cannot be checked and count as the nearest end of it.
+      k_cache: ``[batch, kv_heads, max_len, head_dim]``; paged: ``[num_pages, kv_heads,
+        page_size, head_dim]``. q's dtype, or int8 with ``k_scales``.
+      v_cache: the shape and dtype of ``k_cache``.
+      lengths: ``[batch]`` int32 in ``[0, max_len]`` (paged: ``max_len = pages_per_sequence
+        * page_size``); sequence ``b`` attends to its positions ``< lengths[b]``. Concrete
+        values outside the range raise; traced ones (under ``jit``) cannot be checked and
+        count as the nearest end of it.
+      page_table: ``[batch, pages_per_sequence]`` int32: position ``p`` of sequence ``b`` is
+        row ``p % page_size`` of page ``page_table[b, p // page_size]``. Only the pages
+        ``lengths`` use are read; concrete indices of those outside ``[0, num_pages)`` raise,
+        traced ones are clipped into it.
+      k_scales, v_scales: for an int8 cache, float32 ``k_cache``'s shape without
+        ``head_dim``: the cache's values are ``k_cache * k_scales[..., None]``
+        (`pallas_flash.quantize_int8` makes them).
       sm_scale: score scale; default ``1 / sqrt(head_dim)``.
       softcap: if set, ``scores = softcap * tanh(scores / softcap)``.
       backend: backend name (see `attention`).
@@ -166,15 +183,23 @@ def decode(
     """
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     lengths = jnp.asarray(lengths)
-    dims = validation.check_decode(q, k_cache, v_cache, lengths)
+    optional = (page_table, k_scales, v_scales)
+    cache = DecodeCache(
+        k_cache, v_cache, *(None if x is None else jnp.asarray(x) for x in optional)
+    )
+    dims = check_decode(q, cache, lengths)
     spec = DecodeSpec(
         sm_scale=validation.check_sm_scale(sm_scale, dims.head_dim),
         softcap=validation.check_softcap(softcap),
     )
+    if cache.paged:
+        cache = cache._replace(page_table=cache.page_table.astype(jnp.int32))
     used = {
         Capability.DECODE: True,
         Capability.GQA: dims.q_heads != dims.kv_heads,
         Capability.SOFTCAP: spec.softcap is not None,
+        Capability.PAGED_CACHE: cache.paged,
+        Capability.INT8_CACHE: cache.quantized,
     }
     impl = select_backend(backend, frozenset(f for f, needed in used.items() if needed))
-    return impl.decode(q, k_cache, v_cache, lengths.astype(jnp.int32), spec, mesh=mesh)
+    return impl.decode(q, cache, lengths.astype(jnp.int32), spec, mesh=mesh)

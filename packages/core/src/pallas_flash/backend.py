@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import jax
 
 from pallas_flash.capabilities import Capability
+from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.errors import UnsupportedFeatureError
 from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
 
@@ -62,8 +63,7 @@ class Backend:
     def decode(
         self,
         q: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
+        cache: DecodeCache,
         lengths: jax.Array,
         spec: DecodeSpec,
         *,
@@ -73,9 +73,10 @@ class Backend:
 
         Args:
           q: ``[batch, q_heads, head_dim]``, one new token per sequence.
-          k_cache: ``[batch, kv_heads, max_len, head_dim]``.
-          v_cache: ``[batch, kv_heads, max_len, head_dim]``.
-          lengths: ``[batch]`` int32; sequence ``b`` sees cache positions ``< lengths[b]``.
+          cache: the validated cache: contiguous ``[batch, kv_heads, max_len, head_dim]`` or
+            paged, float or int8 (`DecodeCache`); paged and int8 only when the backend
+            declares ``paged_cache`` and ``int8_cache``.
+          lengths: ``[batch]`` int32; sequence ``b`` sees its positions ``< lengths[b]``.
           spec: the call's static settings.
           mesh: devices to split the cache over; single-device backends ignore it.
         """

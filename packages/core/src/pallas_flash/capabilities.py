@@ -32,6 +32,10 @@ class Capability(enum.StrEnum):
     """An arbitrary additive bias of ``dot_product_attention``."""
     MASK = "mask"
     """An arbitrary boolean mask of ``dot_product_attention``."""
+    PAGED_CACHE = "paged_cache"
+    """``decode(..., page_table=...)``: a cache kept in pages (`pallas_flash.DecodeCache`)."""
+    INT8_CACHE = "int8_cache"
+    """``decode`` of an int8 cache with per-token scales (``k_scales``, ``v_scales``)."""
     MULTI_DEVICE = "multi_device"
     """``decode(..., mesh=...)`` splits the cache across the devices of a mesh."""
 

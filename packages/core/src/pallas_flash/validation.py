@@ -1,8 +1,8 @@
 """Input validation, done once in core for every backend.
 
 Every check raises `InvalidInputError` naming the argument, what it got and what was
-expected. Only static facts (shapes, dtypes, Python values) are checked, except decode lengths,
-whose range is checked when they are concrete (not traced under ``jax.jit``).
+expected. Only static facts (shapes, dtypes, Python values) are checked; decode's inputs are
+checked in `pallas_flash.decode_validation`.
 """
 
 from __future__ import annotations
@@ -52,25 +52,25 @@ class AttentionDims(NamedTuple):
     head_dim: int
 
 
-def _fail(name: str, got: str, expected: str) -> InvalidInputError:
+def fail(name: str, got: str, expected: str) -> InvalidInputError:
     return InvalidInputError(f"{name}: expected {expected}, got {got}")
 
 
-def _check_rank(name: str, x: Any, rank: int, layout_text: str) -> None:
+def check_rank(name: str, x: Any, rank: int, layout_text: str) -> None:
     if jnp.ndim(x) != rank:
-        raise _fail(name, f"shape {tuple(jnp.shape(x))}", f"rank {rank} {layout_text}")
+        raise fail(name, f"shape {tuple(jnp.shape(x))}", f"rank {rank} {layout_text}")
     if any(d < 1 for d in jnp.shape(x)):
-        raise _fail(name, f"shape {tuple(jnp.shape(x))}", f"{layout_text} with every size >= 1")
+        raise fail(name, f"shape {tuple(jnp.shape(x))}", f"{layout_text} with every size >= 1")
 
 
-def _check_float_dtypes(names: tuple[str, ...], arrays: tuple[Any, ...]) -> None:
+def check_float_dtypes(names: tuple[str, ...], arrays: tuple[Any, ...]) -> None:
     dtype = jnp.result_type(arrays[0])
     for name, x in zip(names, arrays, strict=True):
         x_dtype = jnp.result_type(x)
         if not jnp.issubdtype(x_dtype, jnp.floating):
-            raise _fail(name, f"dtype {x_dtype}", "a floating dtype (bfloat16, float16, float32)")
+            raise fail(name, f"dtype {x_dtype}", "a floating dtype (bfloat16, float16, float32)")
         if x_dtype != dtype:
-            raise _fail(name, f"dtype {x_dtype}", f"the dtype of {names[0]}, {dtype}")
+            raise fail(name, f"dtype {x_dtype}", f"the dtype of {names[0]}, {dtype}")
 
 
 def check_qkv(
@@ -85,11 +85,11 @@ def check_qkv(
     q_name, k_name, v_name = names
     q_text = layout.describe("q_heads", "q_len")
     kv_text = layout.describe("kv_heads", "kv_len")
-    _check_rank(q_name, q, 4, q_text)
-    _check_rank(k_name, k, 4, kv_text)
-    _check_rank(v_name, v, 4, kv_text)
+    check_rank(q_name, q, 4, q_text)
+    check_rank(k_name, k, 4, kv_text)
+    check_rank(v_name, v, 4, kv_text)
     if jnp.shape(v) != jnp.shape(k):
-        raise _fail(v_name, f"shape {jnp.shape(v)}", f"the shape of {k_name}, {jnp.shape(k)}")
+        raise fail(v_name, f"shape {jnp.shape(v)}", f"the shape of {k_name}, {jnp.shape(k)}")
     q_shape, k_shape = jnp.shape(q), jnp.shape(k)
     dims = AttentionDims(
         batch=q_shape[0],
@@ -100,23 +100,23 @@ def check_qkv(
         head_dim=q_shape[3],
     )
     if k_shape[0] != dims.batch:
-        raise _fail(k_name, f"shape {k_shape}", f"batch {dims.batch} (from {q_name})")
+        raise fail(k_name, f"shape {k_shape}", f"batch {dims.batch} (from {q_name})")
     if k_shape[3] != dims.head_dim:
-        raise _fail(k_name, f"shape {k_shape}", f"head_dim {dims.head_dim} (from {q_name})")
+        raise fail(k_name, f"shape {k_shape}", f"head_dim {dims.head_dim} (from {q_name})")
     if dims.q_heads % dims.kv_heads:
-        raise _fail(
+        raise fail(
             k_name,
             f"{dims.kv_heads} kv heads for {dims.q_heads} query heads",
             "q_heads to be a multiple of kv_heads",
         )
-    _check_float_dtypes(names, (q, k, v))
+    check_float_dtypes(names, (q, k, v))
     return dims
 
 
 def check_segment_ids(segment_ids: Any, dims: AttentionDims) -> SegmentIds:
     """Checks segment id shapes against the call's sizes; returns them as int32."""
     if not isinstance(segment_ids, SegmentIds):
-        raise _fail(
+        raise fail(
             "segment_ids", type(segment_ids).__name__, "a pf.SegmentIds(q=..., kv=...) or None"
         )
     checked = []
@@ -124,20 +124,20 @@ def check_segment_ids(segment_ids: Any, dims: AttentionDims) -> SegmentIds:
         ids = getattr(segment_ids, field)
         expected = (dims.batch, length)
         if tuple(jnp.shape(ids)) != expected:
-            raise _fail(
+            raise fail(
                 f"segment_ids.{field}",
                 f"shape {tuple(jnp.shape(ids))}",
                 f"shape {expected} [batch, {field}_len]",
             )
         if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
-            raise _fail(f"segment_ids.{field}", f"dtype {jnp.result_type(ids)}", "an integer dtype")
+            raise fail(f"segment_ids.{field}", f"dtype {jnp.result_type(ids)}", "an integer dtype")
         checked.append(jnp.asarray(ids, dtype=jnp.int32))
     return SegmentIds(*checked)
 
 
 def _check_non_negative_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise _fail(name, repr(value), "a non-negative int")
+        raise fail(name, repr(value), "a non-negative int")
     return int(value)
 
 
@@ -149,7 +149,7 @@ def check_window(
         return None
     if isinstance(sliding_window, tuple | list):
         if len(sliding_window) != 2:
-            raise _fail(name, repr(sliding_window), "an int w or a pair (left, right)")
+            raise fail(name, repr(sliding_window), "an int w or a pair (left, right)")
         left = _check_non_negative_int(f"{name}[0]", sliding_window[0])
         right = _check_non_negative_int(f"{name}[1]", sliding_window[1])
     else:
@@ -159,16 +159,16 @@ def check_window(
 
 def _check_python_float(name: str, value: Any) -> float:
     if isinstance(value, (bool, jax.core.Tracer)):
-        raise _fail(name, repr(value), "a Python float known at trace time")
+        raise fail(name, repr(value), "a Python float known at trace time")
     scalar_array = hasattr(value, "dtype") and jnp.ndim(value) == 0
     if not (isinstance(value, numbers.Real) or scalar_array):
-        raise _fail(name, repr(value), "a real number")
+        raise fail(name, repr(value), "a real number")
     try:
         result = float(value)
     except (TypeError, ValueError):
-        raise _fail(name, repr(value), "a real number") from None
+        raise fail(name, repr(value), "a real number") from None
     if not math.isfinite(result):
-        raise _fail(name, repr(value), "a finite number")
+        raise fail(name, repr(value), "a finite number")
     return result
 
 
@@ -178,7 +178,7 @@ def check_softcap(softcap: Any) -> float | None:
         return None
     result = _check_python_float("softcap", softcap)
     if result <= 0:
-        raise _fail("softcap", repr(softcap), "a number > 0")
+        raise fail("softcap", repr(softcap), "a number > 0")
     return result
 
 
@@ -192,42 +192,5 @@ def check_sm_scale(sm_scale: Any, head_dim: int, *, name: str = "sm_scale") -> f
 def check_causal(causal: Any, *, name: str = "causal") -> bool:
     """Checks that causal is a bool."""
     if not isinstance(causal, bool | np.bool_):
-        raise _fail(name, repr(causal), "a bool")
+        raise fail(name, repr(causal), "a bool")
     return bool(causal)
-
-
-def check_decode(q: Any, k_cache: Any, v_cache: Any, lengths: Any) -> AttentionDims:
-    """Checks decode inputs; returns the sizes with ``q_len = 1`` and ``kv_len = max_len``."""
-    _check_rank("q", q, 3, "[batch, q_heads, head_dim]")
-    cache_text = "[batch, kv_heads, max_len, head_dim]"
-    _check_rank("k_cache", k_cache, 4, cache_text)
-    _check_rank("v_cache", v_cache, 4, cache_text)
-    batch, q_heads, head_dim = jnp.shape(q)
-    k_shape = tuple(jnp.shape(k_cache))
-    if tuple(jnp.shape(v_cache)) != k_shape:
-        raise _fail(
-            "v_cache", f"shape {tuple(jnp.shape(v_cache))}", f"the shape of k_cache, {k_shape}"
-        )
-    if k_shape[0] != batch:
-        raise _fail("k_cache", f"shape {k_shape}", f"batch {batch} (from q)")
-    if k_shape[3] != head_dim:
-        raise _fail("k_cache", f"shape {k_shape}", f"head_dim {head_dim} (from q)")
-    if q_heads % k_shape[1]:
-        raise _fail(
-            "k_cache",
-            f"{k_shape[1]} kv heads for {q_heads} query heads",
-            "q_heads to be a multiple of kv_heads",
-        )
-    _check_float_dtypes(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
-    max_len = k_shape[2]
-    if tuple(jnp.shape(lengths)) != (batch,):
-        raise _fail("lengths", f"shape {tuple(jnp.shape(lengths))}", f"shape ({batch},) [batch]")
-    if not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
-        raise _fail("lengths", f"dtype {jnp.result_type(lengths)}", "an integer dtype (int32)")
-    try:
-        values = np.asarray(lengths)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None  # traced under jit: the range cannot be checked here
-    if values is not None and ((values < 0) | (values > max_len)).any():
-        raise _fail("lengths", f"values {values.tolist()}", f"values in [0, max_len={max_len}]")
-    return AttentionDims(batch, q_heads, 1, k_shape[1], max_len, head_dim)

@@ -1,0 +1,57 @@
+"""`DecodeCache`: the KV cache one decode call reads, contiguous or paged, float or int8.
+
+Layouts (``kv_heads`` before positions in both, so one kv head's run of positions is
+contiguous in HBM and a kernel reads it with one strided DMA):
+
+- contiguous: ``k, v [batch, kv_heads, max_len, head_dim]``;
+- paged: ``k, v [num_pages, kv_heads, page_size, head_dim]`` and ``page_table [batch,
+  pages_per_sequence]`` int32: position ``p`` of sequence ``b`` is row ``p % page_size`` of
+  page ``page_table[b, p // page_size]``. A page holds ``page_size`` positions of every kv
+  head, so a sequence's next page is one contiguous read whatever the number of heads.
+
+An int8 cache (``k`` and ``v`` int8) carries float32 scales of the cache's shape without
+``head_dim``, one per token and kv head (`pallas_flash.quantization`): its values are
+``k * k_scales[..., None]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class DecodeCache(NamedTuple):
+    """The cache of a decode call, validated by ``pf.decode`` (a pytree; None fields are
+    absent).
+
+    Attributes:
+      k, v: contiguous or paged (module doc), q's dtype, or int8 with scales.
+      page_table: ``[batch, pages_per_sequence]`` int32 for a paged cache, else None.
+      k_scales, v_scales: float32, ``k``'s shape without ``head_dim``, for an int8 cache.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array | None = None
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scales is not None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """Positions one sequence can hold."""
+        if self.paged:
+            return self.page_table.shape[1] * self.k.shape[2]
+        return self.k.shape[2]
