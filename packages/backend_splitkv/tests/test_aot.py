@@ -139,3 +139,78 @@ def test_a_head_dim_64_cache_is_decoded_in_place_only_row_major(
     assert bool(copies) != row_major, copies
     if row_major:
         assert compiled.memory_analysis().alias_size_in_bytes >= 2 * side_bytes
+
+
+def test_int8_cache_over_four_chips_holds_a_quarter_of_values_and_scales(
+    v5e_devices: list[jax.Device],
+) -> None:
+    mesh = Mesh(np.array(v5e_devices), ("kv",))
+    values = NamedSharding(mesh, PartitionSpec(None, None, "kv", None))
+    scales = NamedSharding(mesh, PartitionSpec(None, None, "kv"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    cache = jax.ShapeDtypeStruct((BATCH, KV_HEADS, MAX_LEN, HEAD_DIM), jnp.int8, sharding=values)
+    scale = jax.ShapeDtypeStruct((BATCH, KV_HEADS, MAX_LEN), jnp.float32, sharding=scales)
+    q = jax.ShapeDtypeStruct((BATCH, Q_HEADS, HEAD_DIM), jnp.bfloat16, sharding=replicated)
+    lengths = jax.ShapeDtypeStruct((BATCH,), jnp.int32, sharding=replicated)
+
+    def decode(q, k, v, lengths, k_scales, v_scales):
+        return pf.decode(
+            q, k, v, lengths, k_scales=k_scales, v_scales=v_scales, backend="splitkv", mesh=mesh
+        )
+
+    args = (q, cache, cache, lengths, scale, scale)
+    text = jax.jit(decode).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+    assert len(hlo.kernel_calls(text)) == 1
+    params = [op.shape for op in hlo.parse_entry(text) if op.opcode == "parameter"]
+    quarter = f"[{BATCH},{KV_HEADS},{MAX_LEN // 4}"
+    assert sum(s.startswith(f"s8{quarter},{HEAD_DIM}]") for s in params) == 2, params
+    assert sum(s.startswith(f"f32{quarter}]") for s in params) == 2, params
+    assert max(_collective_bytes(text)) <= PARTIAL_BYTES
+    assert not _large_relayouts(text)
+
+
+def test_an_int8_paged_serving_step_updates_the_pool_in_place(
+    v5e_devices: list[jax.Device],
+) -> None:
+    """Append (allocating pages, quantizing) then decode, jitted with the cache donated, at
+    batch 32 x 8k positions in pages of 128: one decode kernel, the pool aliased in place,
+    nothing pool-sized copied or allocated."""
+    from pallas_flash_splitkv import PagedKVCache
+
+    batch, pages_per_sequence, page_size = 32, 64, 128
+    num_pages = batch * pages_per_sequence
+    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
+
+    def struct(shape, dtype, row_major=True):
+        placed = pf.cache_format(device, len(shape)) if row_major else device
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+
+    pool, scales = (num_pages, KV_HEADS, page_size, HEAD_DIM), (num_pages, KV_HEADS, page_size)
+    cache = PagedKVCache(
+        struct(pool, jnp.int8), struct(pool, jnp.int8),
+        struct(scales, jnp.float32), struct(scales, jnp.float32),
+        struct((batch, pages_per_sequence), jnp.int32, False),
+        struct((batch,), jnp.int32, False),
+        struct((num_pages,), jnp.int32, False),
+        struct((), jnp.int32, False),
+    )  # fmt: skip
+    new = struct((batch, KV_HEADS, HEAD_DIM), jnp.bfloat16, False)
+    q = struct((batch, Q_HEADS, HEAD_DIM), jnp.bfloat16, False)
+
+    def step(cache: PagedKVCache, k_new, v_new, q):
+        cache = cache.append(k_new, v_new)
+        return cache.decode(q, backend="splitkv"), cache
+
+    kept, kept_scales = pf.cache_format(device, 4), pf.cache_format(device, 3)
+    out_cache = PagedKVCache(kept, kept, kept_scales, kept_scales, None, None, None, None)
+    jitted = jax.jit(step, donate_argnums=0, out_shardings=(None, out_cache))
+    compiled = jitted.trace(cache, new, new, q).lower(lowering_platforms=("tpu",)).compile()
+    text = compiled.as_text()
+    assert [op.name.split(".")[0] for op in hlo.kernel_calls(text)] == [
+        "pallas_flash_split_kv_decode"
+    ]
+    pool_bytes = math.prod(pool)
+    assert not [op.name for op in hlo.find_copy_trap(text) if op.bytes >= pool_bytes // 64]
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= 2 * pool_bytes
+    assert memory.temp_size_in_bytes < pool_bytes // 16

@@ -19,13 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
-ROW_MAJOR = Layout(major_to_minor=(0, 1, 2, 3))
-"""``[batch, kv_heads, max_len, head_dim]`` with ``head_dim`` minor."""
 
-
-def cache_format(sharding: jax.sharding.Sharding) -> Format:
-    """``sharding`` with the row-major layout, for a jit's ``in_shardings``/``out_shardings``."""
-    return Format(ROW_MAJOR, sharding)
+def cache_format(sharding: jax.sharding.Sharding, rank: int = 4) -> Format:
+    """``sharding`` with the row-major layout of a rank-``rank`` array (the last axis minor),
+    for a jit's ``in_shardings``/``out_shardings``."""
+    return Format(Layout(major_to_minor=tuple(range(rank))), sharding)
 
 
 def kept_format(cache: jax.Array | jax.ShapeDtypeStruct) -> Format | None:
@@ -34,19 +32,21 @@ def kept_format(cache: jax.Array | jax.ShapeDtypeStruct) -> Format | None:
     jit's to decide."""
     if isinstance(cache, jax.core.Tracer):
         return None
-    return cache_format(cache.sharding)
+    return cache_format(cache.sharding, cache.ndim)
 
 
 def zeros_cache(
-    shape: tuple[int, int, int, int],
+    shape: tuple[int, ...],
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding | None = None,
 ) -> jax.Array:
-    """A zero cache ``[batch, kv_heads, max_len, head_dim]``, row-major.
+    """A zero cache (``[batch, kv_heads, max_len, head_dim]``, pages, or their scales),
+    row-major.
 
     Args:
       sharding: its placement; default: the first device.
     """
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=cache_format(sharding))()
+    placed = cache_format(sharding, len(shape))
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=placed)()

@@ -22,20 +22,33 @@ SequenceSplit = tuple[Mesh, tuple[str, ...]]
 
 def _write_all(cache: jax.Array, row: jax.Array, positions: jax.Array) -> jax.Array:
     """``cache [batch, kv_heads, length, head_dim]`` with each ``row[b] [kv_heads, head_dim]``
-    at ``positions[b]`` when in range, else unchanged (its row at the clipped position written
-    back).
+    at ``positions[b]`` when in range, else unchanged."""
+    return write_rows(cache, row, jnp.arange(cache.shape[0]), positions)
 
-    One ``dynamic_update_slice`` per sequence, unrolled: a ``vmap`` of them becomes a scatter,
-    which XLA on TPU runs as a loop over a re-laid-out copy of the whole cache.
+
+def write_rows(
+    cache: jax.Array, rows: jax.Array, blocks: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """``cache [blocks, kv_heads, length, ...]`` with ``rows[i] [kv_heads, ...]`` written at
+    ``[blocks[i], :, positions[i]]`` for every ``i`` whose block and position are in range;
+    the others write nothing (their row at the clipped indices is written back unchanged).
+    A block is a sequence of a contiguous cache, or a page of a paged one; ``...`` is
+    ``head_dim`` for values and nothing for int8 scales.
+
+    One ``dynamic_update_slice`` per row, unrolled: a ``vmap`` of them becomes a scatter,
+    which XLA on TPU runs on a re-laid-out copy of the whole cache.
     """
-    length = cache.shape[2]
-    for b in range(cache.shape[0]):
-        at = jnp.clip(positions[b], 0, length - 1)
-        start = (b, 0, at, 0)
-        keep = jax.lax.dynamic_slice(cache, start, (1, cache.shape[1], 1, cache.shape[3]))
-        owns = (positions[b] >= 0) & (positions[b] < length)
-        new = jnp.where(owns, row[b][None, :, None, :].astype(cache.dtype), keep)
-        cache = jax.lax.dynamic_update_slice(cache, new, start)
+    num_blocks, kv_heads, length = cache.shape[:3]
+    rest = cache.shape[3:]
+    for i in range(rows.shape[0]):
+        block = jnp.clip(blocks[i], 0, num_blocks - 1)
+        at = jnp.clip(positions[i], 0, length - 1)
+        start = (block, 0, at) + (0,) * len(rest)
+        keep = jax.lax.dynamic_slice(cache, start, (1, kv_heads, 1, *rest))
+        owns = (blocks[i] >= 0) & (blocks[i] < num_blocks)
+        owns &= (positions[i] >= 0) & (positions[i] < length)
+        new = rows[i].astype(cache.dtype).reshape(1, kv_heads, 1, *rest)
+        cache = jax.lax.dynamic_update_slice(cache, jnp.where(owns, new, keep), start)
     return cache
 
 
