@@ -68,3 +68,21 @@ def test_wrong_token_shape_raises() -> None:
     cache = KVCache.empty(2, 1, 4, 64, jnp.float32)
     with pytest.raises(pf.InvalidInputError, match=r"k_new: expected shape \(2, 1, 64\)"):
         cache.append(jnp.ones((2, 64)), jnp.ones((2, 1, 64)))
+
+
+def test_an_int8_cache_quantizes_on_append_in_place_and_decodes() -> None:
+    cache = KVCache.empty(2, 2, 8, 64, jnp.int8)
+    assert cache.k.dtype == jnp.int8 and cache.k_scales.shape == (2, 2, 8)
+    keys, values = inputs.normal(5, (2, 2, 3, 64)), inputs.normal(6, (2, 2, 3, 64))
+    for t in range(3):
+        old_scales = cache.k_scales
+        cache = cache.append(keys[:, :, t], values[:, :, t])
+        assert old_scales.is_deleted(), "the scales are donated too"
+    k8, k_scales = pf.quantize_int8(keys)
+    np.testing.assert_array_equal(cache.k[:, :, :3], k8)
+    np.testing.assert_array_equal(cache.k_scales[:, :, :3], k_scales)
+    q = inputs.normal(7, (2, 4, 64))
+    expected = reference.decode(
+        q, keys, values, np.array([3, 3]), sm_scale=1 / math.sqrt(64)
+    )  # the float cache: int8 costs under 1% here
+    np.testing.assert_allclose(cache.decode(q, backend="splitkv"), expected, atol=2e-2)

@@ -158,12 +158,12 @@ def test_append_to_a_sequence_split_cache_stays_on_each_device() -> None:
         return KVCache(empty.k, empty.v, jnp.asarray(lengths, jnp.int32))
 
     full = [0, 127, 128, 512]  # slice edges; a full sequence
-    step = append_step(pf.cache_format(sharding), (mesh, ("kv",)))
+    step = append_step(pf.cache_format(sharding), None, (mesh, ("kv",)))
     compiled = step.lower(cache(full, sharding), k_new, v_new).compile()
     assert not hlo.collectives(compiled.as_text())
     split, one = (
         compiled(cache(full, sharding), k_new, v_new),
-        append_step(None, None)(cache(full, None), k_new, v_new),
+        append_step(None, None, None)(cache(full, None), k_new, v_new),
     )
     np.testing.assert_array_equal(split.lengths, [1, 128, 129, 512])
     for got, expected in ((split.k, one.k), (split.v, one.v)):
@@ -175,3 +175,24 @@ def test_append_to_a_sequence_split_cache_stays_on_each_device() -> None:
     assert split.k.sharding == sharding and split.v.sharding == sharding
     np.testing.assert_array_equal(split.k, one.k)
     np.testing.assert_array_equal(split.v, one.v)
+
+
+@four_devices
+def test_an_int8_sequence_split_cache_appends_locally_and_decodes_over_its_mesh() -> None:
+    mesh = _mesh((4,), ("kv",))
+    sharding = NamedSharding(mesh, PartitionSpec(None, None, "kv"))
+    q = inputs.normal(0, (4, Q_HEADS, HEAD_DIM))
+    caches = [
+        KVCache.empty(4, KV_HEADS, MAX_LEN, HEAD_DIM, jnp.int8, sharding=s)
+        for s in (sharding, None)
+    ]
+    assert caches[0].k_scales.sharding.spec == PartitionSpec(None, None, "kv")
+    for step in range(3):
+        k_new, v_new = (inputs.normal(10 * step + s, (4, KV_HEADS, HEAD_DIM)) for s in (0, 1))
+        caches = [c.append(k_new, v_new) for c in caches]
+    split, one = caches
+    for name in ("k", "v", "k_scales", "v_scales"):
+        np.testing.assert_array_equal(getattr(split, name), getattr(one, name))
+    out = split.decode(q, backend="splitkv")
+    assert out.sharding.mesh == mesh
+    assert_close(out, np.asarray(one.decode(q, backend="xla"), np.float64), 1e-5)

@@ -33,14 +33,18 @@ class KVCache:
     """Keys, values and lengths of a batch of sequences being decoded.
 
     Attributes:
-      k: ``[batch, kv_heads, max_len, head_dim]``.
+      k: ``[batch, kv_heads, max_len, head_dim]``, q's dtype or int8.
       v: ``[batch, kv_heads, max_len, head_dim]``.
       lengths: ``[batch]`` int32; positions ``>= lengths[b]`` of sequence ``b`` are unused.
+      k_scales, v_scales: ``[batch, kv_heads, max_len]`` float32 for an int8 cache (each
+        appended row quantized by `pf.quantize_int8`), else None.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
     @classmethod
     def empty(
@@ -55,13 +59,22 @@ class KVCache:
         """A zero cache of ``max_len`` positions per sequence, all lengths 0.
 
         Args:
+          dtype: q's dtype, or ``jnp.int8`` (then with scales, placed like k and v).
           sharding: placement of k and v, e.g. ``NamedSharding(mesh, P(None, None, "kv"))``
             to split the sequence axis over a mesh as `decode` does.
         """
         shape = (batch, kv_heads, max_len, head_dim)
         k = pf.zeros_cache(shape, dtype, sharding)
         v = pf.zeros_cache(shape, dtype, sharding)
-        return cls(k, v, jnp.zeros((batch,), jnp.int32))
+        lengths = jnp.zeros((batch,), jnp.int32)
+        if jnp.dtype(dtype) != jnp.int8:
+            return cls(k, v, lengths)
+        scales = _scales_sharding(sharding)
+        return cls(
+            k, v, lengths,
+            pf.zeros_cache(shape[:3], jnp.float32, scales),
+            pf.zeros_cache(shape[:3], jnp.float32, scales),
+        )  # fmt: skip
 
     @property
     def max_len(self) -> int:
@@ -98,24 +111,37 @@ class KVCache:
                     f"lengths: expected room for one more token, got full sequences "
                     f"{full.tolist()} (max_len={self.max_len})"
                 )
-        step = append_step(pf.kept_format(self.k), placement.sequence_split(self.k))
+        scales = None if self.k_scales is None else pf.kept_format(self.k_scales)
+        step = append_step(pf.kept_format(self.k), scales, placement.sequence_split(self.k))
         return step(self, k_new, v_new)
 
     def decode(self, q: jax.Array, **kwargs: object) -> jax.Array:
-        """``pf.decode(q, self.k, self.v, self.lengths, **kwargs)``."""
-        return pf.decode(q, self.k, self.v, self.lengths, **kwargs)
+        """``pf.decode`` of ``q [batch, q_heads, head_dim]`` against this cache."""
+        return pf.decode(
+            q, self.k, self.v, self.lengths, k_scales=self.k_scales, v_scales=self.v_scales,
+            **kwargs,
+        )  # fmt: skip
+
+
+def _scales_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    """The scales' placement for the values' ``sharding``: the same, without ``head_dim``."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:3]))
+    return sharding
 
 
 @functools.cache
 def append_step(
-    kept: Format | None, split: placement.Split | None
+    kept: Format | None, kept_scales: Format | None, split: placement.Split | None
 ) -> Callable[[KVCache, jax.Array, jax.Array], KVCache]:
-    """`KVCache.append` without the checks, jitted with the cache donated and returned in
-    ``kept`` (`pallas_flash.cache_layout.kept_format`), so that it is written in place."""
+    """`KVCache.append` without the checks, jitted with the cache (and its scales) donated
+    and returned in ``kept`` and ``kept_scales`` (`pallas_flash.cache_layout.kept_format`), so
+    that it is written in place."""
     return jax.jit(
         functools.partial(_append, split=split),
         donate_argnums=0,
-        out_shardings=KVCache(kept, kept, None),
+        out_shardings=KVCache(kept, kept, None, kept_scales, kept_scales),
     )
 
 
@@ -130,6 +156,16 @@ def _append(
     """
     room = cache.lengths < cache.max_len
     positions = jnp.where(room, cache.lengths, -1)  # a full sequence is written nowhere
-    k = write_token(cache.k, k_new, positions, split=split)
-    v = write_token(cache.v, v_new, positions, split=split)
-    return KVCache(k, v, cache.lengths + room.astype(jnp.int32))
+    lengths = cache.lengths + room.astype(jnp.int32)
+    if cache.k_scales is None:
+        k = write_token(cache.k, k_new, positions, split=split)
+        v = write_token(cache.v, v_new, positions, split=split)
+        return KVCache(k, v, lengths)
+    (k8, k_scale), (v8, v_scale) = pf.quantize_int8(k_new), pf.quantize_int8(v_new)
+    return KVCache(
+        write_token(cache.k, k8, positions, split=split),
+        write_token(cache.v, v8, positions, split=split),
+        lengths,
+        write_token(cache.k_scales, k_scale, positions, split=split),
+        write_token(cache.v_scales, v_scale, positions, split=split),
+    )

@@ -21,8 +21,8 @@ SequenceSplit = tuple[Mesh, tuple[str, ...]]
 
 
 def _write_all(cache: jax.Array, row: jax.Array, positions: jax.Array) -> jax.Array:
-    """``cache [batch, kv_heads, length, head_dim]`` with each ``row[b] [kv_heads, head_dim]``
-    at ``positions[b]`` when in range, else unchanged."""
+    """``cache [batch, kv_heads, length, ...]`` with each ``row[b] [kv_heads, ...]`` at
+    ``positions[b]`` when in range, else unchanged."""
     return write_rows(cache, row, jnp.arange(cache.shape[0]), positions)
 
 
@@ -62,9 +62,10 @@ def write_token(
     """``cache`` with each sequence's ``row`` written at its position.
 
     Args:
-      cache: ``[batch, kv_heads, max_len, head_dim]``; donate it to the enclosing jit so the
-        write happens in place.
-      row: ``[batch, kv_heads, head_dim]``, cast to the cache's dtype.
+      cache: ``[batch, kv_heads, max_len, head_dim]`` (or an int8 cache's scales ``[batch,
+        kv_heads, max_len]``); donate it to the enclosing jit so the write happens in place.
+      row: ``[batch, kv_heads, head_dim]`` (scales: ``[batch, kv_heads]``), cast to the
+        cache's dtype.
       positions: ``[batch]`` int32; a sequence whose position is outside ``[0, max_len)``
         is left unchanged.
       split: the mesh axes that split the cache's sequence axis: each device writes only its
@@ -79,7 +80,7 @@ def write_token(
         first = jax.lax.axis_index(axes) * part
         return _write_all(cache, row, positions - first)
 
-    local = PartitionSpec(None, None, axes, None)
+    local = PartitionSpec(None, None, axes, *[None] * (cache.ndim - 3))
     return jax.shard_map(
         on_device,
         mesh=mesh,
