@@ -103,3 +103,17 @@ def test_kernel_entry_resolves_every_estimate(splash) -> None:
     assert entry["pushes"] == 192 and entry["steps"] == 256
     causal = spread.kernel_entry(splash, Workload("forward", 4096, causal=True))
     assert causal["estimates"]["critical_path"] == 1_115_893 - 4292 * (256 - 160)
+
+
+def test_a_strided_dma_general_counts_its_granules() -> None:
+    """A ``[kv_heads, block, head_dim]`` block of a ``[batch, kv_heads, length, head_dim]`` cache
+    (splitkv's decode, v5e): ``dma.general`` of 16384 granules of 32 bytes, 512 KiB."""
+    line = (
+        "  0x0   : > { %6167 = dma.general (%p6677_p5), /*src=*/%s340_s17, "
+        "/*size_in_granules=*/16384, /*dst=*/%s342_s5, /*dst_syncflagno=*/%s6753_s20, "
+        "/*src_syncflagno=*/%s6577_s29, /*stridedescaddr=*/[#allocation17], "
+        "/*overrides=*/%s4830_s4, /*dst_syncflagno_1=*/0 }"
+    )
+    listing = bundle_listing.parse_bundles(line + "\n", "k.1")
+    (found,) = dma.transfers(listing)
+    assert (found.opcode, found.bytes, found.guard) == ("dma.general", 512 << 10, "%p6677_p5")

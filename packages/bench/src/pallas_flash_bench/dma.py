@@ -11,8 +11,14 @@ One transfer moves ``prod(window_bounds) x element_size_in_bytes`` bytes (here 6
 128 KiB: a 512 x 128 bf16 block, the BlockSpec's block). Its predicate (``!%p9628_p13``) skips
 the copy when the block index did not change from the previous grid step; it is evaluated per
 grid step like the predicated regions (`llo.executed_instruction`), so a block fetched once per
-row of the grid counts once per row. Copies into SMEM (``dma.hbm_to_smem``: scalar tables such
-as splash attention's block masks, a few bytes) are left out.
+row of the grid counts once per row.
+
+A strided block (several runs of the array in one transfer, e.g. ``[kv_heads, block, head_dim]``
+of a ``[batch, kv_heads, length, head_dim]`` cache) is a ``dma.general`` instead, whose size is
+``size_in_granules`` of 32 bytes (checked: a ``[8, 256, 128]`` bf16 block, 512 KiB, is 16384
+granules) and whose comment gives no direction; in a Pallas kernel's pipeline one side is HBM.
+Copies into SMEM (``dma.hbm_to_smem``: scalar tables such as splash attention's block masks, a
+few bytes) are left out.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from pallas_flash_bench import bundle_listing, llo
 
 __all__ = ["Transfer", "executed_bytes", "transfers"]
 
-_HBM_VMEM_RE = re.compile(r"\.(hbm_to_vmem|vmem_to_hbm)\b")
+_HBM_VMEM_RE = re.compile(r"\.(hbm_to_vmem|vmem_to_hbm|general)\b")
+GRANULE_BYTES = 32
 _GUARD_RE = re.compile(r"\(\s*(?P<guard>!?%p\w+)\s*\)")
 _WINDOW_RE = re.compile(r"window_bounds:\s*\(([\d,\s]*)\)")
 _ELEMENT_RE = re.compile(r"element_size_in_bytes:\s*(\d+)")
@@ -52,6 +59,9 @@ def transfers(listing: bundle_listing.BundleListing) -> tuple[Transfer, ...]:
         for ins in b.instructions:
             if ins.base != "dma" or not _HBM_VMEM_RE.search(ins.opcode):
                 continue
+            if ins.opcode.endswith(".general"):
+                found.append(Transfer(b.index, ins.opcode, _general_bytes(ins), ins.guard))
+                continue
             guard = _GUARD_RE.match(ins.args.partition("]")[2].strip())
             window, element = _WINDOW_RE.search(ins.note), _ELEMENT_RE.search(ins.note)
             size = None
@@ -60,6 +70,17 @@ def transfers(listing: bundle_listing.BundleListing) -> tuple[Transfer, ...]:
                 size = math.prod(dims) * int(element[1])
             found.append(Transfer(b.index, ins.opcode, size, guard["guard"] if guard else None))
     return tuple(found)
+
+
+def _general_bytes(ins: bundle_listing.Instruction) -> int | None:
+    """Bytes of a ``dma.general``: its operands are named in its note (``src= ::
+    size_in_granules= :: dst= ...``), in order."""
+    names = [name.strip() for name in ins.note.split("::")]
+    values = [value.strip() for value in ins.args.split(",")]
+    if "size_in_granules=" not in names:
+        return None
+    granules = values[names.index("size_in_granules=")]
+    return int(granules) * GRANULE_BYTES if granules.isdigit() else None
 
 
 def executed_bytes(listing: bundle_listing.BundleListing) -> tuple[int, int] | None:
