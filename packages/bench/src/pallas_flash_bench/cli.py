@@ -11,7 +11,7 @@ import sys
 
 from pallas_flash_bench.cache import ResultCache, default_dir
 from pallas_flash_bench.targets import DEFAULT_TARGET, TARGETS
-from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep
+from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep, serving_sweep
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", choices=sorted(TARGETS), default=DEFAULT_TARGET)
     bench.add_argument(
         "--quick", action="store_true", help="a small sweep (about 20 minutes on 2 CPU cores)"
+    )
+    bench.add_argument(
+        "--serving",
+        action="store_true",
+        help="only the serving decode sweep (ragged batches, paged and int8 caches)",
     )
     bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
     bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")
@@ -66,7 +71,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _workloads(args: argparse.Namespace) -> list[Workload]:
     chips = TARGETS[args.target].chips
-    sweep = quick_sweep(chips) if args.quick else default_sweep(chips)
+    if args.serving:
+        sweep = serving_sweep(chips)
+    else:
+        sweep = quick_sweep(chips) if args.quick else default_sweep(chips)
     if args.ops:
         ops = set(args.ops.split(","))
         sweep = [w for w in sweep if w.op in ops]

@@ -29,12 +29,19 @@ def causal_active_fraction(q_blocks: int, kv_blocks: int) -> float:
     return active / (q_blocks * kv_blocks)
 
 
-def undecided_fraction(grid: tuple[int, ...] | None, causal: bool) -> float:
+def undecided_fraction(
+    grid: tuple[int, ...] | None, causal: bool, workload: Workload | None = None
+) -> float:
     """Fraction of the grid steps taken to run a region the schedule cannot decide (its
     predicate reads memory, like splash attention's block mask): the steps a causal mask
-    leaves active, all of them without one."""
+    leaves active; for a decode ``workload`` of ragged lengths whose grid leads with the batch
+    and ends with each sequence's blocks, the blocks that hold a cached token
+    (`Workload.active_fraction`); all of them otherwise."""
     if causal and grid is not None and len(grid) >= 2:
         return causal_active_fraction(grid[-2], grid[-1])
+    ragged = workload is not None and workload.op == "decode" and workload.lengths is not None
+    if ragged and grid is not None and len(grid) >= 2 and grid[0] == workload.batch:
+        return workload.active_fraction(grid[-1])
     return 1.0
 
 
@@ -54,6 +61,7 @@ def kernel_cycles(
     causal: bool,
     mxu_min: int | None = None,
     mxu_max: int | None = None,
+    workload: Workload | None = None,
 ) -> tuple[int, str]:
     """Headline static cycles of one kernel and how they were obtained.
 
@@ -75,7 +83,7 @@ def kernel_cycles(
     if executed_min == executed_max and mxu_min == mxu_max:
         how = "every predicated region decided"
     else:
-        fraction = undecided_fraction(grid, causal)
+        fraction = undecided_fraction(grid, causal, workload)
         how = f"data-dependent regions run on {fraction:.0%} of the steps"
     cycles = between((executed_min, executed_max), fraction)
     assert cycles is not None

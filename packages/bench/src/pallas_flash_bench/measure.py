@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash_bench.subjects import ArraySpec
+from pallas_flash_bench.workloads import Workload
 
 CPU_SCORE_BYTES_LIMIT = 1 << 30
 """On CPU, only workloads whose float32 score matrix fits in this many bytes are timed."""
@@ -24,15 +25,28 @@ def platform() -> str:
     return jax.default_backend()
 
 
-def random_arrays(specs: list[ArraySpec], seq_len: int) -> list[jax.Array]:
-    """Normal floats for q/k/v; integer arguments (decode lengths) are the full length."""
+def random_arrays(specs: list[ArraySpec], workload: Workload) -> list[jax.Array]:
+    """Normal floats for q/k/v (and int8 caches' values and scales); the workload's lengths
+    (`Workload.sequence_lengths`; attention has none) and, for a paged cache, a page table that
+    hands every sequence its own pages of the pool in shuffled order (the arguments' order of
+    `subjects.array_specs`)."""
     rng = np.random.default_rng(0)
-    arrays = []
-    for spec in specs:
-        if jnp.issubdtype(jnp.dtype(spec.dtype), jnp.integer):
-            arrays.append(jnp.full(spec.shape, seq_len, dtype=spec.dtype))
-        else:
-            arrays.append(jnp.asarray(rng.standard_normal(spec.shape), dtype=spec.dtype))
+    arrays = [
+        jnp.asarray(rng.standard_normal(spec.shape), dtype=spec.dtype)
+        if not jnp.issubdtype(jnp.dtype(spec.dtype), jnp.integer)
+        else jnp.zeros(spec.shape, spec.dtype)
+        for spec in specs
+    ]
+    if workload.op == "decode":
+        lengths = workload.sequence_lengths
+        arrays[3] = jnp.asarray(lengths, jnp.int32)
+        if workload.cache == "paged":
+            pages = iter(rng.permutation(workload.num_pages))
+            table = np.zeros(specs[4].shape, np.int32)
+            for b, length in enumerate(lengths):
+                for j in range(-(-int(length) // workload.page_size)):
+                    table[b, j] = next(pages)
+            arrays[4] = jnp.asarray(table)
     return arrays
 
 

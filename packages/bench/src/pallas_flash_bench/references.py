@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_flash_bench.subjects import Subject, with_backward
+from pallas_flash_bench import paged_reference
+from pallas_flash_bench.subjects import ArraySpec, Subject, array_specs, with_backward
 from pallas_flash_bench.workloads import Workload
 
 Config = TypeVar("Config")
@@ -175,44 +176,6 @@ def _tokamax_build(blocks: SplashBlocks | None, workload: Workload) -> Callable[
     return forward if workload.op == "forward" else with_backward(forward)
 
 
-PAGE_SIZE = 128
-"""Cache positions per page of jax's ``paged_attention``."""
-
-
-def _paged_build(pages_per_block: int, workload: Workload) -> Callable[..., object] | None:
-    """jax's ``paged_attention`` on the workload's cache, for batch 1 only: there the
-    contiguous ``[1, kv_heads, max_len, head_dim]`` cache is, by a free reshape, the pages
-    ``[kv_heads, max_len / 128, 128, head_dim]`` of one sequence in order.
-
-    Its blocks of pages run as grid steps (``inline_seq_dim=False``). jax's default runs them
-    in a loop inside each step whose trip count reads ``lengths``: a static schedule counts
-    that loop's body once, so its cycles would cover one block of the sequence, not all."""
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-
-    w = workload
-    if w.op != "decode" or w.batch != 1 or w.seq_len % (PAGE_SIZE * pages_per_block):
-        return None
-    pages = w.seq_len // PAGE_SIZE
-    scale = 1 / math.sqrt(w.head_dim)
-
-    def decode(q, k_cache, v_cache, lengths):  # paged_attention applies no scale
-        shape = (w.kv_heads, pages, PAGE_SIZE, w.head_dim)
-        page_indices = jnp.arange(pages, dtype=jnp.int32)[None]
-        return paged_attention(
-            q * jnp.asarray(scale, q.dtype),
-            k_cache.reshape(shape),
-            v_cache.reshape(shape),
-            lengths,
-            page_indices,
-            pages_per_compute_block=pages_per_block,
-            inline_seq_dim=False,
-        )
-
-    return decode
-
-
-PAGED_BLOCKS = {"quick": [16], "default": [8, 16]}
-"""jax ``paged_attention`` pages per compute block to try (of 128 positions each)."""
 FLASH_BLOCKS: dict[str, list[FlashBlocks | None]] = {
     "quick": [
         FlashBlocks(512, 512, 512),
@@ -312,6 +275,7 @@ def _subjects(
     build: Callable[[Config, Workload], Callable[..., object] | None],
     configs: list[Config],
     label: Callable[[Config], str],
+    arguments: Callable[[Workload], list[ArraySpec]] = array_specs,
 ) -> list[Subject]:
     """One reference subject per configuration, compiled with the whole VMEM."""
     return [
@@ -322,6 +286,7 @@ def _subjects(
             version=f"{version}+whole-vmem",
             build=_on_one_chip(functools.partial(build, config)),
             whole_vmem=True,
+            arguments=arguments,
         )
         for config in configs
     ]
@@ -335,8 +300,8 @@ def reference_subjects(sweep: str) -> list[Subject]:
                    lambda b: b.label if b else "default blocks"),
         *_subjects("jax-splash", version, _splash_build, SPLASH_BLOCKS[sweep],
                    lambda b: b.label),
-        *_subjects("jax-paged", version, _paged_build, PAGED_BLOCKS[sweep],
-                   lambda pages: f"grid of {pages}-page blocks"),
+        *_subjects("jax-paged", version, paged_reference.build, paged_reference.BLOCKS[sweep],
+                   lambda pages: f"grid of {pages}-page blocks", paged_reference.arguments),
     ]  # fmt: skip
     if _tokamax_unavailable() is None:
         subjects += _subjects(

@@ -25,7 +25,7 @@ from pallas_flash_bench.references import reference_notes
 from pallas_flash_bench.report import write_report
 from pallas_flash_bench.roofline import write_roofline
 from pallas_flash_bench.spread import ESTIMATES
-from pallas_flash_bench.subjects import Subject, all_subjects, array_specs
+from pallas_flash_bench.subjects import Subject, all_subjects
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.worker import RESULT_PREFIX
 from pallas_flash_bench.workloads import Workload
@@ -168,8 +168,8 @@ def _measure(row: dict, subject: Subject, workload: Workload) -> dict | None:
         return None
     mesh = aot.mesh_of(devices, w.chips)
     fn = subject.build(workload, mesh)
-    specs = array_specs(w)
-    arrays = measure.random_arrays(specs, w.seq_len)
+    specs = subject.arguments(w)
+    arrays = measure.random_arrays(specs, w)
     if mesh is not None:
         shardings = [aot.sharding(spec, mesh) for spec in specs]
         arrays = [jax.device_put(a, s) for a, s in zip(arrays, shardings, strict=True)]

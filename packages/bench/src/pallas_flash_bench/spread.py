@@ -16,7 +16,8 @@ evaluation of `llo` (predicated regions decided per step where the schedule allo
 
 The headline (``cycles`` of a kernel entry) stays max(``schedule``, ``mxu``). Beside them, the
 bytes the kernel's DMAs move (`dma`, at most: copies whose predicate the schedule cannot decide
-counted), to compare with its compute at the HBM bandwidth.
+counted; for a decode of ragged lengths, on the steps whose block holds a cached token), to
+compare with its compute at the HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -106,9 +107,14 @@ def kernel_entry(schedule: llo.KernelSchedule, workload: Workload) -> dict:
         workload.causal,
         schedule.executed_mxu_cycles_min,
         schedule.executed_mxu_cycles_max,
+        workload,
     )
     found = kernel_estimates(schedule)
-    fraction = estimate.undecided_fraction(schedule.grid, workload.causal)
+    fraction = estimate.undecided_fraction(schedule.grid, workload.causal, workload)
+    dma_bytes = found.dma_bytes
+    if dma_bytes is not None:  # ragged decode: the blocks past a sequence's end are not copied
+        ragged = workload.op == "decode" and workload.lengths is not None
+        dma_bytes = estimate.between(dma_bytes, fraction) if ragged else dma_bytes[1]
     return {
         "name": schedule.name,
         "bundles_per_step": schedule.bundles_per_step,
@@ -125,6 +131,6 @@ def kernel_entry(schedule: llo.KernelSchedule, workload: Workload) -> dict:
         "cycles_from": how,
         "estimates": {name: estimate.between(found.ranges[name], fraction) for name in ESTIMATES},
         # at most: a copy whose predicate the schedule cannot decide is taken to run
-        "dma_bytes": found.dma_bytes[1] if found.dma_bytes is not None else None,
+        "dma_bytes": dma_bytes,
         "warnings": [*schedule.warnings, *found.warnings],
     }

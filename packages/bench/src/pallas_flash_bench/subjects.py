@@ -36,19 +36,37 @@ class ArraySpec(NamedTuple):
 
 def array_specs(workload: Workload) -> list[ArraySpec]:
     """The arguments: ``q, k, v`` or ``q, k_cache, v_cache, lengths`` (the caches split along
-    their sequence axis when the call runs on several chips)."""
+    their sequence axis when the call runs on several chips), then for a paged cache its
+    ``page_table`` and for an int8 one its ``k_scales, v_scales`` (`decode_options`)."""
     w = workload
     if w.op == "decode":
         split = 2 if w.chips > 1 else None
-        cache = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype, split)
-        return [
+        if w.cache == "paged":
+            blocks = (w.num_pages, w.kv_heads, w.page_size)
+        else:
+            blocks = (w.batch, w.kv_heads, w.seq_len)
+        cache = ArraySpec((*blocks, w.head_dim), w.cache_dtype or w.dtype, split)
+        specs = [
             ArraySpec((w.batch, w.q_heads, w.head_dim), w.dtype),
             cache,
             cache,
             ArraySpec((w.batch,), "int32"),
         ]
+        if w.cache == "paged":
+            specs.append(ArraySpec((w.batch, w.seq_len // w.page_size), "int32"))
+        if w.cache_dtype == "int8":
+            specs += [ArraySpec(blocks, "float32", split)] * 2
+        return specs
     kv = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
     return [ArraySpec((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), kv, kv]
+
+
+def decode_options(workload: Workload, extra: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
+    """``pf.decode``'s keyword arguments from the arrays after ``lengths`` (`array_specs`)."""
+    names = (["page_table"] if workload.cache == "paged" else []) + (
+        ["k_scales", "v_scales"] if workload.cache_dtype == "int8" else []
+    )
+    return dict(zip(names, extra, strict=True))
 
 
 def with_backward(forward: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
@@ -74,6 +92,9 @@ class Subject:
       whole_vmem: its programs are compiled with the target core's whole VMEM as the
         scoped-VMEM limit (`aot.whole_vmem_options`), for kernels that set no limit of their
         own; the version must say so, as it keys the cache.
+      arguments: the shapes of the arrays ``build``'s function takes (default `array_specs`,
+        the layouts of ``pf.attention`` and ``pf.decode``); a reference whose kernel reads
+        another layout takes its own, so that no copy into ours is charged to it.
     """
 
     name: str
@@ -82,6 +103,7 @@ class Subject:
     version: str
     build: Callable[[Workload, Mesh | None], Callable[..., object] | None]
     whole_vmem: bool = False
+    arguments: Callable[[Workload], list[ArraySpec]] = array_specs
 
     @property
     def id(self) -> str:
@@ -100,10 +122,19 @@ def _backend_build(
         needed.add("causal")
     if workload.q_heads != workload.kv_heads:
         needed.add("gqa")
+    if workload.cache == "paged":
+        needed.add("paged_cache")
+    if workload.cache_dtype == "int8":
+        needed.add("int8_cache")
     if not needed <= info.capabilities:
         return None
     if workload.op == "decode":
-        return functools.partial(pf.decode, backend=info.name, mesh=mesh)
+
+        def decode(q, k_cache, v_cache, lengths, *extra):
+            options = decode_options(workload, extra)
+            return pf.decode(q, k_cache, v_cache, lengths, backend=info.name, mesh=mesh, **options)
+
+        return decode
     forward = functools.partial(pf.attention, causal=workload.causal, backend=info.name)
     return forward if workload.op == "forward" else with_backward(forward)
 

@@ -40,7 +40,6 @@ def analyse_row(
     With ``keep_hlo`` the optimised HLO text is kept in the row (for ``pallas-flash inspect``).
     """
     from pallas_flash_bench import aot, hlo, llo, spread
-    from pallas_flash_bench.subjects import array_specs
 
     mesh = aot.call_mesh(target, workload.chips)
     fn = subject.build(workload, mesh)
@@ -69,7 +68,7 @@ def analyse_row(
     try:
         compiled = aot.compile_for(
             fn,
-            array_specs(workload),
+            subject.arguments(workload),
             target,
             mesh,
             aot.whole_vmem_options(target) if subject.whole_vmem else None,
@@ -162,7 +161,6 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
     """The longest sequence (multiple of ``step``) whose program fits in HBM (`fit`)."""
     from pallas_flash_bench import aot
     from pallas_flash_bench.fit import longest_fitting as search
-    from pallas_flash_bench.subjects import array_specs
     from pallas_flash_bench.workloads import Workload
 
     def total_bytes(n: int) -> int | None:
@@ -170,7 +168,7 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
         workload = Workload(op, n)
         fn = subject.build(workload, None)
         try:
-            memory = aot.compile_for(fn, array_specs(workload), target).memory_analysis()
+            memory = aot.compile_for(fn, subject.arguments(workload), target).memory_analysis()
         except Exception:  # noqa: BLE001 - out of memory shows up as a compiler error too
             return None
         total = (

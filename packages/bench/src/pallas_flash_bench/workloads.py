@@ -6,18 +6,29 @@ Layouts are those of ``pf.attention`` (``[batch, heads, seq, head_dim]``) and ``
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import numpy as np
 
 Op = Literal["forward", "forward_backward", "decode"]
 
+LENGTHS_SEED = 0
+"""Seed of the ragged lengths a serving workload draws (`Workload.sequence_lengths`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One call: ``op`` at ``seq_len`` (queries = keys for attention; cached tokens for decode),
     on ``chips`` chips of the target (decode only: the cache's sequence axis split over a 1-D
-    mesh of them)."""
+    mesh of them).
+
+    Decode only (serving): ``lengths=(lo, hi)`` gives each of the ``batch`` sequences its own
+    length, drawn uniformly from ``[lo, hi]`` with `LENGTHS_SEED` (``seq_len``, the cache's
+    capacity per sequence, at least ``hi``); ``cache="paged"`` keeps the cache in pages of
+    ``page_size`` positions, a pool of exactly the pages the lengths use; ``cache_dtype="int8"``
+    stores it in int8 with a float32 scale per token and kv head.
+    """
 
     op: Op
     seq_len: int
@@ -28,18 +39,65 @@ class Workload:
     head_dim: int = 128
     dtype: str = "bfloat16"
     chips: int = 1
+    lengths: tuple[int, int] | None = None
+    cache: Literal["contiguous", "paged"] = "contiguous"
+    page_size: int = 128
+    cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.chips < 1 or (self.chips > 1 and self.op != "decode"):
             raise ValueError(f"chips: expected 1, or more for decode only; got {self.chips}")
+        if self.lengths is not None:
+            object.__setattr__(self, "lengths", tuple(self.lengths))  # from JSON: a list
+        serving = (self.lengths, self.cache_dtype, self.cache != "contiguous")
+        if self.op != "decode" and any(serving):
+            raise ValueError("lengths, cache and cache_dtype: expected for decode only")
+        if self.lengths is not None and not 0 <= self.lengths[0] <= self.lengths[1] <= self.seq_len:
+            raise ValueError(f"lengths: expected 0 <= lo <= hi <= seq_len, got {self.lengths}")
+        if self.cache == "paged" and (self.chips > 1 or self.seq_len % self.page_size):
+            raise ValueError("cache='paged': expected one chip and seq_len a multiple of page_size")
 
     @property
     def label(self) -> str:
         heads = "" if self.q_heads == 16 == self.kv_heads else f" H{self.q_heads}/{self.kv_heads}"
         if self.op == "decode":
             chips = f" on {self.chips} chips" if self.chips > 1 else ""
-            return f"decode L={self.seq_len}{heads}{chips}"
+            batch = f" B={self.batch}" if self.batch > 1 else ""
+            ragged = f" lengths {self.lengths[0]}..{self.lengths[1]}" if self.lengths else ""
+            paged = f" paged/{self.page_size}" if self.cache == "paged" else ""
+            int8 = " int8" if self.cache_dtype == "int8" else ""
+            return f"decode L={self.seq_len}{heads}{batch}{ragged}{paged}{int8}{chips}"
         return f"{self.op} N={self.seq_len}{' causal' if self.causal else ''}{heads}"
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """Decode: ``[batch]`` cached tokens per sequence (all ``seq_len`` unless ragged)."""
+        if self.lengths is None:
+            return np.full(self.batch, self.seq_len, np.int64)
+        lo, hi = self.lengths
+        return np.random.default_rng(LENGTHS_SEED).integers(lo, hi + 1, self.batch)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of a paged cache's pool: those the lengths use."""
+        return int(sum(math.ceil(n / self.page_size) for n in self.sequence_lengths))
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """K and V bytes of one cached token, all kv heads (int8: with its two scales)."""
+        if self.cache_dtype == "int8":
+            return 2 * self.kv_heads * (self.head_dim + 4)
+        return 2 * self.kv_heads * self.head_dim * self.itemsize
+
+    def active_fraction(self, blocks_per_sequence: int) -> float:
+        """Decode: the fraction of one chip's ``batch x blocks_per_sequence`` grid whose block
+        holds a cached token. Over several chips each holds a contiguous ``seq_len / chips``
+        slice of every sequence, and the busiest chip (the first) is the one counted."""
+        part = self.seq_len // self.chips
+        block = math.ceil(part / blocks_per_sequence)
+        mine = np.minimum(self.sequence_lengths, part)  # the first chip's share
+        active = sum(math.ceil(n / block) for n in mine)
+        return active / (self.batch * blocks_per_sequence)
 
     @property
     def itemsize(self) -> int:
@@ -50,7 +108,7 @@ class Workload:
         """Flops of the two matmuls over the scores that are not masked: causal counts half;
         the backward pass does 2.5x the forward's (five matmuls to the forward's two)."""
         if self.op == "decode":
-            return 4.0 * self.batch * self.q_heads * self.seq_len * self.head_dim
+            return 4.0 * self.q_heads * self.head_dim * float(self.sequence_lengths.sum())
         forward = 4.0 * self.batch * self.q_heads * self.seq_len**2 * self.head_dim
         if self.causal:
             forward /= 2
@@ -62,7 +120,7 @@ class Workload:
         q_sized = self.batch * self.q_heads * self.head_dim * self.itemsize
         kv_sized = self.batch * self.kv_heads * self.head_dim * self.itemsize
         if self.op == "decode":
-            return 2 * q_sized + 2 * kv_sized * self.seq_len
+            return 2 * q_sized + self.cache_bytes_per_token * float(self.sequence_lengths.sum())
         # forward: read q, k, v, write o; backward adds read q, k, v, o, do, write dq, dk, dv
         tensors = 2 if self.op == "forward" else 6
         return tensors * (q_sized + kv_sized) * self.seq_len
@@ -88,7 +146,7 @@ def default_sweep(chips: int = 1) -> list[Workload]:
     """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k (`POWERS_OF_TWO`), causal and
     not, forward and forward+backward, and forward at `OTHER_LENGTHS`; decode 1k..128k cached
     tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
-    over all of them."""
+    over all of them; and the serving decode workloads (`serving_sweep`)."""
     attention = [
         Workload(op, n, causal)
         for op in ("forward", "forward_backward")
@@ -107,18 +165,54 @@ def default_sweep(chips: int = 1) -> list[Workload]:
             for n in (8192, 32768, 131072)
             for q, kv in ((16, 16), (32, 8))
         ]
-    return attention + decode
+    return attention + decode + [w for w in serving_sweep(chips) if w not in decode]
+
+
+SERVING_LENGTHS = (512, 8192)
+"""The ragged lengths of the serving batches: uniform in ``[512, 8192]``, `LENGTHS_SEED`."""
+
+LONG_LENGTHS = (32768, 131072)
+"""The ragged lengths of the long-context batch split over a slice."""
+
+
+def serving_sweep(chips: int = 1) -> list[Workload]:
+    """Serving decode, 32 query heads over 8 kv heads (Llama-3-8B-like) and over 32 (Llama-2-7B),
+    bfloat16 and int8 caches: one sequence of 32k and 128k tokens (contiguous); batches of 32
+    and 128 sequences of `SERVING_LENGTHS` tokens, paged (pages of 128) and contiguous; given a
+    slice of ``chips`` > 1, a batch of 8 of `LONG_LENGTHS` tokens on one chip and on all."""
+    rows = []
+    for q_heads, kv_heads in ((32, 8), (32, 32)):
+        for cache_dtype in (None, "int8"):
+            heads = dict(q_heads=q_heads, kv_heads=kv_heads, cache_dtype=cache_dtype)
+            rows += [Workload("decode", n, **heads) for n in (32768, 131072)]
+            rows += [
+                Workload("decode", SERVING_LENGTHS[1], batch=b, lengths=SERVING_LENGTHS,
+                         cache=cache, **heads)
+                for b in (32, 128)
+                for cache in ("paged", "contiguous")
+            ]  # fmt: skip
+            if chips > 1 and kv_heads == 8:
+                rows += [
+                    Workload("decode", LONG_LENGTHS[1], batch=8, lengths=LONG_LENGTHS,
+                             chips=n, **heads)
+                    for n in (1, chips)
+                ]  # fmt: skip
+    return rows
 
 
 def quick_sweep(chips: int = 1) -> list[Workload]:
-    """A few points of the default sweep (about 20 minutes on a 2-core CPU): given a
-    slice of ``chips`` > 1, decoding 128k tokens on one chip and on all of them."""
+    """A few points of the default sweep (about 20 minutes on a 2-core CPU): a serving batch
+    of 32 ragged sequences, paged, in bfloat16 and int8; given a slice of ``chips`` > 1,
+    decoding 128k tokens on one chip and on all of them."""
+    serving = dict(batch=32, q_heads=32, kv_heads=8, lengths=SERVING_LENGTHS, cache="paged")
     quick = [
         Workload("forward", 1024),
         Workload("forward", 4096),
         Workload("forward", 4096, causal=True),
         Workload("forward_backward", 2048, causal=True),
         Workload("decode", 8192),
+        Workload("decode", SERVING_LENGTHS[1], **serving),
+        Workload("decode", SERVING_LENGTHS[1], cache_dtype="int8", **serving),
     ]
     if chips > 1:
         quick += [Workload("decode", 131072, q_heads=32, kv_heads=8, chips=n) for n in (1, chips)]
