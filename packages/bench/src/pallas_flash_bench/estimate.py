@@ -168,7 +168,8 @@ def derive(
     transfers and compute overlap in part, which a static schedule cannot tell.
 
     A workload on several chips runs one program per chip: its static cycles and copy bytes
-    are one chip's, its HBM bytes are spread over the chips' bandwidth, and its collectives
+    are one chip's, its HBM bytes are read at the pace of the busiest chip
+    (`Workload.busiest_chip_share` of them, at one chip's bandwidth), and its collectives
     (`collective_seconds`, model) follow the kernels, so their time adds to the latency.
     Prices, peak FLOP/s and bandwidth are those of all its chips.
     """
@@ -182,7 +183,8 @@ def derive(
         hbm_bytes = figure(max(compiler_bytes * chips, workload.min_hbm_bytes), "compiler")
     else:
         hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes * chips, "model")
-    memory = figure(hbm_bytes["value"] / target.hbm_bandwidth / chips, "model")
+    share = max(workload.busiest_chip_share, 1.0 / chips)
+    memory = figure(hbm_bytes["value"] * share / target.hbm_bandwidth, "model")
     latency = max(compute, memory, key=lambda f: f["value"])
     exchange = figure(collective_seconds(collectives, chips, target), "model")
     if exchange["value"]:

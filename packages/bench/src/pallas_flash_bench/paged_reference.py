@@ -29,16 +29,22 @@ BLOCKS = {"quick": [16], "default": [8, 16]}
 
 
 def arguments(workload: Workload) -> list[ArraySpec]:
-    """Its arrays: ours (`array_specs`) but for a paged workload's pool and scales, which are
-    ``[kv_heads, num_pages, page_size, head_dim]`` and ``[kv_heads, num_pages, page_size, 1]``."""
+    """Its arrays: ours (`array_specs`) but for a paged workload's pool, ``[kv_heads,
+    num_pages, page_size, head_dim]``, and int8 scales, ``[kv_heads, num_pages, page_size, 1]``
+    (a batch-1 contiguous cache's too: its pages of `PAGE_SIZE`)."""
     specs = array_specs(workload)
     w = workload
-    if w.op != "decode" or w.cache != "paged":
+    if w.op != "decode":
         return specs
-    pool = ArraySpec((w.kv_heads, w.num_pages, w.page_size, w.head_dim), specs[1].dtype)
-    specs[1] = specs[2] = pool
+    paged = w.cache == "paged"
+    if paged:
+        pool = ArraySpec((w.kv_heads, w.num_pages, w.page_size, w.head_dim), specs[1].dtype)
+        specs[1] = specs[2] = pool
     if w.cache_dtype == "int8":
-        specs[5] = specs[6] = ArraySpec((w.kv_heads, w.num_pages, w.page_size, 1), "float32")
+        page_size = w.page_size if paged else PAGE_SIZE
+        pages = w.num_pages if paged else w.batch * w.seq_len // page_size
+        scales = ArraySpec((w.kv_heads, pages, page_size, 1), "float32")
+        specs[-2:] = [scales, scales]
     return specs
 
 

@@ -89,6 +89,18 @@ class Workload:
             return 2 * self.kv_heads * (self.head_dim + 4)
         return 2 * self.kv_heads * self.head_dim * self.itemsize
 
+    @property
+    def busiest_chip_share(self) -> float:
+        """Decode over several chips: the share of the cached tokens the busiest chip holds.
+        Each chip holds a contiguous ``seq_len / chips`` slice of every sequence, so ragged
+        lengths load the first chip most (1 / chips when every sequence is full)."""
+        if self.op != "decode" or self.chips == 1:
+            return 1.0
+        lengths = self.sequence_lengths
+        total = float(lengths.sum())
+        first = float(np.minimum(lengths, self.seq_len // self.chips).sum())
+        return first / total if total else 1.0 / self.chips
+
     def active_fraction(self, blocks_per_sequence: int) -> float:
         """Decode: the fraction of one chip's ``batch x blocks_per_sequence`` grid whose block
         holds a cached token. Over several chips each holds a contiguous ``seq_len / chips``
