@@ -36,9 +36,10 @@ RACE_CHECKED = {
 """Backends whose kernels run in Pallas's TPU interpreter off TPU -> the conformance tests
 (``-k``) run a second time with its race detector on."""
 
-MULTI_DEVICE = {"splitkv"}
-"""Backends that declare ``multi_device``: their conformance suite also runs with 4 host
-devices (set before jax initialises, in the pytest process's environment)."""
+MULTI_DEVICE = {"splitkv": "test_decode"}
+"""Backends that declare ``multi_device`` -> the conformance tests (``-k``, those that take a
+mesh and their neighbours) run a second time with 4 host devices (set before jax
+initialises, in the pytest process's environment)."""
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=4"
 DETECT_RACES_ENV_VAR = "PALLAS_FLASH_DETECT_RACES"  # pallas_flash.interpret's, not imported here
 PARALLEL = ("--numprocesses=auto", "--maxprocesses=4")
@@ -102,7 +103,8 @@ def conformance(session: nox.Session, backend: str) -> None:
     suite = ("pytest", "--pyargs", "pallas_flash_conformance", "--backend", backend)
     session.run(*suite, *PARALLEL, *session.posargs)
     if backend in MULTI_DEVICE:
-        session.run(*suite, *PARALLEL, *session.posargs, env={"XLA_FLAGS": HOST_DEVICES_FLAG})
+        selected = ("-k", MULTI_DEVICE[backend]) if not session.posargs else session.posargs
+        session.run(*suite, *PARALLEL, *selected, env={"XLA_FLAGS": HOST_DEVICES_FLAG})
     if backend in RACE_CHECKED and not session.posargs:
         # A test whose kernels the detector reports racing fails (the suite's plugin).
         session.run(*suite, *PARALLEL, "-k", RACE_CHECKED[backend], env={DETECT_RACES_ENV_VAR: "1"})

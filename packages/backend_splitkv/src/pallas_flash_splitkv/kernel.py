@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -198,10 +199,58 @@ def split_partials(
     Raises:
       ValueError: ``blocks.block_kv`` is illegal for this cache.
     """
-    return _split_partials(
-        q, k_cache, v_cache, lengths, page_table, k_scales, v_scales,
-        spec=spec, blocks=blocks, devices=devices,
-    )  # fmt: skip
+    if page_table is None:
+        return _split_partials(
+            q, k_cache, v_cache, lengths, None, k_scales, v_scales,
+            spec=spec, blocks=blocks, devices=devices,
+        )  # fmt: skip
+    scales = () if k_scales is None else (k_scales, v_scales)
+    paged = _paged_partials(spec, blocks, devices)
+    return paged(q, k_cache, v_cache, lengths, page_table, *scales)
+
+
+@functools.cache
+def _paged_partials(spec: DecodeSpec, blocks: DecodeBlocks, devices: int) -> Callable[..., Any]:
+    """`split_partials` of a paged cache, ``(q, k, v, lengths, page_table, *scales)``, with a
+    batching rule of its own: the generic one (`pallas_flash.interpret.fold_vmap_into_batch`)
+    folds every argument's mapped axis into its first, which for a pool of pages is the page
+    axis, so each slice's table would index the first slice's pool. Here a mapped pool is
+    folded with each slice's table entries (clipped into its own pool) offset by the pages
+    before it; an unmapped pool is shared as it is, not copied per slice."""
+
+    def call(q, k, v, lengths, table, *scales):
+        k_scales, v_scales = scales or (None, None)
+        return _split_partials(
+            q, k, v, lengths, table, k_scales, v_scales,
+            spec=spec, blocks=blocks, devices=devices,
+        )  # fmt: skip
+
+    folded = jax.custom_batching.custom_vmap(call)
+
+    @folded.def_vmap
+    def _rule(axis_size: int, in_batched: list[bool], q, k, v, lengths, table, *scales):
+        def mapped(x: jax.Array, batched: bool) -> jax.Array:
+            return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+        def fold(x: jax.Array) -> jax.Array:
+            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+        pool = [k, v, *scales]
+        pool_batched = [in_batched[1], in_batched[2], *in_batched[5:]]
+        table = mapped(table, in_batched[4])
+        if any(pool_batched):
+            pool = [fold(mapped(x, b)) for x, b in zip(pool, pool_batched, strict=True)]
+            num_pages = k.shape[1] if in_batched[1] else k.shape[0]
+            offsets = jnp.arange(axis_size, dtype=table.dtype)[:, None, None] * num_pages
+            table = jnp.clip(table, 0, num_pages - 1) + offsets
+        outs = folded(
+            fold(mapped(q, in_batched[0])), pool[0], pool[1],
+            fold(mapped(lengths, in_batched[3])), fold(table), *pool[2:],
+        )  # fmt: skip
+        outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return folded
 
 
 def _split_partials_kernel(

@@ -86,3 +86,39 @@ def test_vmap_decode(backend) -> None:
             q[i], k_cache[i], v_cache[i], lengths[i], sm_scale=1 / math.sqrt(head_dim)
         )
         assert_close(out[i], expected, FORWARD_TOLERANCE["float32"], name=f"slice {i}")
+
+
+@pytest.mark.requires("decode", "paged_cache", "int8_cache")
+@pytest.mark.parametrize("pool_mapped", [True, False], ids=["own-pools", "shared-pool"])
+def test_vmap_paged_int8_decode(backend, pool_mapped: bool) -> None:
+    """Each slice reads its own page pool through its own table (page indices are per pool),
+    or all slices share one pool."""
+    batch, q_heads, kv_heads, page_size, head_dim, num_pages = 2, 4, 2, 16, 64, 5
+    pools = SLICES if pool_mapped else 1
+    k8, k_scales = pf.quantize_int8(
+        inputs.normal(1, (pools, num_pages, kv_heads, page_size, head_dim))
+    )
+    v8, v_scales = pf.quantize_int8(
+        inputs.normal(2, (pools, num_pages, kv_heads, page_size, head_dim))
+    )
+    q = inputs.normal(0, (SLICES, batch, q_heads, head_dim))
+    tables = np.array([[[4, 0], [1, 2]], [[3, 1], [0, 4]]], np.int32)
+    lengths = np.array([[20, 5], [32, 0]], np.int32)
+    pool_axis = 0 if pool_mapped else None
+    pool = (k8, v8, k_scales, v_scales) if pool_mapped else (k8[0], v8[0], k_scales[0], v_scales[0])
+
+    def decode(q, k, v, lengths, table, ks, vs):
+        return pf.decode(
+            q, k, v, lengths, page_table=table, k_scales=ks, v_scales=vs, backend=backend.name
+        )
+
+    axes = (0, pool_axis, pool_axis, 0, 0, pool_axis, pool_axis)
+    out = jax.vmap(decode, in_axes=axes)(q, pool[0], pool[1], lengths, tables, pool[2], pool[3])
+    for i in range(SLICES):
+        p = i if pool_mapped else 0
+        k, v = (
+            reference.gather_pages(reference.dequantize(x[p], s[p]), tables[i])
+            for x, s in ((k8, k_scales), (v8, v_scales))
+        )
+        expected = reference.decode(q[i], k, v, lengths[i], sm_scale=1 / math.sqrt(head_dim))
+        assert_close(out[i], expected, FORWARD_TOLERANCE["float32"], name=f"slice {i}")
