@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pallas_flash_bench import estimate
@@ -200,3 +202,15 @@ def test_spread_gives_latency_and_mfu_under_each_estimate() -> None:
     assert 0.97 < out["schedule"]["mfu"] < 0.98
     assert out["critical_path"] == {"cycles": None, "latency_seconds": None, "mfu": None}
     assert out["tiny"]["latency_seconds"] == pytest.approx(memory)  # memory-bound
+
+
+def test_ragged_decode_runs_its_undecided_regions_on_the_blocks_holding_tokens() -> None:
+    w = Workload("decode", 8192, batch=2, lengths=(512, 8192))
+    fraction = w.active_fraction(4)
+    assert estimate.undecided_fraction((2, 1, 4), False, w) == fraction < 1
+    assert estimate.undecided_fraction((1, 2, 8, 4), False, w) == fraction  # jax-paged's grid
+    cycles, _ = estimate.kernel_cycles(1000, 2000, 9, (2, 1, 4), False, workload=w)
+    assert cycles == estimate.between((1000, 2000), fraction)
+    # without executed bundles: the full-grid figure on the active steps only
+    cycles, how = estimate.kernel_cycles(None, None, 8000, (2, 1, 4), False, workload=w)
+    assert cycles == math.ceil(8000 * fraction) and "counted free" in how

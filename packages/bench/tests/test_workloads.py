@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep
@@ -68,3 +69,34 @@ def test_a_slice_adds_decoding_over_all_its_chips() -> None:
     quick = [w for w in quick_sweep(4) if w.op == "decode" and w.seq_len == 131072]
     assert sorted(w.chips for w in quick) == [1, 4]
     assert set(quick_sweep(4)) <= set(default_sweep(4))
+
+
+def test_ragged_serving_workloads_count_their_cached_tokens() -> None:
+    w = Workload("decode", 8192, batch=4, q_heads=32, kv_heads=8, lengths=(512, 8192))
+    lengths = w.sequence_lengths
+    assert len(lengths) == 4 and ((lengths >= 512) & (lengths <= 8192)).all()
+    np.testing.assert_array_equal(lengths, w.sequence_lengths)  # the seed is fixed
+    assert w.min_hbm_bytes == 2 * 4 * 32 * 128 * 2 + 2 * 8 * 128 * 2 * lengths.sum()
+    int8 = Workload("decode", 8192, batch=4, q_heads=32, kv_heads=8, lengths=(512, 8192),
+                    cache_dtype="int8")  # fmt: skip
+    assert int8.cache_bytes_per_token == 2 * 8 * (128 + 4)  # values and two float32 scales
+    # blocks of 2048 positions: a sequence of n tokens holds ceil(n / 2048) of its 4
+    assert w.active_fraction(4) == sum(-(-n // 2048) for n in lengths) / 16
+    paged = Workload("decode", 8192, batch=4, lengths=(512, 8192), cache="paged")
+    assert paged.num_pages == sum(-(-n // 128) for n in lengths)
+    assert "B=4 lengths 512..8192 paged/128" in paged.label
+
+
+def test_a_ragged_slice_is_as_slow_as_its_busiest_chip() -> None:
+    full = Workload("decode", 131072, batch=8, chips=4)
+    assert full.busiest_chip_share == 0.25
+    ragged = Workload("decode", 131072, batch=8, lengths=(32768, 131072), chips=4)
+    lengths = ragged.sequence_lengths
+    assert ragged.busiest_chip_share == np.minimum(lengths, 32768).sum() / lengths.sum()
+
+
+def test_serving_fields_are_for_decode_only() -> None:
+    with pytest.raises(ValueError, match="decode only"):
+        Workload("forward", 1024, cache_dtype="int8")
+    with pytest.raises(ValueError, match="lengths"):
+        Workload("decode", 1024, lengths=(10, 2048))

@@ -40,8 +40,8 @@ def undecided_fraction(
     if causal and grid is not None and len(grid) >= 2:
         return causal_active_fraction(grid[-2], grid[-1])
     ragged = workload is not None and workload.op == "decode" and workload.lengths is not None
-    if ragged and grid is not None and len(grid) >= 2 and grid[0] == workload.batch:
-        return workload.active_fraction(grid[-1])
+    if ragged and grid is not None and len(grid) >= 2 and workload.batch in grid[:2]:
+        return workload.active_fraction(grid[-1])  # jax-paged: (cores, batch, heads, blocks)
     return 1.0
 
 
@@ -75,9 +75,16 @@ def kernel_cycles(
     block skip computed from the grid indices), ``mxu_min`` / ``mxu_max`` the busiest MXU's
     cycles likewise. When they differ, the regions run on `undecided_fraction` of the steps.
     Without the bundle figures (inner loops, unknown trip count), ``fallback`` is used: grid
-    steps x bundles per step, every region run.
+    steps x bundles per step, every region run; for a decode of ragged lengths, only on the
+    steps whose block holds a cached token (the others counted free: the kernel's benefit).
     """
     if executed_min is None or executed_max is None:
+        fraction = undecided_fraction(grid, False, workload)
+        if fraction < 1.0:
+            return math.ceil(fallback * fraction), (
+                f"grid steps x bundles per step on the {fraction:.0%} of steps whose block "
+                "holds a cached token (the others counted free)"
+            )
         return fallback, "grid steps x bundles per step"
     fraction = 1.0
     if executed_min == executed_max and mxu_min == mxu_max:

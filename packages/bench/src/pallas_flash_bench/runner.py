@@ -51,7 +51,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 7
+ANALYSIS_VERSION = 8
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 
