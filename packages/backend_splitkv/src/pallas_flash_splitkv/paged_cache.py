@@ -90,6 +90,7 @@ class PagedKVCache:
 
     @property
     def page_size(self) -> int:
+        """Positions per page."""
         return self.k.shape[2]
 
     @property

@@ -39,15 +39,13 @@ class DecodeCache(NamedTuple):
 
     @property
     def paged(self) -> bool:
+        """Whether the cache is in pages read through ``page_table``."""
         return self.page_table is not None
 
     @property
     def quantized(self) -> bool:
+        """Whether the cache is int8 with scales."""
         return self.k_scales is not None
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k.shape[1]
 
     @property
     def max_len(self) -> int:
