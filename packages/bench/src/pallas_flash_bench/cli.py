@@ -80,7 +80,10 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
         sweep = [w for w in sweep if w.op in ops]
     if args.seq_lens:
         lengths = [int(n) for n in args.seq_lens.split(",")]
-        shapes = {(w.op, w.causal, w.q_heads, w.kv_heads, w.chips) for w in sweep}
+        serving = set(serving_sweep(chips))  # their lengths are part of what they measure
+        shapes = {
+            (w.op, w.causal, w.q_heads, w.kv_heads, w.chips) for w in sweep if w not in serving
+        }
         sweep = [
             Workload(op, n, causal, q_heads=q, kv_heads=kv, chips=c)
             for op, causal, q, kv, c in sorted(shapes)
