@@ -108,7 +108,8 @@ class PagedKVCache:
         is left unchanged (check ``lengths``).
 
         Args:
-          k_new, v_new: ``[batch, kv_heads, head_dim]``, the new token's keys and values.
+          k_new: ``[batch, kv_heads, head_dim]``, the new token's keys.
+          v_new: ``[batch, kv_heads, head_dim]``, its values.
           active: ``[batch]`` bool, the sequences to extend; default all.
 
         Raises:

@@ -169,9 +169,10 @@ def decode(
         row ``p % page_size`` of page ``page_table[b, p // page_size]``. Only the pages
         ``lengths`` use are read; concrete indices of those outside ``[0, num_pages)`` raise,
         traced ones are clipped into it.
-      k_scales, v_scales: for an int8 cache, float32 ``k_cache``'s shape without
-        ``head_dim``: the cache's values are ``k_cache * k_scales[..., None]``
-        (`pallas_flash.quantize_int8` makes them).
+      k_scales: for an int8 cache, float32 ``k_cache``'s shape without ``head_dim``: the
+        cache's values are ``k_cache * k_scales[..., None]`` (`pallas_flash.quantize_int8`
+        makes them).
+      v_scales: the same for ``v_cache``.
       sm_scale: score scale; default ``1 / sqrt(head_dim)``.
       softcap: if set, ``scores = softcap * tanh(scores / softcap)``.
       backend: backend name (see `attention`).
