@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,6 +23,19 @@ import pallas_flash.registry
 from pallas_flash.hookspecs import ENTRY_POINT_GROUP
 from pallas_flash.masking import apply_softcap
 from pallas_flash.registry import BACKEND_ENV_VAR, Registry
+
+
+@pytest.fixture
+def raises_invalid() -> Callable[[str, str], Any]:
+    """``raises_invalid(name, got)``: expects an InvalidInputError whose message starts with
+    ``name: expected`` (the core's convention for a bad argument) and contains ``got``."""
+
+    def expect(name: str, got: str) -> Any:
+        return pytest.raises(
+            pf.InvalidInputError, match=rf"^{re.escape(name)}: expected .*{re.escape(got)}"
+        )
+
+    return expect
 
 
 def dense_attention(q, k, v, spec, **_ignored):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,23 +11,10 @@ import pallas_flash as pf
 from pallas_flash.decode_validation import check_decode
 from pallas_flash.validation import AttentionDims
 
-
-def _zeros(*shape, dtype=jnp.float32):
-    return jnp.zeros(shape, dtype)
-
-
-def _raises(name: str, got: str):
-    """Expects an InvalidInputError whose message starts with ``name: expected`` and
-    contains ``got``."""
-    return pytest.raises(
-        pf.InvalidInputError, match=rf"^{re.escape(name)}: expected .*{re.escape(got)}"
-    )
-
-
-DQ, CACHE = _zeros(2, 4, 8), _zeros(2, 2, 6, 8)
-PAGES = _zeros(5, 2, 4, 8)  # 5 pages of 4 positions
+DQ, CACHE = jnp.zeros((2, 4, 8)), jnp.zeros((2, 2, 6, 8))
+PAGES = jnp.zeros((5, 2, 4, 8))  # 5 pages of 4 positions
 TABLE = jnp.array([[3, 0], [4, 1]], jnp.int32)  # 2 pages (8 positions) per sequence
-INT8, SCALES = _zeros(2, 2, 6, 8, dtype=jnp.int8), _zeros(2, 2, 6)
+INT8, SCALES = jnp.zeros((2, 2, 6, 8), jnp.int8), jnp.zeros((2, 2, 6))
 
 
 def _cache(k=CACHE, v=None, page_table=None, k_scales=None, v_scales=None) -> pf.DecodeCache:
@@ -67,8 +52,8 @@ def test_int8_with_scales_is_accepted():
         (DQ, _cache(), [1, 7], "lengths", "values in [0, max_len=6], got values [1, 7]"),
     ],
 )
-def test_contiguous_errors(q, cache, lengths, name, got):
-    with _raises(name, got):
+def test_contiguous_errors(q, cache, lengths, name, got, raises_invalid):
+    with raises_invalid(name, got):
         check_decode(q, cache, jnp.asarray(lengths))
 
 
@@ -91,8 +76,8 @@ def test_contiguous_errors(q, cache, lengths, name, got):
         ),
     ],
 )
-def test_paged_errors(cache, lengths, name, got):
-    with _raises(name, got):
+def test_paged_errors(cache, lengths, name, got, raises_invalid):
+    with raises_invalid(name, got):
         check_decode(DQ, cache, jnp.asarray(lengths))
 
 
@@ -131,14 +116,14 @@ def test_pages_past_the_lengths_may_hold_any_index():
         ),
     ],
 )
-def test_int8_errors(cache, name, got):
-    with _raises(name, got):
+def test_int8_errors(cache, name, got, raises_invalid):
+    with raises_invalid(name, got):
         check_decode(DQ, cache, jnp.array([1, 1]))
 
 
-def test_int8_cache_needs_a_float_query():
+def test_int8_cache_needs_a_float_query(raises_invalid):
     cache = _cache(INT8, k_scales=SCALES, v_scales=SCALES)
-    with _raises("q", "a floating dtype"):
+    with raises_invalid("q", "a floating dtype"):
         check_decode(DQ.astype(jnp.int8), cache, jnp.array([1, 1]))
 
 
@@ -151,10 +136,10 @@ def test_traced_lengths_and_table_are_not_range_checked():
     np.testing.assert_array_equal(traced(jnp.array([-1, 9]), TABLE + 10), [7, 17])
 
 
-def test_shapes_of_traced_lengths_are_still_checked():
+def test_shapes_of_traced_lengths_are_still_checked(raises_invalid):
     @jax.jit
     def traced(lengths):
         return check_decode(DQ, _cache(), lengths).kv_len
 
-    with _raises("lengths", "got shape (3,)"):
+    with raises_invalid("lengths", "got shape (3,)"):
         traced(jnp.array([1, 2, 3]))

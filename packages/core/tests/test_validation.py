@@ -6,7 +6,6 @@ Every error message has the form ``"<argument>: expected <what>, got <what it go
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,6 @@ from pallas_flash.validation import HEADS_MAJOR, SEQ_MAJOR, AttentionDims, Layou
 
 def _zeros(*shape, dtype=jnp.float32):
     return jnp.zeros(shape, dtype)
-
-
-def _raises(name: str, got: str):
-    """Expects an InvalidInputError whose message starts with ``name: expected`` and
-    contains ``got``."""
-    return pytest.raises(
-        pf.InvalidInputError, match=rf"^{re.escape(name)}: expected .*{re.escape(got)}"
-    )
 
 
 # --- Layout --------------------------------------------------------------------------------
@@ -83,15 +74,15 @@ Q, KV = _zeros(2, 4, 3, 8), _zeros(2, 2, 5, 8)
         (Q, KV, KV.astype(jnp.float16), "v", "got dtype float16"),
     ],
 )
-def test_check_qkv_errors_name_the_argument_and_what_it_got(q, k, v, name, got):
-    with _raises(name, got):
+def test_check_qkv_errors_name_the_argument_and_what_it_got(q, k, v, name, got, raises_invalid):
+    with raises_invalid(name, got):
         validation.check_qkv(q, k, v)
 
 
-def test_check_qkv_rank_error_describes_the_layout():
-    with _raises("q", "rank 4 [batch, q_heads, q_len, head_dim], got shape (4, 3, 8)"):
+def test_check_qkv_rank_error_describes_the_layout(raises_invalid):
+    with raises_invalid("q", "rank 4 [batch, q_heads, q_len, head_dim], got shape (4, 3, 8)"):
         validation.check_qkv(Q[0], KV, KV)
-    with _raises("key", "rank 4 [batch, kv_len, kv_heads, head_dim], got shape (2, 5, 8)"):
+    with raises_invalid("key", "rank 4 [batch, kv_len, kv_heads, head_dim], got shape (2, 5, 8)"):
         validation.check_qkv(
             _zeros(2, 3, 4, 8), KV[0], KV, names=("query", "key", "value"), layout=SEQ_MAJOR
         )
@@ -123,8 +114,8 @@ def test_check_segment_ids_returns_int32_ids():
         (pf.SegmentIds(np.zeros((2, 3), int), np.zeros((2, 5), bool)), "segment_ids.kv", "bool"),
     ],
 )
-def test_check_segment_ids_errors(ids, name, got):
-    with _raises(name, got):
+def test_check_segment_ids_errors(ids, name, got, raises_invalid):
+    with raises_invalid(name, got):
         validation.check_segment_ids(ids, DIMS)
 
 
@@ -166,13 +157,13 @@ def test_check_window_normalises_to_left_right(window, causal, expected):
         ((1, None), "sliding_window[1]", "got None"),
     ],
 )
-def test_check_window_errors(window, name, got):
-    with _raises(name, got):
+def test_check_window_errors(window, name, got, raises_invalid):
+    with raises_invalid(name, got):
         validation.check_window(window, causal=False)
 
 
-def test_check_window_uses_the_given_argument_name():
-    with _raises("local_window_size", "got -2"):
+def test_check_window_uses_the_given_argument_name(raises_invalid):
+    with raises_invalid("local_window_size", "got -2"):
         validation.check_window(-2, causal=True, name="local_window_size")
 
 
@@ -206,10 +197,10 @@ def test_check_sm_scale_returns_a_python_float(value, expected):
         ([1.0], "got [1.0]"),
     ],
 )
-def test_check_sm_scale_errors(value, got):
-    with _raises("sm_scale", got):
+def test_check_sm_scale_errors(value, got, raises_invalid):
+    with raises_invalid("sm_scale", got):
         validation.check_sm_scale(value, 8)
-    with _raises("scale", got):
+    with raises_invalid("scale", got):
         validation.check_sm_scale(value, 8, name="scale")
 
 
@@ -233,17 +224,17 @@ def test_check_softcap_accepts_none_or_a_positive_number(value, expected):
         (1j, "a real number, got 1j"),
     ],
 )
-def test_check_softcap_errors(value, got):
-    with _raises("softcap", got):
+def test_check_softcap_errors(value, got, raises_invalid):
+    with raises_invalid("softcap", got):
         validation.check_softcap(value)
 
 
-def test_check_softcap_rejects_a_traced_value():
+def test_check_softcap_rejects_a_traced_value(raises_invalid):
     @jax.jit
     def traced(x):
         return validation.check_softcap(x)
 
-    with _raises("softcap", "a Python float known at trace time, got"):
+    with raises_invalid("softcap", "a Python float known at trace time, got"):
         traced(1.0)
 
 
@@ -255,8 +246,8 @@ def test_check_causal_accepts_bools(value):
 
 
 @pytest.mark.parametrize(("value", "got"), [(1, "got 1"), ("yes", "got 'yes'"), (None, "got None")])
-def test_check_causal_errors(value, got):
-    with _raises("causal", f"a bool, {got}"):
+def test_check_causal_errors(value, got, raises_invalid):
+    with raises_invalid("causal", f"a bool, {got}"):
         validation.check_causal(value)
-    with _raises("is_causal", got):
+    with raises_invalid("is_causal", got):
         validation.check_causal(value, name="is_causal")
