@@ -97,20 +97,9 @@ class KVCache:
             lengths are on the host, not traced) a sequence is already full. Under a trace a
             full sequence is left unchanged: stop appending at ``max_len``.
         """
-        expected = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
-        for name, x in (("k_new", k_new), ("v_new", v_new)):
-            if tuple(jnp.shape(x)) != expected:
-                raise pf.InvalidInputError(
-                    f"{name}: expected shape {expected} [batch, kv_heads, head_dim], "
-                    f"got {tuple(jnp.shape(x))}"
-                )
+        check_token_shapes(k_new, v_new, (self.k.shape[0], self.k.shape[1], self.k.shape[3]))
         if not isinstance(self.lengths, jax.core.Tracer):
-            full = np.flatnonzero(np.asarray(self.lengths) >= self.max_len)
-            if full.size:
-                raise pf.InvalidInputError(
-                    f"lengths: expected room for one more token, got full sequences "
-                    f"{full.tolist()} (max_len={self.max_len})"
-                )
+            check_room(np.asarray(self.lengths), self.max_len)
         scales = None if self.k_scales is None else pf.kept_format(self.k_scales)
         step = append_step(pf.kept_format(self.k), scales, placement.sequence_split(self.k))
         return step(self, k_new, v_new)
@@ -121,6 +110,35 @@ class KVCache:
             q, self.k, self.v, self.lengths, k_scales=self.k_scales, v_scales=self.v_scales,
             **kwargs,
         )  # fmt: skip
+
+
+def check_token_shapes(k_new: jax.Array, v_new: jax.Array, expected: tuple[int, ...]) -> None:
+    """Checks that an appended token's keys and values are ``expected``, ``[batch, kv_heads,
+    head_dim]``.
+
+    Raises:
+      pf.InvalidInputError: naming the mismatched argument.
+    """
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(jnp.shape(x)) != expected:
+            raise pf.InvalidInputError(
+                f"{name}: expected shape {expected} [batch, kv_heads, head_dim], "
+                f"got {tuple(jnp.shape(x))}"
+            )
+
+
+def check_room(lengths: np.ndarray, max_len: int, active: np.ndarray | None = None) -> None:
+    """Checks that every (``active``) sequence of concrete ``lengths`` has room for a token.
+
+    Raises:
+      pf.InvalidInputError: listing the full sequences.
+    """
+    full = lengths >= max_len if active is None else active & (lengths >= max_len)
+    if full.any():
+        raise pf.InvalidInputError(
+            f"lengths: expected room for one more token, got full sequences "
+            f"{np.flatnonzero(full).tolist()} (max_len={max_len})"
+        )
 
 
 def _scales_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:

@@ -29,6 +29,7 @@ from jax.experimental.layout import Format
 
 import pallas_flash as pf
 from pallas_flash.cache_write import write_rows
+from pallas_flash_splitkv.cache import check_room, check_token_shapes
 
 
 @jax.tree_util.register_dataclass
@@ -117,13 +118,7 @@ class PagedKVCache:
             too few free pages (concrete values only).
         """
         batch = self.page_table.shape[0]
-        expected = (batch, self.k.shape[1], self.k.shape[3])
-        for name, x in (("k_new", k_new), ("v_new", v_new)):
-            if tuple(jnp.shape(x)) != expected:
-                raise pf.InvalidInputError(
-                    f"{name}: expected shape {expected} [batch, kv_heads, head_dim], "
-                    f"got {tuple(jnp.shape(x))}"
-                )
+        check_token_shapes(k_new, v_new, (batch, self.k.shape[1], self.k.shape[3]))
         active = jnp.ones((batch,), bool) if active is None else jnp.asarray(active, bool)
         if not isinstance(self.lengths, jax.core.Tracer):
             self._check_room(np.asarray(active))
@@ -133,12 +128,7 @@ class PagedKVCache:
 
     def _check_room(self, active: np.ndarray) -> None:
         lengths = np.asarray(self.lengths)
-        full = np.flatnonzero(active & (lengths >= self.max_len))
-        if full.size:
-            raise pf.InvalidInputError(
-                f"lengths: expected room for one more token, got full sequences "
-                f"{full.tolist()} (max_len={self.max_len})"
-            )
+        check_room(lengths, self.max_len, active)
         needed = int((active & (lengths % self.page_size == 0)).sum())
         if needed > int(self.num_free):
             raise pf.InvalidInputError(
