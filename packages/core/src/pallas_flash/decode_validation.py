@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash.decode_cache import DecodeCache
-from pallas_flash.validation import AttentionDims, check_float_dtypes, check_rank, fail
+from pallas_flash.validation import (
+    AttentionDims,
+    check_float_dtypes,
+    check_heads,
+    check_rank,
+    fail,
+)
 
 CONTIGUOUS = "[batch, kv_heads, max_len, head_dim]"
 PAGED = "[num_pages, kv_heads, page_size, head_dim]"
@@ -40,12 +46,7 @@ def _check_cache_arrays(q: Any, cache: DecodeCache, layout: str) -> None:
     _, q_heads, head_dim = jnp.shape(q)
     if k_shape[3] != head_dim:
         raise fail("k_cache", f"shape {k_shape}", f"head_dim {head_dim} (from q)")
-    if q_heads % k_shape[1]:
-        raise fail(
-            "k_cache",
-            f"{k_shape[1]} kv heads for {q_heads} query heads",
-            "q_heads to be a multiple of kv_heads",
-        )
+    check_heads("k_cache", q_heads, k_shape[1])
     if jnp.int8 in (jnp.result_type(cache.k), jnp.result_type(cache.v)):
         _check_int8(q, cache, layout)
         return

@@ -73,6 +73,16 @@ def check_float_dtypes(names: tuple[str, ...], arrays: tuple[Any, ...]) -> None:
             raise fail(name, f"dtype {x_dtype}", f"the dtype of {names[0]}, {dtype}")
 
 
+def check_heads(name: str, q_heads: int, kv_heads: int) -> None:
+    """Checks that ``kv_heads`` (of the argument ``name``) divides ``q_heads`` (GQA/MQA)."""
+    if q_heads % kv_heads:
+        raise fail(
+            name,
+            f"{kv_heads} kv heads for {q_heads} query heads",
+            "q_heads to be a multiple of kv_heads",
+        )
+
+
 def check_qkv(
     q: Any,
     k: Any,
@@ -103,12 +113,7 @@ def check_qkv(
         raise fail(k_name, f"shape {k_shape}", f"batch {dims.batch} (from {q_name})")
     if k_shape[3] != dims.head_dim:
         raise fail(k_name, f"shape {k_shape}", f"head_dim {dims.head_dim} (from {q_name})")
-    if dims.q_heads % dims.kv_heads:
-        raise fail(
-            k_name,
-            f"{dims.kv_heads} kv heads for {dims.q_heads} query heads",
-            "q_heads to be a multiple of kv_heads",
-        )
+    check_heads(k_name, dims.q_heads, dims.kv_heads)
     check_float_dtypes(names, (q, k, v))
     return dims
 
