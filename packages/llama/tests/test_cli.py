@@ -12,6 +12,13 @@ from pallas_flash_llama.weights import load_params
 OFF = ["--compilation-cache", "off"]
 
 
+def _train_tiny(model, *, batch_size: int, seq_len: int) -> list[str]:
+    """``train`` arguments for the tiny model on its sample text, on the xla backend."""
+    data = str(model / "sample.txt")
+    sizes = ["--batch-size", str(batch_size), "--seq-len", str(seq_len)]
+    return ["train", "--model", str(model), "--data", data, *sizes, "--backend", "xla"]
+
+
 def test_init_tiny_generate_train_and_generate_again(tmp_path, capsys) -> None:
     model = tmp_path / "tiny"
     assert main([*OFF, "init-tiny", str(model)]) == 0
@@ -35,25 +42,8 @@ def test_init_tiny_generate_train_and_generate_again(tmp_path, capsys) -> None:
         == 0
     )
     trained = tmp_path / "trained"
-    args = [
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        str(model / "sample.txt"),
-        "--steps",
-        "30",
-        "--lr",
-        "3e-3",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "64",
-        "--backend",
-        "xla",
-        "--save",
-        str(trained),
-    ]
+    args = [*_train_tiny(model, batch_size=4, seq_len=64), "--steps", "30", "--lr", "3e-3",
+            "--save", str(trained)]  # fmt: skip
     assert main([*OFF, *args]) == 0
     assert load_params(trained)[0] == load_params(model)[0]
     capsys.readouterr()
@@ -84,20 +74,7 @@ def test_a_resumed_training_run_equals_one_that_never_stopped(tmp_path, capsys) 
     model = tmp_path / "tiny"
     assert main([*OFF, "init-tiny", str(model)]) == 0
     checkpoints = tmp_path / "checkpoints"
-    args = [
-        *OFF,
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        str(model / "sample.txt"),
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--backend",
-        "xla",
-    ]
+    args = [*OFF, *_train_tiny(model, batch_size=2, seq_len=32)]
     resumable = [*args, "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
     assert main([*args, "--steps", "4", "--save", str(tmp_path / "straight")]) == 0
     assert main([*resumable, "--steps", "3"]) == 0  # checkpoints at steps 2 and 3 (the end)
