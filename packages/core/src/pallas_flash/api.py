@@ -176,8 +176,9 @@ def decode(
       sm_scale: score scale; default ``1 / sqrt(head_dim)``.
       softcap: if set, ``scores = softcap * tanh(scores / softcap)``.
       backend: backend name (see `attention`).
-      mesh: devices to split the cache's sequence axis over, for backends that declare
-        ``multi_device``; other backends ignore it.
+      mesh: devices to split the cache over, for backends that declare ``multi_device``
+        (a contiguous cache along its sequence axis, a paged pool along its pages: each
+        device attends to the positions it holds); other backends ignore it.
 
     Returns:
       ``[batch, q_heads, head_dim]`` in the dtype of q; zeros where ``lengths[b] == 0``.

@@ -2,10 +2,11 @@
 
 A decode loop that rebuilds its cache with ``jnp.concatenate`` copies the whole cache every
 token. `write_token` instead writes each sequence's row with ``dynamic_update_slice``: inside
-a jit that donates the cache, XLA updates the buffer in place. A cache whose sequence axis is
-split over a mesh is written inside ``shard_map``: each device writes the row only if the
-position falls in its own slice, so a write moves no cache data between devices (left to
-XLA's partitioner, a dynamic position on a partitioned axis gathers the cache).
+a jit that donates the cache, XLA updates the buffer in place. A cache split over a mesh (a
+contiguous cache's sequence axis, a paged cache's pages) is written inside ``shard_map``:
+each device writes a row only if it falls in its own slice, so a write moves no cache data
+between devices (left to XLA's partitioner, a dynamic index on a partitioned axis gathers
+the cache).
 """
 
 from __future__ import annotations
@@ -16,28 +17,57 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-SequenceSplit = tuple[Mesh, tuple[str, ...]]
-"""A mesh and the names of its axes that split a cache's sequence axis (axis 2)."""
-
-
-def _write_all(cache: jax.Array, row: jax.Array, positions: jax.Array) -> jax.Array:
-    """``cache [batch, kv_heads, length, ...]`` with each ``row[b] [kv_heads, ...]`` at
-    ``positions[b]`` when in range, else unchanged."""
-    return write_rows(cache, row, jnp.arange(cache.shape[0]), positions)
+Split = tuple[Mesh, tuple[str, ...]]
+"""A mesh and the names of its axes that split one axis of a cache."""
 
 
 def write_rows(
-    cache: jax.Array, rows: jax.Array, blocks: jax.Array, positions: jax.Array
+    cache: jax.Array,
+    rows: jax.Array,
+    blocks: jax.Array,
+    positions: jax.Array,
+    *,
+    split: Split | None = None,
+    split_axis: int = 2,
 ) -> jax.Array:
     """``cache [blocks, kv_heads, length, ...]`` with ``rows[i] [kv_heads, ...]`` written at
     ``[blocks[i], :, positions[i]]`` for every ``i`` whose block and position are in range;
-    the others write nothing (their row at the clipped indices is written back unchanged).
-    A block is a sequence of a contiguous cache, or a page of a paged one; ``...`` is
-    ``head_dim`` for values and nothing for int8 scales.
+    the others write nothing. A block is a sequence of a contiguous cache, or a page of a
+    paged one; ``...`` is ``head_dim`` for values and nothing for int8 scales.
 
     One ``dynamic_update_slice`` per row, unrolled: a ``vmap`` of them becomes a scatter,
     which XLA on TPU runs on a re-laid-out copy of the whole cache.
+
+    Args:
+      split: the mesh axes that split the cache's ``split_axis`` (2, positions, for a
+        contiguous cache; 0, pages, for a paged one): each device writes only the rows that
+        fall in its own contiguous slice, inside ``shard_map``.
     """
+    if split is None or not split[1]:
+        return _write_rows(cache, rows, blocks, positions)
+    mesh, axes = split
+    part = cache.shape[split_axis] // math.prod(mesh.shape[name] for name in axes)
+
+    def on_device(cache, rows, blocks, positions):
+        first = jax.lax.axis_index(axes) * part
+        if split_axis == 0:
+            return _write_rows(cache, rows, blocks - first, positions)
+        return _write_rows(cache, rows, blocks, positions - first)
+
+    local = PartitionSpec(*(axes if i == split_axis else None for i in range(cache.ndim)))
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(local, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=local,
+        check_vma=False,
+    )(cache, rows, blocks, positions)
+
+
+def _write_rows(
+    cache: jax.Array, rows: jax.Array, blocks: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """`write_rows` on one device (a row at clipped indices is written back unchanged)."""
     num_blocks, kv_heads, length = cache.shape[:3]
     rest = cache.shape[3:]
     for i in range(rows.shape[0]):
@@ -57,7 +87,7 @@ def write_token(
     row: jax.Array,
     positions: jax.Array,
     *,
-    split: SequenceSplit | None = None,
+    split: Split | None = None,
 ) -> jax.Array:
     """``cache`` with each sequence's ``row`` written at its position.
 
@@ -71,20 +101,5 @@ def write_token(
       split: the mesh axes that split the cache's sequence axis: each device writes only its
         own contiguous slice (``max_len / devices`` positions), inside ``shard_map``.
     """
-    if split is None or not split[1]:
-        return _write_all(cache, row, positions)
-    mesh, axes = split
-    part = cache.shape[2] // math.prod(mesh.shape[name] for name in axes)
-
-    def on_device(cache, row, positions):
-        first = jax.lax.axis_index(axes) * part
-        return _write_all(cache, row, positions - first)
-
-    local = PartitionSpec(None, None, axes, *[None] * (cache.ndim - 3))
-    return jax.shard_map(
-        on_device,
-        mesh=mesh,
-        in_specs=(local, PartitionSpec(), PartitionSpec()),
-        out_specs=local,
-        check_vma=False,
-    )(cache, row, positions)
+    batch = jnp.arange(cache.shape[0])
+    return write_rows(cache, row, batch, positions, split=split, split_axis=2)
