@@ -74,9 +74,9 @@ PARTIAL_BYTES = BATCH * Q_HEADS * (HEAD_DIM + 1) * 4
 """A float32 output and log-sum-exp per query head: what may be copied or exchanged."""
 
 
-def _large_relayouts(text: str) -> list[hlo.HloOp]:
+def _large_relayouts(text: str, partial_bytes: int = PARTIAL_BYTES) -> list[hlo.HloOp]:
     trap = hlo.find_copy_trap(text)
-    return [op for op in trap if op.relayout is not False and op.bytes > PARTIAL_BYTES]
+    return [op for op in trap if op.relayout is not False and op.bytes > partial_bytes]
 
 
 def _collective_bytes(text: str) -> list[int]:
@@ -191,8 +191,8 @@ def test_an_int8_paged_serving_step_updates_the_pool_in_place(
         struct(scales, jnp.float32), struct(scales, jnp.float32),
         struct((batch, pages_per_sequence), jnp.int32, False),
         struct((batch,), jnp.int32, False),
-        struct((num_pages,), jnp.int32, False),
-        struct((), jnp.int32, False),
+        struct((1, num_pages), jnp.int32, False),
+        struct((1,), jnp.int32, False),
     )  # fmt: skip
     new = struct((batch, KV_HEADS, HEAD_DIM), jnp.bfloat16, False)
     q = struct((batch, Q_HEADS, HEAD_DIM), jnp.bfloat16, False)
@@ -214,3 +214,55 @@ def test_an_int8_paged_serving_step_updates_the_pool_in_place(
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes >= 2 * pool_bytes
     assert memory.temp_size_in_bytes < pool_bytes // 16
+
+
+def test_a_paged_int8_pool_over_four_chips_holds_a_quarter_and_appends_locally(
+    v5e_devices: list[jax.Device],
+) -> None:
+    """A pool split along its pages over the 2x2 slice: each chip's decode program holds a
+    quarter of the pages and scales, runs one kernel (and a second only for sequences holding
+    more than their quarter of the table here) and exchanges only partials; the append writes
+    each row on the chip holding its page, in place, with no collective."""
+    from pallas_flash_splitkv import PagedKVCache
+    from pallas_flash_splitkv.paged_cache import _append_step
+
+    batch, pages_per_sequence, page_size = 8, 256, 128
+    num_pages = batch * pages_per_sequence
+    mesh = Mesh(np.array(v5e_devices), ("kv",))
+    pages = NamedSharding(mesh, PartitionSpec("kv"))  # values and scales alike
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def struct(shape, dtype, sharding=replicated):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    pool, scale = (num_pages, KV_HEADS, page_size, HEAD_DIM), (num_pages, KV_HEADS, page_size)
+    cache = PagedKVCache(
+        struct(pool, jnp.int8, pages), struct(pool, jnp.int8, pages),
+        struct(scale, jnp.float32, pages), struct(scale, jnp.float32, pages),
+        struct((batch, pages_per_sequence), jnp.int32),
+        struct((batch,), jnp.int32),
+        struct((4, num_pages // 4), jnp.int32),
+        struct((4,), jnp.int32),
+    )  # fmt: skip
+    q = struct((batch, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+
+    def decode(cache: PagedKVCache, q):
+        return cache.decode(q, backend="splitkv", mesh=mesh)
+
+    text = jax.jit(decode).trace(cache, q).lower(lowering_platforms=("tpu",)).compile().as_text()
+    kernels = {op.name for op in hlo.kernel_calls(text)}
+    assert len(kernels) == 2 and len(hlo.conditional_kernel_calls(text)) == 1  # the second pass
+    params = [op.shape for op in hlo.parse_entry(text) if op.opcode == "parameter"]
+    quarter = f"[{num_pages // 4},{KV_HEADS},{page_size}"
+    assert sum(s.startswith(f"s8{quarter},{HEAD_DIM}]") for s in params) == 2, params
+    assert sum(s.startswith(f"f32{quarter}]") for s in params) == 2, params
+    partial_bytes = batch * Q_HEADS * (HEAD_DIM + 1) * 4
+    assert max(_collective_bytes(text)) <= partial_bytes
+    assert not _large_relayouts(text, partial_bytes)
+
+    step = _append_step(pf.cache_format(pages, 4), pf.cache_format(pages, 3), (mesh, ("kv",)))
+    new = struct((batch, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    active = struct((batch,), jnp.bool_)
+    compiled = step.trace(cache, new, new, active).lower(lowering_platforms=("tpu",)).compile()
+    assert not hlo.collectives(compiled.as_text())
+    assert compiled.memory_analysis().alias_size_in_bytes >= 2 * math.prod(pool) // 4

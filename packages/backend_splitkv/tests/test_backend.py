@@ -23,28 +23,22 @@ def test_registered_as_the_tpu_decode_backend() -> None:
     assert SplitKvBackend().blocks == DecodeBlocks()
 
 
-def test_a_mesh_that_does_not_divide_the_cache_raises() -> None:
+@pytest.mark.parametrize(
+    ("cache", "table", "expected"),
+    [
+        ((1, 2, 100, 64), None, "max_len divisible by the mesh's 3 devices, got max_len=100"),
+        ((4, 2, 16, 64), (1, 2), "num_pages divisible by the mesh's 3 devices, got num_pages=4"),
+    ],
+    ids=["contiguous", "paged"],
+)
+def test_a_mesh_that_does_not_divide_the_cache_raises(cache, table, expected) -> None:
     mesh = jax.sharding.AbstractMesh((3,), ("kv",))  # the check needs no devices
-    x = jnp.zeros((1, 2, 64))
-    cache = jnp.zeros((1, 2, 100, 64))
-    with pytest.raises(pf.InvalidInputError, match=r"k_cache: expected max_len divisible by"):
-        split_kv_decode(
-            x,
-            pf.DecodeCache(cache, cache),
-            jnp.array([5]),
-            spec=pf.DecodeSpec(sm_scale=0.125),
-            blocks=DecodeBlocks(),
-            mesh=mesh,
-        )
-
-
-def test_a_paged_cache_over_several_devices_is_unsupported() -> None:
-    mesh = jax.sharding.AbstractMesh((2,), ("kv",))
-    pages = jnp.zeros((4, 2, 16, 64))
-    with pytest.raises(pf.UnsupportedFeatureError, match="paged cache on one device"):
+    cache = jnp.zeros(cache)
+    table = None if table is None else jnp.zeros(table, jnp.int32)
+    with pytest.raises(pf.InvalidInputError, match=rf"k_cache: expected {expected}"):
         split_kv_decode(
             jnp.zeros((1, 2, 64)),
-            pf.DecodeCache(pages, pages, jnp.zeros((1, 2), jnp.int32)),
+            pf.DecodeCache(cache, cache, table),
             jnp.array([5]),
             spec=pf.DecodeSpec(sm_scale=0.125),
             blocks=DecodeBlocks(),

@@ -1,8 +1,9 @@
 """Decoding and appending where the cache lives, with several local devices present.
 
 With ``mesh=None`` a cache on one device is decoded on that device (no copy to the others), a
-cache split along its sequence axis by a ``NamedSharding`` over its mesh, and one split along
-another axis is refused. An append to a split cache moves no data between devices.
+cache split along its sequence axis (a paged pool: along its pages) by a ``NamedSharding`` over
+its mesh, and one split along another axis is refused. An append to a split cache moves no
+data between devices.
 
 The multi-device tests need 4 host devices, which must be set before jax initialises:
 `test_on_four_host_devices` runs this file again in a subprocess with
@@ -27,8 +28,9 @@ import pallas_flash as pf
 from pallas_flash_bench import hlo
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
-from pallas_flash_splitkv import KVCache, placement
+from pallas_flash_splitkv import KVCache, PagedKVCache, placement
 from pallas_flash_splitkv.cache import append_step
+from pallas_flash_splitkv.paged_cache import _append_step
 
 DEVICES = 4
 HOST_DEVICES_FLAG = f"--xla_force_host_platform_device_count={DEVICES}"
@@ -196,3 +198,40 @@ def test_an_int8_sequence_split_cache_appends_locally_and_decodes_over_its_mesh(
     out = split.decode(q, backend="splitkv")
     assert out.sharding.mesh == mesh
     assert_close(out, np.asarray(one.decode(q, backend="xla"), np.float64), 1e-5)
+
+
+@four_devices
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8], ids=["float32", "int8"])
+def test_a_paged_cache_split_over_a_mesh_spreads_each_sequence_over_it(dtype) -> None:
+    """A pool split along its pages: page ``j`` of sequence ``b`` comes from shard ``(j + b) %
+    4``, appends write locally (no collective), decode follows the pool's mesh and equals the
+    one-device cache's, and release returns each page to its shard."""
+    mesh = _mesh((4,), ("kv",))
+    sharding = NamedSharding(mesh, PartitionSpec("kv"))
+    page_size, per_shard, lengths = 4, 6, np.array([0, 5, 21])
+    split, one = (
+        PagedKVCache.empty(3, 6, 4 * per_shard, KV_HEADS, page_size, HEAD_DIM, dtype, sharding=s)
+        for s in (sharding, None)
+    )
+    assert split.shards == 4 and split.k.sharding == sharding
+    k_new, v_new = (inputs.normal(seed, (3, KV_HEADS, HEAD_DIM)) for seed in (3, 4))
+    active = jnp.asarray(lengths > 0)
+    step = _append_step(pf.kept_format(split.k), None if dtype == jnp.float32 else
+                        pf.kept_format(split.k_scales), (mesh, ("kv",)))  # fmt: skip
+    assert not hlo.collectives(step.lower(split, k_new, v_new, active).compile().as_text())
+    for position in range(int(lengths.max())):
+        k_new, v_new = (inputs.normal(10 * position + s, (3, KV_HEADS, HEAD_DIM)) for s in (0, 1))
+        active = jnp.asarray(position < lengths)
+        split, one = split.append(k_new, v_new, active), one.append(k_new, v_new, active)
+    np.testing.assert_array_equal(split.lengths, lengths)
+    table = np.asarray(split.page_table)
+    for b, length in enumerate(lengths):
+        shards = table[b, : math.ceil(length / page_size)] // per_shard
+        np.testing.assert_array_equal(shards, (np.arange(len(shards)) + b) % 4)
+    q = inputs.normal(0, (3, Q_HEADS, HEAD_DIM))
+    out = split.decode(q, backend="splitkv")
+    assert out.sharding.mesh == mesh
+    assert_close(out, np.asarray(one.decode(q, backend="xla"), np.float64), 1e-5)
+    held = np.asarray(split.num_free) + np.bincount((np.arange(6) + 2) % 4, minlength=4)
+    freed = split.release(np.array([False, False, True]))  # donates split
+    np.testing.assert_array_equal(freed.num_free, held)

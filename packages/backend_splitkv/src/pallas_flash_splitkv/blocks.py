@@ -31,8 +31,8 @@ class DecodeBlocks:
     Attributes:
       block_kv: cache positions per grid step of a contiguous cache (clamped to the cache
         length; a shorter block must be a multiple of 128). None: the multiple of 128 whose
-        K and V blocks of all kv heads come nearest `STEP_BYTES` (at least 128), e.g. 512
-        positions at 8 kv heads of head_dim 128 in bfloat16, 1024 in int8. Small blocks
+        K and V blocks of all kv heads come nearest `STEP_BYTES` (at least 128), e.g. 256
+        positions at 8 kv heads of head_dim 128 in bfloat16, 512 in int8. Small blocks
         waste less of a short sequence's last block; large ones amortise a step's fixed cost.
       splits: independent groups of blocks per sequence.
     """

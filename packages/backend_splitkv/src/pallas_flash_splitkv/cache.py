@@ -4,7 +4,7 @@ A decode loop that rebuilds its cache with ``jnp.concatenate`` copies the whole 
 token. `KVCache.append` instead writes each sequence's new K/V row at position
 ``lengths[b]`` with ``dynamic_update_slice`` inside a jit that donates the old cache, so XLA
 updates the buffers in place. A cache whose sequence axis is split over a mesh
-(`placement.sequence_split`) is appended to inside ``shard_map``: each device writes the row
+(`placement.axis_split`) is appended to inside ``shard_map``: each device writes the row
 only if the position falls in its slice, so an append moves no cache data between devices.
 The buffers are row-major (`pf.zeros_cache`) and every append returns them so
 (`pf.cache_format`): on TPU a ``head_dim`` under 128 would otherwise be laid out sequence-minor
@@ -69,7 +69,7 @@ class KVCache:
         lengths = jnp.zeros((batch,), jnp.int32)
         if jnp.dtype(dtype) != jnp.int8:
             return cls(k, v, lengths)
-        scales = _scales_sharding(sharding)
+        scales = placement.drop_last_axis(sharding)
         return cls(
             k, v, lengths,
             pf.zeros_cache(shape[:3], jnp.float32, scales),
@@ -101,7 +101,7 @@ class KVCache:
         if not isinstance(self.lengths, jax.core.Tracer):
             check_room(np.asarray(self.lengths), self.max_len)
         scales = None if self.k_scales is None else pf.kept_format(self.k_scales)
-        step = append_step(pf.kept_format(self.k), scales, placement.sequence_split(self.k))
+        step = append_step(pf.kept_format(self.k), scales, placement.axis_split(self.k))
         return step(self, k_new, v_new)
 
     def decode(self, q: jax.Array, **kwargs: object) -> jax.Array:
@@ -139,14 +139,6 @@ def check_room(lengths: np.ndarray, max_len: int, active: np.ndarray | None = No
             f"lengths: expected room for one more token, got full sequences "
             f"{np.flatnonzero(full).tolist()} (max_len={max_len})"
         )
-
-
-def _scales_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
-    """The scales' placement for the values' ``sharding``: the same, without ``head_dim``."""
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:3]))
-    return sharding
 
 
 @functools.cache

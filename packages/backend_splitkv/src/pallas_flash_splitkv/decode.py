@@ -1,7 +1,7 @@
-"""Split-KV decoding on one device or with the cache's sequence axis split over a mesh.
+"""Split-KV decoding on one device or with the cache split over a mesh.
 
 Layouts: q ``[batch, q_heads, head_dim]``; the cache a `pf.DecodeCache` (contiguous or paged,
-float or int8; a paged one on one device); ``lengths [batch]`` int32; the output ``[batch,
+float or int8); ``lengths [batch]`` int32; the output ``[batch,
 q_heads, head_dim]`` in q's dtype.
 
 On one device the kernel's splits are merged by their log-sum-exps (`merge.merge`). Over a
@@ -10,8 +10,11 @@ sequence's cache and the query (replicated); each device runs the kernel on its 
 part of ``lengths`` (``clip(lengths - first position, 0, slice)``: a device past a sequence's
 end sees no position of it and contributes weight 0), and the devices' partial outputs are
 merged with one ``pmax`` and one ``psum`` of ``[batch, q_heads, head_dim]``-sized values
-(`merge.merge_across`): the cache never crosses the interconnect. Without a mesh the cache
-stays where it is (`placement.follow`).
+(`merge.merge_across`): the cache never crosses the interconnect. A paged cache's pool is
+split along its pages instead: each device attends to the positions in its own pages
+(`page_shards.local_pages`), so a sequence whose pages are spread over the devices is
+decoded by all of them, whatever its length. Without a mesh the cache stays where it is
+(`placement.follow`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pallas_flash_splitkv import placement
 from pallas_flash_splitkv.blocks import DecodeBlocks
 from pallas_flash_splitkv.kernel import split_partials
 from pallas_flash_splitkv.merge import merge, merge_across
+from pallas_flash_splitkv.page_shards import local_pages
 
 
 def _local(
@@ -60,6 +64,46 @@ def _local(
     return out.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
 
 
+def _local_pages(
+    q: jax.Array,
+    cache: pf.DecodeCache,
+    lengths: jax.Array,
+    parts: int,
+    spec: DecodeSpec,
+    blocks: DecodeBlocks,
+    devices: int,
+) -> tuple[jax.Array, jax.Array]:
+    """`_local` of one device's part of a pool split into ``parts`` along its pages, its table
+    and ``lengths`` from `local_pages` (held pages first).
+
+    The kernel's grid walks ``pages_per_sequence`` steps per sequence, and a step it skips
+    still costs its pipeline bookkeeping. A sequence whose pages go round the devices (as
+    `PagedKVCache` allocates them) has at most ``ceil(pages_per_sequence / parts)`` of them
+    here, so the kernel walks that many columns of the table; the rest of the columns, which
+    only another allocation fills, are decoded by a second kernel that runs only when some
+    sequence holds more pages here (``lax.cond``), its partials merged with the first's.
+    """
+    pages_per_sequence, page_size = cache.page_table.shape[1], cache.k.shape[2]
+    width = -(-pages_per_sequence // parts)
+    if width == pages_per_sequence:
+        return _local(q, cache, lengths, spec, blocks, devices)
+    held = width * page_size
+    table = cache.page_table
+    first = _local(q, cache._replace(page_table=table[:, :width]), jnp.minimum(lengths, held),
+                   spec, blocks, devices)  # fmt: skip
+
+    def rest() -> tuple[jax.Array, jax.Array]:
+        more = jnp.maximum(lengths - held, 0)
+        return _local(q, cache._replace(page_table=table[:, width:]), more, spec, blocks, devices)
+
+    def nothing() -> tuple[jax.Array, jax.Array]:
+        out, lse = first
+        return jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf)
+
+    second = jax.lax.cond(jnp.any(lengths > held), rest, nothing)
+    return merge(*(jnp.stack(pair) for pair in zip(first, second, strict=True)), axis=0)
+
+
 def split_kv_decode(
     q: jax.Array,
     cache: pf.DecodeCache,
@@ -74,34 +118,31 @@ def split_kv_decode(
     Args:
       q, cache, lengths, spec: as ``pf.Backend.decode``.
       blocks: the kernel's tiling of each device's slice.
-      mesh: the devices to split the sequence axis over, all its axes flattened; one device:
-        no split. None: follow the cache's placement (`placement.follow`): the device it is
-        on, or the mesh of a ``NamedSharding`` that splits only its sequence axis (a traced
-        cache: one device).
+      mesh: the devices to split the cache over (a contiguous cache's sequence axis, a paged
+        pool's pages), all its axes flattened; one device: no split. None: follow the
+        cache's placement (`placement.follow`): the device it is on, or the mesh of a
+        ``NamedSharding`` that splits only that axis (a traced cache: one device).
 
     Raises:
-      pf.InvalidInputError: the mesh's devices do not divide ``max_len``; with ``mesh=None``,
-        a cache on several devices that is not split only along its sequence axis.
-      pf.UnsupportedFeatureError: a paged cache over several devices.
+      pf.InvalidInputError: the mesh's devices do not divide ``max_len`` (paged:
+        ``num_pages``); with ``mesh=None``, a cache on several devices that is not split
+        only along that axis.
     """
+    axis = placement.PAGE_AXIS if cache.paged else placement.SEQUENCE_AXIS
     if mesh is None:
-        split = placement.follow(cache.k, cache.v)
+        split = placement.follow(cache.k, cache.v, axis)
     else:
         split = None if mesh.size == 1 else (mesh, tuple(mesh.axis_names))
     if split is None:
         out, _ = _local(q, cache, lengths, spec, blocks)
         return out.astype(q.dtype)
-    if cache.paged:
-        raise pf.UnsupportedFeatureError(
-            "splitkv decodes a paged cache on one device; pass mesh=None (or a one-device "
-            "mesh), or split a contiguous cache's sequence axis over the mesh"
-        )
     mesh, axes = split
     parts = math.prod(mesh.shape[name] for name in axes)
-    if cache.max_len % parts:
+    if cache.k.shape[axis] % parts:
+        size = "num_pages" if cache.paged else "max_len"
         raise pf.InvalidInputError(
-            f"k_cache: expected max_len divisible by the mesh's {parts} devices, "
-            f"got max_len={cache.max_len}"
+            f"k_cache: expected {size} divisible by the mesh's {parts} devices, "
+            f"got {size}={cache.k.shape[axis]}"
         )
     return _sharded(q, cache, lengths, spec=spec, blocks=blocks, mesh=mesh, axes=axes)
 
@@ -117,22 +158,32 @@ def _sharded(
     mesh: Mesh,
     axes: tuple[str, ...],
 ) -> jax.Array:
-    """`split_kv_decode` over a mesh whose ``axes`` split the sequence (its other axes hold
+    """`split_kv_decode` over a mesh whose ``axes`` split the cache (its other axes hold
     copies; no axes: every device decodes the whole cache), as one SPMD program (jitted: every
     device runs its kernel at once, which the TPU interpreter's simulated devices also need)."""
-    part = cache.max_len // math.prod(mesh.shape[name] for name in axes)
+    axis = placement.PAGE_AXIS if cache.paged else placement.SEQUENCE_AXIS
+    part = cache.k.shape[axis] // math.prod(mesh.shape[name] for name in axes)
+
+    parts = cache.k.shape[axis] // part
 
     def on_device(q, cache, lengths):
         first = jax.lax.axis_index(axes) * part if axes else 0
-        mine = jnp.clip(lengths - first, 0, part)
-        out, lse = _local(q, cache, mine, spec, blocks, mesh.size)
+        if cache.paged:
+            table, mine = local_pages(cache.page_table, lengths, first, part, cache.k.shape[2])
+            out, lse = _local_pages(q, cache._replace(page_table=table), mine, parts, spec,
+                                    blocks, mesh.size)  # fmt: skip
+        else:
+            mine = jnp.clip(lengths - first, 0, part)
+            out, lse = _local(q, cache, mine, spec, blocks, mesh.size)
         if axes:
             out, _ = merge_across(out, lse, axes)
         return out.astype(q.dtype)
 
-    values = PartitionSpec(None, None, axes or None, None)
-    scales = PartitionSpec(None, None, axes or None) if cache.quantized else None
-    cache_specs = pf.DecodeCache(values, values, None, scales, scales)
+    split = [axes or None if i == axis else None for i in range(4)]
+    values = PartitionSpec(*split)
+    scales = PartitionSpec(*split[:3]) if cache.quantized else None
+    table = PartitionSpec() if cache.paged else None
+    cache_specs = pf.DecodeCache(values, values, table, scales, scales)
     return jax.shard_map(
         on_device,
         mesh=mesh,

@@ -164,6 +164,58 @@ def test_int8_paged_cache_matches_its_dequantized_values(backend) -> None:
     _assert_zero_where_empty(out, LENGTHS)
 
 
+def _placed(
+    pool: jax.Array, table: np.ndarray, device_of, devices: int
+) -> tuple[jax.Array, np.ndarray]:
+    """``pool`` and ``table`` with page ``j`` of sequence ``b`` moved to device
+    ``device_of(b, j)`` of a pool split in ``devices`` slices of as many pages as the table
+    (those no sequence uses NaN)."""
+    per_device = table.size
+    moved = np.full((per_device * devices, *pool.shape[1:]), np.nan, np.float32)
+    placed, used = np.zeros_like(table), [0] * devices
+    for (b, j), page in np.ndenumerate(table):
+        device = device_of(b, j) % devices
+        placed[b, j] = per_device * device + used[device]
+        used[device] += 1
+        moved[placed[b, j]] = np.asarray(pool[page], np.float32)
+    return jnp.asarray(moved), placed
+
+
+@pytest.mark.requires("paged_cache", "multi_device", "gqa")
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize(
+    "layout", ["round", "crowded"], ids=["pages-round-the-devices", "sequence-per-device"]
+)
+def test_decode_paged_over_a_mesh(backend, dtype: str, layout: str) -> None:
+    """The pool's pages split over every device (one device: no split): each sequence's page
+    ``j`` on device ``j + b`` (as `PagedKVCache` spreads them), or every page of sequence ``b``
+    on device ``b`` (a device holds more of a sequence than its share); NaN in every unused
+    page and slot; int8 against its dequantized values. (Named ``test_decode_*``: CI's run on
+    several host devices selects these.)"""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("kv",))
+    q = inputs.normal(0, (BATCH, Q_HEADS, HEAD_DIM))
+    k_pages, v_pages, table, (k, v) = _paged("float32")
+    device_of = (lambda b, j: j + b) if layout == "round" else (lambda b, j: b)
+    (k_pages, _), (v_pages, table) = (
+        _placed(x, table, device_of, mesh.size) for x in (k_pages, v_pages)
+    )
+    scales = {}
+    if dtype == "int8":
+        k_pages, v_pages, scales["k_scales"], scales["v_scales"] = _quantized(
+            np.asarray(k_pages), np.asarray(v_pages)
+        )
+        k, v = (
+            reference.gather_pages(reference.dequantize(x, np.nan_to_num(scales[name])), table)
+            for x, name in ((k_pages, "k_scales"), (v_pages, "v_scales"))
+        )
+    out = pf.decode(
+        q, k_pages, v_pages, LENGTHS, page_table=table, backend=backend.name, mesh=mesh, **scales
+    )
+    tolerance = FORWARD_TOLERANCE["float32" if dtype == "float32" else "bfloat16"]
+    assert_close(out, _expected(q, k, v, LENGTHS), tolerance)
+    _assert_zero_where_empty(out, LENGTHS)
+
+
 INT8_ERROR = {"normal": 0.015, "outliers": 0.04}
 """Largest relative RMS error of an int8 cache's output against the float cache it was
 quantized from. Measured (xla and splitkv alike, head_dim 64, 256 positions, 3 seeds): 0.85-0.95%
