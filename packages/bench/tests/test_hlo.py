@@ -199,3 +199,29 @@ def test_collectives_in_program_order_with_their_bytes():
         ("ag", "all-gather-start", 4 * 32 * 128 * 4),  # the pair counts once
     ]
     assert hlo.collectives(TOY) == []
+
+
+CONDITIONAL_TOY = """HloModule conditional
+
+%second (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %rest = f32[8]{0} custom-call(%p), custom_call_target="tpu_custom_call"
+}
+
+%nothing (z: f32[8]) -> f32[8] {
+  ROOT %z = f32[8]{0} parameter(0)
+}
+
+ENTRY %main (x: f32[8], b: pred[]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %b = pred[] parameter(1)
+  %first = f32[8]{0} custom-call(%x), custom_call_target="tpu_custom_call"
+  ROOT %c = f32[8]{0} conditional(%b, %first, %first), branch_computations={%nothing, %second}
+}
+"""
+
+
+def test_kernels_in_a_conditional_branch_are_told_apart():
+    assert [op.name for op in hlo.kernel_calls(CONDITIONAL_TOY)] == ["first", "rest"]
+    assert hlo.conditional_kernel_calls(CONDITIONAL_TOY) == {"rest"}
+    assert hlo.conditional_kernel_calls(TOY) == set()

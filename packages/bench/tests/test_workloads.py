@@ -95,6 +95,28 @@ def test_a_ragged_slice_is_as_slow_as_its_busiest_chip() -> None:
     assert ragged.busiest_chip_share == np.minimum(lengths, 32768).sum() / lengths.sum()
 
 
+def test_a_paged_slice_spreads_each_sequence_round_its_chips() -> None:
+    w = Workload("decode", 131072, batch=8, lengths=(32768, 131072), cache="paged", chips=4)
+    lengths = w.sequence_lengths
+    tokens = w.chip_tokens()
+    np.testing.assert_array_equal(tokens.sum(axis=0), lengths)  # every token on one chip
+    assert (tokens.max(axis=0) - tokens.min(axis=0) <= 128).all()  # at most a page apart
+    assert 0.25 <= w.busiest_chip_share < 0.2503  # near 1 / 4: each chip every 4th page
+    assert w.num_pages % 4 == 0 and w.num_pages >= sum(-(-n // 128) for n in lengths)
+    mine = sum(
+        1
+        for b, n in enumerate(lengths)
+        for j in range(-(-n // 128))
+        if (j + b) % 4 == w.busiest_chip
+    )
+    assert w.active_fraction(1024) == mine / (8 * 1024)
+    # no chip holds more than its quarter of a sequence's table: splitkv's second pass idles
+    assert not w.runs_conditional_kernels
+    assert Workload(
+        "decode", 131072, batch=8, lengths=(32768, 131072), chips=4
+    ).runs_conditional_kernels
+
+
 def test_serving_fields_are_for_decode_only() -> None:
     with pytest.raises(ValueError, match="decode only"):
         Workload("forward", 1024, cache_dtype="int8")

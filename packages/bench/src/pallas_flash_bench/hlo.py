@@ -463,6 +463,26 @@ def kernel_calls(text: str) -> list[HloOp]:
     ]
 
 
+_BRANCHES = re.compile(
+    r"\b(?:branch_computations=\{(?P<names>[^}]*)\}|(?:true|false)_computation=(?P<one>%[\w.\-]+))"
+)
+
+
+def conditional_kernel_calls(text: str) -> set[str]:
+    """Names of the Mosaic kernel calls that sit in a ``conditional``'s branch: they run only
+    when the program takes that branch, which a static schedule cannot tell."""
+    comps = parse_computations(text)
+    branches = {
+        name.strip().lstrip("%")
+        for comp in comps.values()
+        for op in comp.ops
+        if op.opcode == "conditional"
+        for match in _BRANCHES.finditer(op.attributes)
+        for name in (match["names"] or match["one"]).split(",")
+    }
+    return {op.name for op in kernel_calls(text) if op.computation in branches}
+
+
 _BOOKKEEPING_OPCODES = frozenset({"parameter", "bitcast", "tuple", "get-tuple-element"})
 
 

@@ -51,7 +51,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 8
+ANALYSIS_VERSION = 9
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 
@@ -256,15 +256,22 @@ def _failed_row(subject: Subject, workload: Workload, result: dict | None) -> di
             "cost": None, "notes": []}  # fmt: skip
 
 
+def charged_kernels(row: dict) -> list[dict]:
+    """A row's kernel entries that run: all but those in a conditional branch the workload
+    never takes (their entry says ``runs: False``)."""
+    return [k for k in row["kernels"] if k.get("runs", True)]
+
+
 def program_cycles(row: dict) -> int | None:
-    """Static cycles of the whole program: its Pallas kernels and every XLA op around them.
+    """Static cycles of the whole program: its Pallas kernels that run and every XLA op
+    around them.
 
     None when nothing was scheduled, and for programs without a Pallas kernel whose ops include
     loops of unknown trip count (their figure would be a mere lower bound; the roofline model
     is used instead).
     """
     other = row.get("other_ops")
-    kernels = sum(k["cycles"] for k in row["kernels"])
+    kernels = sum(k["cycles"] for k in charged_kernels(row))
     if other is None:
         return kernels if row["kernels"] else None
     if not row["kernels"] and other["undetermined"]:
@@ -287,7 +294,7 @@ def program_estimates(row: dict, target: Target) -> dict[str, int | None]:
     """The whole program's static cycles under each estimate of `SPREAD`: its kernels' figure
     plus the other ops' headline cycles; None where a kernel lacks it (or with no kernel)."""
     other = (row.get("other_ops") or {}).get("cycles", 0)
-    kernels = row["kernels"]
+    kernels = charged_kernels(row)
     out: dict[str, int | None] = {}
     for name in SPREAD:
         if name == "dma":
@@ -307,7 +314,7 @@ def _dma_notes(row: dict, target: Target) -> list[str]:
     """A note per kernel whose block copies take longer than its compute: it cannot hide them,
     so it runs below its static figure."""
     notes = []
-    for k in row["kernels"]:
+    for k in charged_kernels(row):
         dma = _dma_cycles(k, target)
         if dma is not None and k["cycles"] and dma > k["cycles"]:
             notes.append(

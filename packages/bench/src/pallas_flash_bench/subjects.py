@@ -36,11 +36,12 @@ class ArraySpec(NamedTuple):
 
 def array_specs(workload: Workload) -> list[ArraySpec]:
     """The arguments: ``q, k, v`` or ``q, k_cache, v_cache, lengths`` (the caches split along
-    their sequence axis when the call runs on several chips), then for a paged cache its
-    ``page_table`` and for an int8 one its ``k_scales, v_scales`` (`decode_options`)."""
+    their sequence axis, a paged pool along its pages, when the call runs on several chips),
+    then for a paged cache its ``page_table`` and for an int8 one its ``k_scales, v_scales``
+    (`decode_options`)."""
     w = workload
     if w.op == "decode":
-        split = 2 if w.chips > 1 else None
+        split = (0 if w.cache == "paged" else 2) if w.chips > 1 else None
         if w.cache == "paged":
             blocks = (w.num_pages, w.kv_heads, w.page_size)
         else:

@@ -114,9 +114,18 @@ def analyse_row(
         row["notes"].append(f"LLO dump missing: {exc}")
         return row
     calls = hlo.kernel_calls(text)
+    conditional = hlo.conditional_kernel_calls(text)
     for call in calls:
         if call.name in schedules:
-            row["kernels"].append(spread.kernel_entry(schedules[call.name], workload))
+            entry = spread.kernel_entry(schedules[call.name], workload)
+            if call.name in conditional:
+                entry["runs"] = workload.runs_conditional_kernels
+                if not entry["runs"]:
+                    row["notes"].append(
+                        f"kernel {call.name} sits in a conditional branch this workload never "
+                        "takes (Workload.runs_conditional_kernels): not charged"
+                    )
+            row["kernels"].append(entry)
         else:
             row["notes"].append(f"no bundle dump for kernel {call.name}: no static schedule")
     row["other_ops"] = _other_ops(

@@ -20,14 +20,16 @@ LENGTHS_SEED = 0
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One call: ``op`` at ``seq_len`` (queries = keys for attention; cached tokens for decode),
-    on ``chips`` chips of the target (decode only: the cache's sequence axis split over a 1-D
-    mesh of them).
+    on ``chips`` chips of the target (decode only: the cache split over a 1-D mesh of them, a
+    contiguous cache along its sequence axis, a paged one along its pages).
 
     Decode only (serving): ``lengths=(lo, hi)`` gives each of the ``batch`` sequences its own
     length, drawn uniformly from ``[lo, hi]`` with `LENGTHS_SEED` (``seq_len``, the cache's
     capacity per sequence, at least ``hi``); ``cache="paged"`` keeps the cache in pages of
-    ``page_size`` positions, a pool of exactly the pages the lengths use; ``cache_dtype="int8"``
-    stores it in int8 with a float32 scale per token and kv head.
+    ``page_size`` positions, a pool of the pages the lengths use (rounded up to a multiple of
+    ``chips``), page ``j`` of sequence ``b`` on chip ``(j + b) % chips`` as `PagedKVCache`
+    allocates them; ``cache_dtype="int8"`` stores it in int8 with a float32 scale per token
+    and kv head.
     """
 
     op: Op
@@ -54,8 +56,8 @@ class Workload:
             raise ValueError("lengths, cache and cache_dtype: expected for decode only")
         if self.lengths is not None and not 0 <= self.lengths[0] <= self.lengths[1] <= self.seq_len:
             raise ValueError(f"lengths: expected 0 <= lo <= hi <= seq_len, got {self.lengths}")
-        if self.cache == "paged" and (self.chips > 1 or self.seq_len % self.page_size):
-            raise ValueError("cache='paged': expected one chip and seq_len a multiple of page_size")
+        if self.cache == "paged" and self.seq_len % self.page_size:
+            raise ValueError("cache='paged': expected seq_len a multiple of page_size")
 
     @property
     def label(self) -> str:
@@ -79,8 +81,10 @@ class Workload:
 
     @property
     def num_pages(self) -> int:
-        """Pages of a paged cache's pool: those the lengths use."""
-        return int(sum(math.ceil(n / self.page_size) for n in self.sequence_lengths))
+        """Pages of a paged cache's pool: those the lengths use, rounded up to a multiple of
+        ``chips``."""
+        used = int(sum(math.ceil(n / self.page_size) for n in self.sequence_lengths))
+        return -(-used // self.chips) * self.chips
 
     @property
     def cache_bytes_per_token(self) -> int:
@@ -89,26 +93,66 @@ class Workload:
             return 2 * self.kv_heads * (self.head_dim + 4)
         return 2 * self.kv_heads * self.head_dim * self.itemsize
 
+    def chip_tokens(self) -> np.ndarray:
+        """Decode: ``[chips, batch]``, the cached tokens of each sequence on each chip. A
+        contiguous cache gives chip ``c`` positions ``[c, c + 1) x seq_len / chips`` of every
+        sequence, so ragged lengths load the first chip most; a paged one spreads each
+        sequence's pages round the chips (class doc)."""
+        lengths = self.sequence_lengths
+        if self.cache != "paged":
+            part = self.seq_len // self.chips
+            return np.stack([np.clip(lengths - c * part, 0, part) for c in range(self.chips)])
+        tokens = np.zeros((self.chips, self.batch), np.int64)
+        for b, n in enumerate(lengths):
+            for j in range(math.ceil(n / self.page_size)):
+                tokens[(j + b) % self.chips, b] += min(self.page_size, n - j * self.page_size)
+        return tokens
+
+    @property
+    def runs_conditional_kernels(self) -> bool:
+        """Whether the kernels a program holds in ``conditional`` branches run for this
+        workload (`hlo.conditional_kernel_calls`; a static schedule cannot tell). The only
+        such kernel is splitkv's second pass over a paged pool split across chips, which runs
+        when a chip holds more than ``ceil(pages_per_sequence / chips)`` pages of a sequence:
+        never with pages that go round the chips. Anything else counts as run."""
+        if self.op != "decode" or self.cache != "paged" or self.chips == 1:
+            return True
+        share = -(-(self.seq_len // self.page_size) // self.chips)
+        pages = [math.ceil(n / self.page_size) for n in self.sequence_lengths]
+        held = [sum(1 for j in range(n) if (j + b) % self.chips == c) for b, n in enumerate(pages)
+                for c in range(self.chips)]  # fmt: skip
+        return max(held, default=0) > share
+
+    @property
+    def busiest_chip(self) -> int:
+        """Decode: the chip holding the most cached tokens."""
+        return int(np.argmax(self.chip_tokens().sum(axis=1)))
+
     @property
     def busiest_chip_share(self) -> float:
-        """Decode over several chips: the share of the cached tokens the busiest chip holds.
-        Each chip holds a contiguous ``seq_len / chips`` slice of every sequence, so ragged
-        lengths load the first chip most (1 / chips when every sequence is full)."""
+        """Decode over several chips: the share of the cached tokens the busiest chip holds
+        (1 / chips when balanced)."""
         if self.op != "decode" or self.chips == 1:
             return 1.0
-        lengths = self.sequence_lengths
-        total = float(lengths.sum())
-        first = float(np.minimum(lengths, self.seq_len // self.chips).sum())
-        return first / total if total else 1.0 / self.chips
+        tokens = self.chip_tokens().sum(axis=1)
+        total = float(tokens.sum())
+        return float(tokens.max()) / total if total else 1.0 / self.chips
 
     def active_fraction(self, blocks_per_sequence: int) -> float:
-        """Decode: the fraction of one chip's ``batch x blocks_per_sequence`` grid whose block
-        holds a cached token. Over several chips each holds a contiguous ``seq_len / chips``
-        slice of every sequence, and the busiest chip (the first) is the one counted."""
-        part = self.seq_len // self.chips
-        block = math.ceil(part / blocks_per_sequence)
-        mine = np.minimum(self.sequence_lengths, part)  # the first chip's share
-        active = sum(math.ceil(n / block) for n in mine)
+        """Decode: the fraction of the busiest chip's ``batch x blocks_per_sequence`` grid
+        whose block holds a cached token: blocks of ``seq_len / chips / blocks_per_sequence``
+        positions of its slice of a contiguous cache, or its pages of a paged one."""
+        mine = self.chip_tokens()[self.busiest_chip]
+        if self.cache == "paged":
+            active = sum(
+                1
+                for b, n in enumerate(self.sequence_lengths)
+                for j in range(math.ceil(n / self.page_size))
+                if (j + b) % self.chips == self.busiest_chip
+            )
+        else:
+            block = math.ceil(self.seq_len // self.chips / blocks_per_sequence)
+            active = sum(math.ceil(n / block) for n in mine)
         return active / (self.batch * blocks_per_sequence)
 
     @property
@@ -186,12 +230,20 @@ SERVING_LENGTHS = (512, 8192)
 LONG_LENGTHS = (32768, 131072)
 """The ragged lengths of the long-context batch split over a slice."""
 
+LONG_PAGE_SIZE = 1024
+"""Pages of the long-context batch. A step of one int8 page of 128 positions is compute-bound
+(its pipeline bookkeeping, as in the serving rows); pages of 1024 amortise it (v5e-4, static:
+int8 0.849 ms with pages of 128, 0.369 ms with 1024; bfloat16 0.686 and 0.692 ms, its HBM
+time either way)."""
+
 
 def serving_sweep(chips: int = 1) -> list[Workload]:
     """Serving decode, 32 query heads over 8 kv heads (Llama-3-8B-like) and over 32 (Llama-2-7B),
     bfloat16 and int8 caches: one sequence of 32k and 128k tokens (contiguous); batches of 32
     and 128 sequences of `SERVING_LENGTHS` tokens, paged (pages of 128) and contiguous; given a
-    slice of ``chips`` > 1, a batch of 8 of `LONG_LENGTHS` tokens on one chip and on all."""
+    slice of ``chips`` > 1, a batch of 8 of `LONG_LENGTHS` tokens on one chip and on all,
+    contiguous (each chip a slice of positions) and paged (pages of `LONG_PAGE_SIZE`, each
+    sequence's pages spread round the chips)."""
     rows = []
     for q_heads, kv_heads in ((32, 8), (32, 32)):
         for cache_dtype in (None, "int8"):
@@ -206,7 +258,8 @@ def serving_sweep(chips: int = 1) -> list[Workload]:
             if chips > 1 and kv_heads == 8:
                 rows += [
                     Workload("decode", LONG_LENGTHS[1], batch=8, lengths=LONG_LENGTHS,
-                             chips=n, **heads)
+                             chips=n, **cache, **heads)
+                    for cache in ({}, {"cache": "paged", "page_size": LONG_PAGE_SIZE})
                     for n in (1, chips)
                 ]  # fmt: skip
     return rows
