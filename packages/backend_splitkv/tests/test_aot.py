@@ -207,7 +207,7 @@ def test_an_int8_paged_serving_step_updates_the_pool_in_place(
     compiled = jitted.trace(cache, new, new, q).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
     assert [op.name.split(".")[0] for op in hlo.kernel_calls(text)] == [
-        "pallas_flash_split_kv_decode"
+        "pallas_flash_split_kv_decode_paged"
     ]
     pool_bytes = math.prod(pool)
     assert not [op.name for op in hlo.find_copy_trap(text) if op.bytes >= pool_bytes // 64]

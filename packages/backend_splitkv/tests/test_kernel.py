@@ -71,3 +71,41 @@ def test_traced_lengths_out_of_range_are_clipped(blocks: DecodeBlocks) -> None:
     xla = jax.jit(lambda lengths: pf.decode(q, k, v, lengths, backend="xla"))(lengths)
     assert_close(out, xla, FORWARD_TOLERANCE["float32"])
     assert (np.asarray(out[3]) == 0).all()
+
+
+@pytest.mark.parametrize("per_step", [1, 3, None], ids=["page", "3-pages", "auto"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_paged_steps_of_several_pages_prefetch_across_sequences(per_step, dtype: str) -> None:
+    """Pages of 128, 3 per step over tables of 7 (a last step of one page): sequences that
+    are empty first and between others (no step starts the next one's copies), end inside a
+    page, on a step's edge, or fill the table; pages shuffled; NaN in every slot past a
+    length and in every page nobody uses."""
+    batch, q_heads, kv_heads, page, head_dim, per_sequence = 6, 4, 2, 128, 64, 7
+    lengths = np.array([0, 5, 3 * page, 0, 7 * page, 3 * page + 1], np.int32)
+    rng = np.random.default_rng(0)
+    num_pages = batch * per_sequence + 3
+    table = rng.permutation(num_pages)[: batch * per_sequence].reshape(batch, per_sequence)
+    pools = [np.array(inputs.normal(s, (num_pages, kv_heads, page, head_dim))) for s in (1, 2)]
+    valid = np.zeros((num_pages, kv_heads, page), bool)
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // page)):
+            valid[table[b, j], :, : min(page, n - j * page)] = True
+    q = inputs.normal(0, (batch, q_heads, head_dim), "bfloat16")
+    if dtype == "int8":
+        (k8, ks), (v8, vs) = (pf.quantize_int8(jnp.asarray(x)) for x in pools)
+        scales = [jnp.where(valid, s, jnp.nan) for s in (ks, vs)]
+        contiguous = [reference.dequantize(x, np.asarray(s)) for x, s in ((k8, ks), (v8, vs))]
+        cache = pf.DecodeCache(k8, v8, jnp.asarray(table, jnp.int32), *scales)
+    else:
+        contiguous = pools
+        k, v = (jnp.asarray(np.where(valid[..., None], x, np.nan), jnp.bfloat16) for x in pools)
+        cache = pf.DecodeCache(k, v, jnp.asarray(table, jnp.int32))
+    k_all, v_all = (reference.gather_pages(np.asarray(x, np.float32), table) for x in contiguous)
+    scale = 1 / math.sqrt(head_dim)
+    expected = reference.decode(q, k_all, v_all, lengths, sm_scale=scale)
+    out = split_kv_decode(
+        q, cache, jnp.asarray(lengths), spec=pf.DecodeSpec(sm_scale=scale),
+        blocks=DecodeBlocks(pages_per_step=per_step), mesh=None,
+    )  # fmt: skip
+    assert_close(out, expected, FORWARD_TOLERANCE["bfloat16"])
+    assert (np.asarray(out, np.float32)[[0, 3]] == 0).all()

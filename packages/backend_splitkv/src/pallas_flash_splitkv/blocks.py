@@ -21,7 +21,8 @@ class DecodeBlocks:
     The cache's sequence axis is cut into blocks of ``block_kv`` positions (of every kv head
     at once), and the blocks into ``splits`` contiguous groups. Each split is an independent
     (parallel) grid axis that yields a partial output and log-sum-exp, merged exactly
-    afterwards. A paged cache is read a page per block.
+    afterwards. A paged cache is read ``pages_per_step`` pages per block (several: in one
+    split).
 
     Why one split by default: a TPU v5e chip has one TensorCore, which runs the grid's steps
     one after another, so splits add no parallelism there, only the merge. They pay off on
@@ -34,16 +35,19 @@ class DecodeBlocks:
         K and V blocks of all kv heads come nearest `STEP_BYTES` (at least 128), e.g. 256
         positions at 8 kv heads of head_dim 128 in bfloat16, 512 in int8. Small blocks
         waste less of a short sequence's last block; large ones amortise a step's fixed cost.
-      splits: independent groups of blocks per sequence.
+      splits: independent groups of blocks per sequence (of a contiguous cache).
+      pages_per_step: pages of a paged cache per grid step. None: as many as come nearest
+        `STEP_BYTES` (at least 1), when a page is a multiple of 128 positions; else 1.
     """
 
     block_kv: int | None = None
     splits: int = 1
+    pages_per_step: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_kv", "splits"):
+        for name in ("block_kv", "splits", "pages_per_step"):
             value = getattr(self, name)
-            if value is None and name == "block_kv":
+            if value is None and name != "splits":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DecodeBlocks.{name} must be a positive int, got {value!r}")
@@ -71,3 +75,22 @@ class DecodeBlocks:
         """``(splits, blocks_per_split)`` for a sequence of ``num_blocks`` blocks (pages)."""
         splits = min(self.splits, num_blocks)
         return splits, math.ceil(num_blocks / splits)
+
+    def for_paged(self, pages_per_sequence: int, page_size: int, bytes_per_page: int) -> int:
+        """Pages per grid step of a paged cache whose pages (K and V, all kv heads) take
+        ``bytes_per_page``: at most ``pages_per_sequence``.
+
+        Raises:
+          ValueError: several pages per step of pages that are not a multiple of 128
+            positions (a step's pages are copied side by side into one block).
+        """
+        per_step = self.pages_per_step
+        if per_step is None:
+            aligned = page_size % LANES == 0
+            per_step = max(1, STEP_BYTES // bytes_per_page) if aligned else 1
+        elif per_step > 1 and page_size % LANES:
+            raise ValueError(
+                f"DecodeBlocks.pages_per_step={per_step} needs pages of a multiple of "
+                f"{LANES} positions, got page_size={page_size}"
+            )
+        return min(per_step, pages_per_sequence)

@@ -1,4 +1,4 @@
-"""The Split-KV decode kernel: partial attention of one query token per sequence over splits
+"""The Split-KV decode kernels: partial attention of one query token per sequence over splits
 of one device's KV cache, contiguous or paged, bfloat16/float32 or int8.
 
 Layouts: q ``[batch, kv_heads, group, head_dim]`` (the query heads of each kv head together:
@@ -14,84 +14,43 @@ token and kv head); its values are ``int8 * scale``. Outputs per split: the norm
 output ``[batch, splits, kv_heads, group, head_dim]`` and its log-sum-exp ``[batch, splits,
 kv_heads, group]``, both float32.
 
-Grid ``(batch, splits, blocks per split)``: the first two axes are parallel, the last
-sequential. A block is ``block_kv`` positions of every kv head (a page, when paged): one DMA
-of ``[kv_heads, block_kv, head_dim]`` per step for K and for V, read once for all ``group``
-query heads of each kv head (GQA/MQA read each cache byte once), so that even small pages
-make steps large enough to hide the fixed cost of a step. The heads' blocks are folded into
-their running maxima, sums and accumulators (the online softmax, float32) by matmuls batched
-over the head axis: per head, the compiler's latency model chains the scratch reads and writes
-of one head after another's (4x the static critical path at 8 kv heads). An int8 block is
-converted to q's dtype in VMEM and its scales applied to the scores (K) and to the
-probabilities (V), ``[group, block_kv]`` products rather than ``[block_kv, head_dim]`` ones.
+This module's kernel reads its blocks through block specs: grid ``(batch, splits, blocks per
+split)``, the first two axes parallel, the last sequential. A block is ``block_kv`` positions
+of every kv head, one DMA of ``[kv_heads, block_kv, head_dim]`` per step for K and for V, read
+once for all ``group`` query heads of each kv head (GQA/MQA read each cache byte once), folded
+as `fold` says; a paged cache's block is a page, its index maps reading the table. Where
+pages are small (`DecodeBlocks.for_paged` gives several per step), a paged cache is read by
+`paged_kernel` instead, whose steps copy several pages themselves.
 
 ``lengths`` (and the page table) are prefetched into SMEM. ``lengths`` is clipped to ``[0,
 max_len]`` where it is read, and page indices to ``[0, num_pages)``: traced values cannot be
 checked beforehand, and nothing may be read outside the cache. The index maps re-point the
 steps past ``ceil(lengths[b] / block_kv)`` blocks at the last valid block, so no DMA is
 issued for them, and the kernel skips them. Cache slots at and past ``lengths[b]`` may hold
-anything, NaN included: their scores are masked and, in the block that holds the sequence's
-end, their V rows (their V scales, for int8) are zeroed before the one fold of the step. A
-split that sees no valid position yields output 0 and log-sum-exp ``-inf``.
-"""
+anything, NaN included."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import interpret
-from pallas_flash.masking import apply_softcap
 from pallas_flash.specs import DecodeSpec
+from pallas_flash_splitkv import fold
 from pallas_flash_splitkv.blocks import LANES, DecodeBlocks
+from pallas_flash_splitkv.paged_kernel import paged_partials_kernel
 
 _F32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # q k^T
-_NN = (((1,), (0,)), ((), ()))  # p v
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
-    """The static facts the kernel body needs."""
-
-    spec: DecodeSpec
-    max_len: int  # positions per sequence the cache can hold
-    block_kv: int
-    blocks_per_split: int
-    paged: bool
-    quantized: bool
-    compute_dtype: jnp.dtype
-    precision: lax.Precision | None
-
-
-def _length(lengths_ref: jax.Ref, b: jax.Array, max_len: int) -> jax.Array:
-    """Sequence ``b``'s length clipped to ``[0, max_len]``."""
-    return jnp.clip(lengths_ref[b], 0, max_len)
-
-
-class _Refs(NamedTuple):
-    """One step's blocks (layouts in `_kernel`); the scales are None unless quantized."""
-
-    q: jax.Ref
-    k: jax.Ref
-    v: jax.Ref
-    k_scales: jax.Ref | None
-    v_scales: jax.Ref | None
-    max: jax.Ref
-    sum: jax.Ref
-    acc: jax.Ref
-
-
-def _kernel(*refs: jax.Ref, tiling: _Tiling) -> None:
+def _kernel(*refs: jax.Ref, tiling: fold.Tiling) -> None:
     """One grid step ``(b, s, t)``: folds block ``s * blocks_per_split + t`` of every kv head.
 
     Refs, in order: ``lengths [batch]`` and, when paged, the flat page table (SMEM); q
@@ -106,63 +65,23 @@ def _kernel(*refs: jax.Ref, tiling: _Tiling) -> None:
     if not tiling.quantized:
         refs[3:3] = [None, None]
     q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    step = _Refs(q_ref, k_ref, v_ref, ks_ref, vs_ref, m_ref, l_ref, acc_ref)
+    step = fold.StepRefs(q_ref, k_ref, v_ref, ks_ref, vs_ref, m_ref, l_ref, acc_ref)
 
     b, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length = _length(lengths_ref, b, tiling.max_len)
+    length = fold.clipped_length(lengths_ref, b, tiling.max_len)
     first = (s * tiling.blocks_per_split + t) * tiling.block_kv  # the block's first position
 
     @pl.when(t == 0)
     def _start() -> None:
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-        l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
-
-    @pl.when((first < length) & (first + tiling.block_kv > length))
-    def _zero_stale_values() -> None:  # a stale NaN would poison p @ v even where p is 0
-        stale = vs_ref if tiling.quantized else v_ref  # int8 values are finite, scales not
-        pos = first + lax.broadcasted_iota(jnp.int32, stale.shape, 1)
-        stale[...] = jnp.where(pos < length, stale[...], jnp.zeros_like(stale))
+        fold.start(step)
 
     @pl.when(first < length)
     def _fold() -> None:
-        _fold_heads(step, first, length, tiling)
+        fold.fold_block(step, first, length, tiling)
 
     @pl.when(t == tiling.blocks_per_split - 1)
     def _finish() -> None:
-        total = l_ref[...]
-        seen = total > 0.0  # the sum is >= 1 once the split has seen a position
-        inverse = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
-        o_ref[...] = acc_ref[...] * inverse[..., :1]
-        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-
-
-def _fold_heads(step: _Refs, first: jax.Array, length: jax.Array, tiling: _Tiling) -> None:
-    """Folds the block of every kv head into its running max, sum and accumulator, all heads
-    at once (batched matmuls over the head axis): one dependency chain per step, not one per
-    head through the scratch refs."""
-    dtype, precision = tiling.compute_dtype, tiling.precision
-    q, k, v = step.q[...], step.k[...].astype(dtype), step.v[...].astype(dtype)
-    scores = jnp.einsum(
-        "hgd,hkd->hgk", q, k, preferred_element_type=_F32, precision=precision
-    )  # [kv_heads, group, block_kv]
-    if tiling.quantized:
-        scores = scores * step.k_scales[...][:, None, :]
-    scores = apply_softcap(scores * tiling.spec.sm_scale, tiling.spec.softcap)
-    pos = first + lax.broadcasted_iota(jnp.int32, scores.shape, 2)
-    scores = jnp.where(pos < length, scores, -jnp.inf)
-    m_prev = step.max[...]
-    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=2, keepdims=True))  # finite
-    p = jnp.exp(scores - m_next[..., :1])
-    alpha = jnp.exp(m_prev - m_next)
-    step.max[...] = m_next
-    step.sum[...] = alpha * step.sum[...] + jnp.sum(p, axis=2, keepdims=True)
-    if tiling.quantized:
-        p = p * step.v_scales[...][:, None, :]
-    pv = jnp.einsum(
-        "hgk,hkd->hgd", p.astype(dtype), v, preferred_element_type=_F32, precision=precision
-    )
-    step.acc[...] = step.acc[...] * alpha[..., :1] + pv
+        fold.finish(step, o_ref, lse_ref)
 
 
 def split_partials(
@@ -189,7 +108,7 @@ def split_partials(
       page_table: ``[batch, pages_per_sequence]`` int32 for a paged cache, else None.
       k_scales, v_scales: float32, the caches' shapes without ``head_dim``, for an int8 cache.
       spec: the call's settings.
-      blocks: the tiling (of a contiguous cache; a paged one is read a page per step).
+      blocks: the tiling (`DecodeBlocks`).
       devices: how many devices run the kernel at once (inside ``shard_map``).
 
     Returns:
@@ -197,10 +116,10 @@ def split_partials(
       ``[batch, splits, kv_heads, group]``, float32.
 
     Raises:
-      ValueError: ``blocks.block_kv`` is illegal for this cache.
+      ValueError: ``blocks`` is illegal for this cache.
     """
     if page_table is None:
-        return _split_partials(
+        return _block_spec_partials(
             q, k_cache, v_cache, lengths, None, k_scales, v_scales,
             spec=spec, blocks=blocks, devices=devices,
         )  # fmt: skip
@@ -220,7 +139,10 @@ def _paged_partials(spec: DecodeSpec, blocks: DecodeBlocks, devices: int) -> Cal
 
     def call(q, k, v, lengths, table, *scales):
         k_scales, v_scales = scales or (None, None)
-        return _split_partials(
+        page_bytes = 2 * math.prod(k.shape[1:]) * k.dtype.itemsize
+        one_page = blocks.for_paged(table.shape[1], k.shape[2], page_bytes) == 1
+        kernel = _block_spec_partials if one_page else _paged_split_partials
+        return kernel(
             q, k, v, lengths, table, k_scales, v_scales,
             spec=spec, blocks=blocks, devices=devices,
         )  # fmt: skip
@@ -232,20 +154,20 @@ def _paged_partials(spec: DecodeSpec, blocks: DecodeBlocks, devices: int) -> Cal
         def mapped(x: jax.Array, batched: bool) -> jax.Array:
             return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
 
-        def fold(x: jax.Array) -> jax.Array:
+        def fold_mapped(x: jax.Array) -> jax.Array:
             return x.reshape(axis_size * x.shape[1], *x.shape[2:])
 
         pool = [k, v, *scales]
         pool_batched = [in_batched[1], in_batched[2], *in_batched[5:]]
         table = mapped(table, in_batched[4])
         if any(pool_batched):
-            pool = [fold(mapped(x, b)) for x, b in zip(pool, pool_batched, strict=True)]
+            pool = [fold_mapped(mapped(x, b)) for x, b in zip(pool, pool_batched, strict=True)]
             num_pages = k.shape[1] if in_batched[1] else k.shape[0]
             offsets = jnp.arange(axis_size, dtype=table.dtype)[:, None, None] * num_pages
             table = jnp.clip(table, 0, num_pages - 1) + offsets
         outs = folded(
-            fold(mapped(q, in_batched[0])), pool[0], pool[1],
-            fold(mapped(lengths, in_batched[3])), fold(table), *pool[2:],
+            fold_mapped(mapped(q, in_batched[0])), pool[0], pool[1],
+            fold_mapped(mapped(lengths, in_batched[3])), fold_mapped(table), *pool[2:],
         )  # fmt: skip
         outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
         return outs, jax.tree.map(lambda _: True, outs)
@@ -253,7 +175,7 @@ def _paged_partials(spec: DecodeSpec, blocks: DecodeBlocks, devices: int) -> Cal
     return folded
 
 
-def _split_partials_kernel(
+def _block_spec_partials_kernel(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -266,8 +188,8 @@ def _split_partials_kernel(
     blocks: DecodeBlocks,
     interpret: pltpu.InterpretParams | bool | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`split_partials` with the interpreter's settings (True: the generic interpreter), or
-    None for Mosaic."""
+    """`split_partials` of a contiguous cache, or of a paged one a page per step, with the
+    interpreter's settings (True: the generic interpreter), or None for Mosaic."""
     batch, kv_heads, group, head_dim = q.shape
     paged = page_table is not None
     quantized = k_scales is not None
@@ -283,7 +205,7 @@ def _split_partials_kernel(
         )
 
     def last_block(b, lengths_ref):
-        return jnp.maximum(pl.cdiv(_length(lengths_ref, b, max_len), block_kv) - 1, 0)
+        return jnp.maximum(pl.cdiv(fold.clipped_length(lengths_ref, b, max_len), block_kv) - 1, 0)
 
     if paged:
 
@@ -309,16 +231,10 @@ def _split_partials_kernel(
     def out_map(b, s, t, *refs):
         return b, s, 0, 0, 0
 
-    tiling = _Tiling(
-        spec=spec,
-        max_len=max_len,
-        block_kv=block_kv,
-        blocks_per_split=per_split,
-        paged=paged,
+    tiling = fold.tiling_for(
+        q, spec, max_len=max_len, block_kv=block_kv, blocks_per_split=per_split, paged=paged,
         quantized=quantized,
-        compute_dtype=q.dtype,
-        precision=lax.Precision.HIGHEST if q.dtype == np.float32 else None,
-    )
+    )  # fmt: skip
     kv_spec = pl.BlockSpec((None, kv_heads, block_kv, head_dim), kv_map)
     in_specs = [pl.BlockSpec((None, kv_heads, group, head_dim), q_map), kv_spec, kv_spec]
     operands = [q, k_cache, v_cache]
@@ -354,4 +270,5 @@ def _split_partials_kernel(
     return out, lse[..., 0]
 
 
-_split_partials = interpret.jit_kernel(_split_partials_kernel, ("spec", "blocks"))
+_block_spec_partials = interpret.jit_kernel(_block_spec_partials_kernel, ("spec", "blocks"))
+_paged_split_partials = interpret.jit_kernel(paged_partials_kernel, ("spec", "blocks"))

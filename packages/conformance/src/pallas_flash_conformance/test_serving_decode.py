@@ -182,19 +182,22 @@ def _placed(
 
 
 @pytest.mark.requires("paged_cache", "multi_device", "gqa")
+@pytest.mark.parametrize("page_size", [PAGE_SIZE, 128])
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 @pytest.mark.parametrize(
     "layout", ["round", "crowded"], ids=["pages-round-the-devices", "sequence-per-device"]
 )
-def test_decode_paged_over_a_mesh(backend, dtype: str, layout: str) -> None:
+def test_decode_paged_over_a_mesh(backend, dtype: str, layout: str, page_size: int) -> None:
     """The pool's pages split over every device (one device: no split): each sequence's page
     ``j`` on device ``j + b`` (as `PagedKVCache` spreads them), or every page of sequence ``b``
     on device ``b`` (a device holds more of a sequence than its share); NaN in every unused
-    page and slot; int8 against its dequantized values. (Named ``test_decode_*``: CI's run on
+    page and slot; int8 against its dequantized values; pages of 16 and 128 positions (a
+    kernel may read several of the latter at once). (Named ``test_decode_*``: CI's run on
     several host devices selects these.)"""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("kv",))
     q = inputs.normal(0, (BATCH, Q_HEADS, HEAD_DIM))
-    k_pages, v_pages, table, (k, v) = _paged("float32")
+    lengths = [n * page_size // PAGE_SIZE for n in LENGTHS]
+    k_pages, v_pages, table, (k, v) = _paged("float32", lengths, page_size)
     device_of = (lambda b, j: j + b) if layout == "round" else (lambda b, j: b)
     (k_pages, _), (v_pages, table) = (
         _placed(x, table, device_of, mesh.size) for x in (k_pages, v_pages)
@@ -209,11 +212,11 @@ def test_decode_paged_over_a_mesh(backend, dtype: str, layout: str) -> None:
             for x, name in ((k_pages, "k_scales"), (v_pages, "v_scales"))
         )
     out = pf.decode(
-        q, k_pages, v_pages, LENGTHS, page_table=table, backend=backend.name, mesh=mesh, **scales
+        q, k_pages, v_pages, lengths, page_table=table, backend=backend.name, mesh=mesh, **scales
     )
     tolerance = FORWARD_TOLERANCE["float32" if dtype == "float32" else "bfloat16"]
-    assert_close(out, _expected(q, k, v, LENGTHS), tolerance)
-    _assert_zero_where_empty(out, LENGTHS)
+    assert_close(out, _expected(q, k, v, lengths), tolerance)
+    _assert_zero_where_empty(out, lengths)
 
 
 INT8_ERROR = {"normal": 0.015, "outliers": 0.04}

@@ -1,0 +1,142 @@
+"""The online-softmax fold of one block of the cache into a split's running results, shared
+by the decode kernels of a contiguous cache (`kernel`) and of a paged one (`paged_kernel`).
+
+A block is ``block_kv`` positions of every kv head, ``[kv_heads, block_kv, head_dim]``, folded
+into the heads' running maxima, sums and accumulators (float32) by matmuls batched over the
+head axis: per head, the compiler's latency model chains the scratch reads and writes of one
+head after another's (4x the static critical path at 8 kv heads). An int8 block is converted
+to q's dtype in VMEM and its scales applied to the scores (K) and to the probabilities (V),
+``[group, block_kv]`` products rather than ``[block_kv, head_dim]`` ones. Positions at and
+past the sequence's length are masked, and their V rows zeroed (a stale NaN would poison
+``p @ v`` even where ``p`` is 0). A split that sees no position yields output 0 and
+log-sum-exp ``-inf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_flash.masking import apply_softcap
+from pallas_flash.specs import DecodeSpec
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The static facts the kernel body needs."""
+
+    spec: DecodeSpec
+    max_len: int  # positions per sequence the cache can hold
+    block_kv: int
+    blocks_per_split: int
+    paged: bool  # read through a page table
+    quantized: bool
+    compute_dtype: jnp.dtype
+    precision: lax.Precision | None
+
+
+def tiling_for(
+    q: jax.Array,
+    spec: DecodeSpec,
+    *,
+    max_len: int,
+    block_kv: int,
+    blocks_per_split: int,
+    paged: bool,
+    quantized: bool,
+) -> Tiling:
+    """The `Tiling` of a call with query ``q``: computing in q's dtype (float32 at the
+    highest matmul precision)."""
+    return Tiling(
+        spec=spec, max_len=max_len, block_kv=block_kv, blocks_per_split=blocks_per_split,
+        paged=paged, quantized=quantized, compute_dtype=q.dtype,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )  # fmt: skip
+
+
+def clipped_length(lengths_ref: jax.Ref, b: jax.Array, max_len: int) -> jax.Array:
+    """Sequence ``b``'s length clipped to ``[0, max_len]``."""
+    return jnp.clip(lengths_ref[b], 0, max_len)
+
+
+class StepRefs(NamedTuple):
+    """One step's refs: q ``[kv_heads, group, head_dim]``; the block of k, v ``[kv_heads,
+    block_kv, head_dim]`` and, when quantized, their scales ``[kv_heads, block_kv]`` (else
+    None); the running max and sum ``[kv_heads, group, 128]`` and accumulator ``[kv_heads,
+    group, head_dim]``, float32."""
+
+    q: jax.Ref
+    k: jax.Ref
+    v: jax.Ref
+    k_scales: jax.Ref | None
+    v_scales: jax.Ref | None
+    max: jax.Ref
+    sum: jax.Ref
+    acc: jax.Ref
+
+
+def start(step: StepRefs) -> None:
+    """Resets the running max, sum and accumulator of a split."""
+    step.max[...] = jnp.full(step.max.shape, -jnp.inf, _F32)
+    step.sum[...] = jnp.zeros(step.sum.shape, _F32)
+    step.acc[...] = jnp.zeros(step.acc.shape, _F32)
+
+
+def fold_block(step: StepRefs, first: jax.Array, length: jax.Array, tiling: Tiling) -> None:
+    """Folds the block at position ``first`` (which holds a position ``< length``) into the
+    running results; in the block that holds the sequence's end, the V rows (V scales, for
+    int8) at and past ``length`` are zeroed first: a stale NaN would poison p @ v even where
+    p is 0 (int8 values are finite, their scales need not be)."""
+    stale = step.v_scales if tiling.quantized else step.v
+
+    @pl.when(first + tiling.block_kv > length)
+    def _zero_stale_values() -> None:
+        pos = first + lax.broadcasted_iota(jnp.int32, stale.shape, 1)
+        stale[...] = jnp.where(pos < length, stale[...], jnp.zeros_like(stale))
+
+    _fold_heads(step, first, length, tiling)
+
+
+def finish(step: StepRefs, o_ref: jax.Ref, lse_ref: jax.Ref) -> None:
+    """Writes a split's normalised output and log-sum-exp (0 and ``-inf`` if it saw
+    nothing)."""
+    total = step.sum[...]
+    seen = total > 0.0  # the sum is >= 1 once the split has seen a position
+    inverse = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
+    o_ref[...] = step.acc[...] * inverse[..., :1]
+    lse_ref[...] = jnp.where(seen, step.max[...] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+
+
+def _fold_heads(step: StepRefs, first: jax.Array, length: jax.Array, tiling: Tiling) -> None:
+    """Folds the block of every kv head into its running max, sum and accumulator, all heads
+    at once (batched matmuls over the head axis): one dependency chain per step, not one per
+    head through the scratch refs."""
+    dtype, precision = tiling.compute_dtype, tiling.precision
+    q, k, v = step.q[...], step.k[...].astype(dtype), step.v[...].astype(dtype)
+    scores = jnp.einsum(
+        "hgd,hkd->hgk", q, k, preferred_element_type=_F32, precision=precision
+    )  # [kv_heads, group, block_kv]
+    if tiling.quantized:
+        scores = scores * step.k_scales[...][:, None, :]
+    scores = apply_softcap(scores * tiling.spec.sm_scale, tiling.spec.softcap)
+    pos = first + lax.broadcasted_iota(jnp.int32, scores.shape, 2)
+    scores = jnp.where(pos < length, scores, -jnp.inf)
+    m_prev = step.max[...]
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=2, keepdims=True))  # finite
+    p = jnp.exp(scores - m_next[..., :1])
+    alpha = jnp.exp(m_prev - m_next)
+    step.max[...] = m_next
+    step.sum[...] = alpha * step.sum[...] + jnp.sum(p, axis=2, keepdims=True)
+    if tiling.quantized:
+        p = p * step.v_scales[...][:, None, :]
+    pv = jnp.einsum(
+        "hgk,hkd->hgd", p.astype(dtype), v, preferred_element_type=_F32, precision=precision
+    )
+    step.acc[...] = step.acc[...] * alpha[..., :1] + pv
