@@ -84,6 +84,8 @@ def test_ragged_serving_workloads_count_their_cached_tokens() -> None:
     assert w.active_fraction(4) == sum(-(-n // 2048) for n in lengths) / 16
     paged = Workload("decode", 8192, batch=4, lengths=(512, 8192), cache="paged")
     assert paged.num_pages == sum(-(-n // 128) for n in lengths)
+    # 16 blocks of the 64 pages a sequence may hold: 4 pages a block
+    assert paged.active_fraction(16) == sum(-(-n // 512) for n in lengths) / (4 * 16)
     assert "B=4 lengths 512..8192 paged/128" in paged.label
 
 
