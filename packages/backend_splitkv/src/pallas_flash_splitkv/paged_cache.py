@@ -141,7 +141,9 @@ class PagedKVCache:
 
         This cache's buffers are donated: use only the returned one. Outside a trace, a
         sequence that is full or would need a page when its shard has none free raises;
-        under a trace it is left unchanged (check ``lengths``).
+        under a trace it is left unchanged (check ``lengths``). A pool split over a mesh is
+        written by each device in its own pages; under a trace its sharding is unknown and
+        the write is left to XLA's partitioner, so call ``append`` outside ``jit`` there.
 
         Args:
           k_new: ``[batch, kv_heads, head_dim]``, the new token's keys.
