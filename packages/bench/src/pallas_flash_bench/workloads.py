@@ -105,8 +105,26 @@ class Workload:
         tokens = np.zeros((self.chips, self.batch), np.int64)
         for b, n in enumerate(lengths):
             for j in range(math.ceil(n / self.page_size)):
-                tokens[(j + b) % self.chips, b] += min(self.page_size, n - j * self.page_size)
+                tokens[self._chip_of_page(b, j), b] += min(self.page_size, n - j * self.page_size)
         return tokens
+
+    def _chip_of_page(self, b: int, j: int) -> int:
+        """The chip holding page ``j`` of sequence ``b`` (`PagedKVCache`'s allocation)."""
+        return (j + b) % self.chips
+
+    def chip_pages(self) -> np.ndarray:
+        """Decode, paged: ``[chips, batch]``, the pages of each sequence on each chip."""
+        pages = np.zeros((self.chips, self.batch), np.int64)
+        for b, n in enumerate(self.sequence_lengths):
+            for j in range(math.ceil(n / self.page_size)):
+                pages[self._chip_of_page(b, j), b] += 1
+        return pages
+
+    @property
+    def table_share(self) -> int:
+        """Decode, paged: the columns of the table a chip's kernel walks,
+        ``ceil(pages_per_sequence / chips)``."""
+        return -(-(self.seq_len // self.page_size) // self.chips)
 
     @property
     def runs_conditional_kernels(self) -> bool:
@@ -117,11 +135,7 @@ class Workload:
         never with pages that go round the chips. Anything else counts as run."""
         if self.op != "decode" or self.cache != "paged" or self.chips == 1:
             return True
-        share = -(-(self.seq_len // self.page_size) // self.chips)
-        pages = [math.ceil(n / self.page_size) for n in self.sequence_lengths]
-        held = [sum(1 for j in range(n) if (j + b) % self.chips == c) for b, n in enumerate(pages)
-                for c in range(self.chips)]  # fmt: skip
-        return max(held, default=0) > share
+        return int(self.chip_pages().max(initial=0)) > self.table_share
 
     @property
     def busiest_chip(self) -> int:
@@ -145,23 +159,13 @@ class Workload:
         pages, the chip's share of the table (``ceil(pages_per_sequence / chips)`` columns,
         its own pages first) cut into ``blocks_per_sequence``."""
         chip = self.busiest_chip
-        mine = self.chip_tokens()[chip]
         if self.cache == "paged":
-            width = -(-(self.seq_len // self.page_size) // self.chips)
-            per_block = -(-width // blocks_per_sequence)
-            active = sum(
-                math.ceil(self._chip_pages(b, n, chip) / per_block)
-                for b, n in enumerate(self.sequence_lengths)
-            )
+            per_block = -(-self.table_share // blocks_per_sequence)
+            active = sum(math.ceil(n / per_block) for n in self.chip_pages()[chip])
         else:
             block = math.ceil(self.seq_len // self.chips / blocks_per_sequence)
-            active = sum(math.ceil(n / block) for n in mine)
+            active = sum(math.ceil(n / block) for n in self.chip_tokens()[chip])
         return active / (self.batch * blocks_per_sequence)
-
-    def _chip_pages(self, b: int, length: int, chip: int) -> int:
-        """Pages of sequence ``b`` (of ``length`` tokens) on ``chip``."""
-        used = math.ceil(length / self.page_size)
-        return sum(1 for j in range(used) if (j + b) % self.chips == chip)
 
     @property
     def itemsize(self) -> int:
