@@ -162,9 +162,8 @@ def _sharded(
     copies; no axes: every device decodes the whole cache), as one SPMD program (jitted: every
     device runs its kernel at once, which the TPU interpreter's simulated devices also need)."""
     axis = placement.PAGE_AXIS if cache.paged else placement.SEQUENCE_AXIS
-    part = cache.k.shape[axis] // math.prod(mesh.shape[name] for name in axes)
-
-    parts = cache.k.shape[axis] // part
+    parts = math.prod(mesh.shape[name] for name in axes)
+    part = cache.k.shape[axis] // parts
 
     def on_device(q, cache, lengths):
         first = jax.lax.axis_index(axes) * part if axes else 0

@@ -32,7 +32,6 @@ anything, NaN included."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +44,7 @@ from pallas_flash import interpret
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import fold
 from pallas_flash_splitkv.blocks import LANES, DecodeBlocks
-from pallas_flash_splitkv.paged_kernel import paged_partials_kernel
+from pallas_flash_splitkv.paged_kernel import paged_partials_kernel, pages_per_step
 
 _F32 = jnp.float32
 
@@ -139,8 +138,7 @@ def _paged_partials(spec: DecodeSpec, blocks: DecodeBlocks, devices: int) -> Cal
 
     def call(q, k, v, lengths, table, *scales):
         k_scales, v_scales = scales or (None, None)
-        page_bytes = 2 * math.prod(k.shape[1:]) * k.dtype.itemsize
-        one_page = blocks.for_paged(table.shape[1], k.shape[2], page_bytes) == 1
+        one_page = pages_per_step(blocks, k, table) == 1
         kernel = _block_spec_partials if one_page else _paged_split_partials
         return kernel(
             q, k, v, lengths, table, k_scales, v_scales,

@@ -24,6 +24,7 @@ data, which `fold.fold_block` masks (K) and zeroes (V) like any stale slot.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -80,9 +81,11 @@ def _kernel(
         state[0] = 0
         state[1] = 0
 
+    running = fold.StepRefs(q_ref, *(None,) * 4, m_ref, l_ref, acc_ref)  # no block: start, finish
+
     @pl.when(i == 0)
     def _start() -> None:
-        fold.start(fold.StepRefs(q_ref, *(None,) * 4, m_ref, l_ref, acc_ref))
+        fold.start(running)
 
     length = fold.clipped_length(lengths_ref, b, tiling.max_len)
     first = i * tiling.block_kv
@@ -114,7 +117,14 @@ def _kernel(
 
     @pl.when(i == tiling.blocks_per_split - 1)
     def _finish() -> None:
-        fold.finish(fold.StepRefs(q_ref, *(None,) * 4, m_ref, l_ref, acc_ref), o_ref, lse_ref)
+        fold.finish(running, o_ref, lse_ref)
+
+
+def pages_per_step(blocks: DecodeBlocks, k_pages: jax.Array, page_table: jax.Array) -> int:
+    """Pages a step reads of the pool ``k_pages`` (`DecodeBlocks.for_paged`; 1: the block-spec
+    kernel of `kernel` reads it instead)."""
+    page_bytes = 2 * math.prod(k_pages.shape[1:]) * k_pages.dtype.itemsize  # K and V
+    return blocks.for_paged(page_table.shape[1], k_pages.shape[2], page_bytes)
 
 
 def paged_partials_kernel(
@@ -136,8 +146,7 @@ def paged_partials_kernel(
     num_pages, _, page_size, _ = k_pages.shape
     pages_per_sequence = page_table.shape[1]
     quantized = k_scales is not None
-    page_bytes = 2 * kv_heads * page_size * head_dim * k_pages.dtype.itemsize
-    per_step = blocks.for_paged(pages_per_sequence, page_size, page_bytes)
+    per_step = pages_per_step(blocks, k_pages, page_table)
     steps = pl.cdiv(pages_per_sequence, per_step)
     block = per_step * page_size
     tiling = fold.tiling_for(
