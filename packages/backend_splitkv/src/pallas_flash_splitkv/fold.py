@@ -5,10 +5,11 @@ A block is ``block_kv`` positions of every kv head, ``[kv_heads, block_kv, head_
 into the heads' running maxima, sums and accumulators (float32) by matmuls batched over the
 head axis: per head, the compiler's latency model chains the scratch reads and writes of one
 head after another's (4x the static critical path at 8 kv heads). An int8 block is converted
-to q's dtype in VMEM and its scales applied to the scores (K) and to the probabilities (V),
-``[group, block_kv]`` products rather than ``[block_kv, head_dim]`` ones. Positions at and
-past the sequence's length are masked, and their V rows zeroed (a stale NaN would poison
-``p @ v`` even where ``p`` is 0). A split that sees no position yields output 0 and
+to q's dtype in VMEM (to bfloat16 with its rows paired, `int8_rows`, where the block allows)
+and its scales applied to the scores (K) and to the probabilities (V), ``[group, block_kv]``
+products rather than ``[block_kv, head_dim]`` ones. Positions at and past the sequence's
+length are masked, and their V rows zeroed (a stale NaN would poison ``p @ v`` even where
+``p`` is 0). A split that sees no position yields output 0 and
 log-sum-exp ``-inf``.
 """
 
@@ -24,6 +25,7 @@ from jax.experimental import pallas as pl
 
 from pallas_flash.masking import apply_softcap
 from pallas_flash.specs import DecodeSpec
+from pallas_flash_splitkv import int8_rows
 
 _F32 = jnp.float32
 
@@ -40,6 +42,11 @@ class Tiling:
     quantized: bool
     compute_dtype: jnp.dtype
     precision: lax.Precision | None
+
+    @property
+    def pairs_int8_rows(self) -> bool:
+        """Whether an int8 block goes to bfloat16 through `int8_rows` (its rows reordered)."""
+        return self.quantized and self.compute_dtype == jnp.bfloat16 and self.block_kv % 128 == 0
 
 
 def tiling_for(
@@ -114,20 +121,33 @@ def finish(step: StepRefs, o_ref: jax.Ref, lse_ref: jax.Ref) -> None:
     lse_ref[...] = jnp.where(seen, step.max[...] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
 
 
+def _block_operands(step: StepRefs, tiling: Tiling) -> tuple[jax.Array, ...]:
+    """The block's K and V in the compute dtype ``[kv_heads, block_kv, head_dim]``, their
+    scales ``[kv_heads, block_kv]`` (None unless quantized) and each row's offset from the
+    block's first position ``[1, block_kv]``: in order, or in `int8_rows.paired_order`."""
+    if tiling.pairs_int8_rows:
+        k, v = (int8_rows.to_bfloat16_paired(x[...]) for x in (step.k, step.v))
+        scales = int8_rows.pair_lanes(jnp.concatenate([step.k_scales[...], step.v_scales[...]]))
+        heads = k.shape[0]
+        return k, v, scales[:heads], scales[heads:], int8_rows.paired_order(tiling.block_kv)
+    k, v = (x[...].astype(tiling.compute_dtype) for x in (step.k, step.v))
+    scales = [x[...] if tiling.quantized else None for x in (step.k_scales, step.v_scales)]
+    return k, v, *scales, lax.broadcasted_iota(jnp.int32, (1, tiling.block_kv), 1)
+
+
 def _fold_heads(step: StepRefs, first: jax.Array, length: jax.Array, tiling: Tiling) -> None:
     """Folds the block of every kv head into its running max, sum and accumulator, all heads
     at once (batched matmuls over the head axis): one dependency chain per step, not one per
     head through the scratch refs."""
     dtype, precision = tiling.compute_dtype, tiling.precision
-    q, k, v = step.q[...], step.k[...].astype(dtype), step.v[...].astype(dtype)
+    k, v, k_scales, v_scales, offsets = _block_operands(step, tiling)
     scores = jnp.einsum(
-        "hgd,hkd->hgk", q, k, preferred_element_type=_F32, precision=precision
+        "hgd,hkd->hgk", step.q[...], k, preferred_element_type=_F32, precision=precision
     )  # [kv_heads, group, block_kv]
     if tiling.quantized:
-        scores = scores * step.k_scales[...][:, None, :]
+        scores = scores * k_scales[:, None, :]
     scores = apply_softcap(scores * tiling.spec.sm_scale, tiling.spec.softcap)
-    pos = first + lax.broadcasted_iota(jnp.int32, scores.shape, 2)
-    scores = jnp.where(pos < length, scores, -jnp.inf)
+    scores = jnp.where((first + offsets)[None] < length, scores, -jnp.inf)
     m_prev = step.max[...]
     m_next = jnp.maximum(m_prev, jnp.max(scores, axis=2, keepdims=True))  # finite
     p = jnp.exp(scores - m_next[..., :1])
@@ -135,7 +155,7 @@ def _fold_heads(step: StepRefs, first: jax.Array, length: jax.Array, tiling: Til
     step.max[...] = m_next
     step.sum[...] = alpha * step.sum[...] + jnp.sum(p, axis=2, keepdims=True)
     if tiling.quantized:
-        p = p * step.v_scales[...][:, None, :]
+        p = p * v_scales[:, None, :]
     pv = jnp.einsum(
         "hgk,hkd->hgd", p.astype(dtype), v, preferred_element_type=_F32, precision=precision
     )

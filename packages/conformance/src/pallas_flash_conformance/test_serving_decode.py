@@ -130,8 +130,8 @@ def _quantized(k: np.ndarray, v: np.ndarray) -> tuple[jax.Array, ...]:
 
 @pytest.mark.requires("int8_cache", "gqa")
 def test_int8_contiguous_cache_matches_its_dequantized_values(backend) -> None:
-    max_len = 200
-    lengths = np.array([0, 1, 200, 77], np.int32)
+    max_len = 256  # blocks of 128 positions or more: splitkv pairs int8 rows (`int8_rows`)
+    lengths = np.array([0, 1, 256, 77], np.int32)
     q = inputs.normal(0, (4, Q_HEADS, HEAD_DIM), "bfloat16")
     k, v = (np.array(inputs.normal(s, (4, KV_HEADS, max_len, HEAD_DIM))) for s in (1, 2))
     for b, length in enumerate(lengths):
