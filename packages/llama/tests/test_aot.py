@@ -3,12 +3,14 @@ the attention kernels are Mosaic calls whose operands are not copies, and state 
 
 Training: Llama-3.2-1B shapes, f32 master weights and AdamW state sharded over fsdp=4, batch
 4 x 2048, remat ``save_qkv``, the ``pallas`` kernels. Decoding: Llama-3.2-1B shapes in bf16
-over tensor=4, a batch of 8 with a 32k cache split over the 4 chips, ``splitkv``.
+over tensor=4, a batch of 8 with a 32k cache split over the 4 chips, ``splitkv``; and on one
+chip with an int8 paged cache.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import jax
 import jax.numpy as jnp
@@ -102,13 +104,8 @@ def test_train_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < HBM_BYTES
 
 
-def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
-    """Llama-3.2-1B has head_dim 64, for which XLA's own layout of the cache would put the
-    sequence axis minor and copy every layer's cache for the kernel: the steps keep it
-    row-major."""
-    config = get_config("llama-3.2-1b")
-    mesh = make_mesh(1, 1, 4, devices=v5e_devices)
-    batch, max_len = 8, 32768
+def _inference_params(config, mesh):
+    """`generation.inference_params` of ``config`` as abstract arrays sharded over ``mesh``."""
     stacked = param_shardings(config, mesh)
     unstacked = {
         name: NamedSharding(mesh, PartitionSpec(*s.spec[1:]))
@@ -130,6 +127,17 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
         }
         for layer in shapes["layers"]
     ]
+    return params
+
+
+def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
+    """Llama-3.2-1B has head_dim 64, for which XLA's own layout of the cache would put the
+    sequence axis minor and copy every layer's cache for the kernel: the steps keep it
+    row-major."""
+    config = get_config("llama-3.2-1b")
+    mesh = make_mesh(1, 1, 4, devices=v5e_devices)
+    batch, max_len = 8, 32768
+    params = _inference_params(config, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     layer_cache = jax.ShapeDtypeStruct(
         (batch, config.kv_heads, max_len, config.head_dim),
@@ -158,3 +166,49 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     cache_bytes = 2 * config.layers * chip_layer_cache
     assert memory.alias_size_in_bytes >= cache_bytes  # the cache is updated in place
     assert memory.temp_size_in_bytes < chip_layer_cache
+
+
+def test_paged_int8_decode_step_compiles_for_a_v5e_chip(v5e_devices) -> None:
+    """Llama-3.2-1B on one chip with an int8 paged cache (8 sequences of up to 8k positions in
+    pages of 128): the step allocates pages, quantizes and appends the new token in place,
+    calls one paged splitkv kernel per layer on operands that are not copies, and aliases
+    every layer's pool and scales."""
+    config = get_config("llama-3.2-1b")
+    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
+    params = _inference_params(config, make_mesh(1, 1, 1, devices=v5e_devices[:1]))
+    batch, pages_per_sequence, page_size = 8, 64, 128
+    num_pages = batch * pages_per_sequence
+    pool = (num_pages, config.kv_heads, page_size, config.head_dim)
+
+    def struct(shape, dtype, row_major=True):
+        placed = pf.cache_format(device, len(shape)) if row_major else device
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+
+    values = (struct(pool, jnp.int8),) * config.layers
+    scales = (struct(pool[:3], jnp.float32),) * config.layers
+    pages = pf.PageAllocator(
+        struct((batch, pages_per_sequence), jnp.int32, False),
+        struct((1, num_pages), jnp.int32, False),
+        struct((1,), jnp.int32, False),
+    )
+    lengths = struct((batch,), jnp.int32, False)
+    cache = KVCache(values, values, lengths, scales, scales, pages)
+    tokens = struct((batch,), jnp.int32, False)
+    step = generation.jitted("decode", cache, config, "splitkv")
+    compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()
+    text = compiled.as_text()
+    calls = hlo.kernel_calls(text)
+    assert len(calls) == config.layers
+    assert {call.name.split(".")[0] for call in calls} == {"pallas_flash_split_kv_decode_paged"}
+    assert not _large_operand_copies(text)
+    layer_pool = math.prod(pool)  # int8 bytes
+    copies = hlo.find_copy_trap(text)  # weights prefetched into VMEM move, not re-laid out
+    assert not [op.name for op in copies if op.relayout is not False and op.bytes >= 1 << 20]
+    assert not [op.name for op in copies if op.shape.startswith(("s8[512,", "f32[512,"))]
+    _, out_cache = compiled.output_formats
+    for fmt in (*out_cache.k, *out_cache.v):
+        assert fmt.layout.major_to_minor == (0, 1, 2, 3)
+    memory = compiled.memory_analysis()
+    cache_bytes = 2 * config.layers * (layer_pool + 4 * math.prod(pool[:3]))
+    assert memory.alias_size_in_bytes >= cache_bytes  # every pool and its scales in place
+    assert memory.temp_size_in_bytes < layer_pool

@@ -37,6 +37,12 @@ def test_init_tiny_generate_train_and_generate_again(tmp_path, capsys) -> None:
                 "xla",
                 "--max-new-tokens",
                 "4",
+                "--kv-cache",
+                "paged",
+                "--kv-dtype",
+                "int8",
+                "--page-size",
+                "8",
             ]
         )
         == 0

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental.layout import Format
 
 import pallas_flash as pf
-from pallas_flash.cache_write import write_token
+from pallas_flash.cache_write import write_kv, write_token
 from pallas_flash_splitkv import placement
 
 
@@ -166,16 +166,11 @@ def _append(
     """
     room = cache.lengths < cache.max_len
     positions = jnp.where(room, cache.lengths, -1)  # a full sequence is written nowhere
+
+    def write(array: jax.Array, rows: jax.Array) -> jax.Array:
+        return write_token(array, rows, positions, split=split)
+
+    layer = pf.DecodeCache(cache.k, cache.v, None, cache.k_scales, cache.v_scales)
+    layer = write_kv(layer, k_new, v_new, write)
     lengths = cache.lengths + room.astype(jnp.int32)
-    if cache.k_scales is None:
-        k = write_token(cache.k, k_new, positions, split=split)
-        v = write_token(cache.v, v_new, positions, split=split)
-        return KVCache(k, v, lengths)
-    (k8, k_scale), (v8, v_scale) = pf.quantize_int8(k_new), pf.quantize_int8(v_new)
-    return KVCache(
-        write_token(cache.k, k8, positions, split=split),
-        write_token(cache.v, v8, positions, split=split),
-        lengths,
-        write_token(cache.k_scales, k_scale, positions, split=split),
-        write_token(cache.v_scales, v_scale, positions, split=split),
-    )
+    return KVCache(layer.k, layer.v, lengths, layer.k_scales, layer.v_scales)

@@ -6,20 +6,19 @@ dtype or int8 with float32 scales ``[num_pages, kv_heads, page_size]``; ``page_t
 pages_per_sequence]`` int32, -1 where no page is held; ``lengths [batch]``.
 
 The pool may be split along its pages over a mesh (``sharding=``): ``shards`` devices, each
-holding ``num_pages / shards`` consecutive pages (one shard without a mesh). Each shard's free
-pages are a stack, ``free_pages[s, :num_free[s]]``. An append gives each sequence whose length
-is a multiple of ``page_size`` (its pages are full, or it has none) the next free page of
-shard ``(j + b) % shards`` for its page ``j`` (sequence ``b``): a sequence's pages go round the
-shards, so a decode over the mesh (`page_shards`) gives every device about ``1 / shards`` of
-every sequence, whatever the lengths. Allocation is vectorised over the batch (a sequence's
-rank among those needing a page of the same shard picks its stack slot); a sequence whose
-shard has no free page waits. Then every sequence's new K/V row is written, quantized when the
-pool is int8, with one ``dynamic_update_slice`` per sequence, each by the device holding its
-page (`pallas_flash.cache_write.write_rows`; a scatter would re-lay-out a copy of the whole
-pool on TPU). `release` pushes a finished sequence's pages back onto their shards' stacks.
-Everything runs in jitted functions that donate the cache and return it row-major
-(`pf.kept_format`), so appends and releases update the pool in place and a generation loop
-can call them inside its own jit.
+holding ``num_pages / shards`` consecutive pages (one shard without a mesh). The page table
+and the free pages are core's `pallas_flash.page_allocator` (this cache holds its arrays as
+fields): an append gives each sequence whose length is a multiple of ``page_size`` (its pages
+are full, or it has none) the next free page of shard ``(j + b) % shards`` for its page ``j``
+(sequence ``b``), so a decode over the mesh (`page_shards`) gives every device about ``1 /
+shards`` of every sequence, whatever the lengths; a sequence whose shard has no free page
+waits. Then every sequence's new K/V row is written, quantized when the pool is int8
+(`pallas_flash.cache_write.write_kv`), with one ``dynamic_update_slice`` per sequence, each by
+the device holding its page (`pallas_flash.cache_write.write_rows`; a scatter would
+re-lay-out a copy of the whole pool on TPU). `release` pushes a finished sequence's pages back
+onto their shards' stacks. Everything runs in jitted functions that donate the cache and
+return it row-major (`pf.kept_format`), so appends and releases update the pool in place and
+a generation loop can call them inside its own jit.
 """
 
 from __future__ import annotations
@@ -35,7 +34,8 @@ import numpy as np
 from jax.experimental.layout import Format
 
 import pallas_flash as pf
-from pallas_flash.cache_write import write_rows
+from pallas_flash import page_allocator
+from pallas_flash.cache_write import write_kv, write_rows
 from pallas_flash_splitkv import placement
 from pallas_flash_splitkv.cache import check_room, check_token_shapes
 
@@ -95,29 +95,28 @@ class PagedKVCache:
         k = pf.zeros_cache(shape, dtype, sharding)
         split = placement.follow(k, k, placement.PAGE_AXIS)
         shards = 1 if split is None else math.prod(split[0].shape[a] for a in split[1])
-        if num_pages % shards:
-            raise pf.InvalidInputError(
-                f"num_pages: expected a multiple of the {shards} shards of sharding, "
-                f"got {num_pages}"
-            )
+        pages = pf.PageAllocator.empty(batch, pages_per_sequence, num_pages, shards)
         quantized = jnp.dtype(dtype) == jnp.int8
         scales = placement.drop_last_axis(sharding)
 
         def zero_scales() -> jax.Array | None:
             return pf.zeros_cache(shape[:3], jnp.float32, scales) if quantized else None
 
-        per_shard = num_pages // shards
-        starts = jnp.arange(shards, dtype=jnp.int32)[:, None] * per_shard
         return cls(
             k=k,
             v=pf.zeros_cache(shape, dtype, sharding),
             k_scales=zero_scales(),
             v_scales=zero_scales(),
-            page_table=jnp.full((batch, pages_per_sequence), -1, jnp.int32),
+            page_table=pages.page_table,
             lengths=jnp.zeros((batch,), jnp.int32),
-            free_pages=starts + jnp.arange(per_shard, dtype=jnp.int32)[::-1],  # lowest on top
-            num_free=jnp.full((shards,), per_shard, jnp.int32),
+            free_pages=pages.free_pages,
+            num_free=pages.num_free,
         )
+
+    @property
+    def pages(self) -> pf.PageAllocator:
+        """The page table and free pages, as core's allocator."""
+        return pf.PageAllocator(self.page_table, self.free_pages, self.num_free)
 
     @property
     def page_size(self) -> int:
@@ -167,17 +166,7 @@ class PagedKVCache:
     def _check_room(self, active: np.ndarray) -> None:
         lengths = np.asarray(self.lengths)
         check_room(lengths, self.max_len, active)
-        needs = active & (lengths % self.page_size == 0)
-        shard = _shard_of_next_page(lengths, self.page_size, self.shards)
-        needed = np.bincount(shard[needs], minlength=self.shards)
-        free = np.asarray(self.num_free)
-        short = np.flatnonzero(needed > free)
-        if short.size:
-            s = int(short[0])
-            where = f" of shard {s}" if self.shards > 1 else ""
-            raise pf.InvalidInputError(
-                f"num_free: expected {needed[s]} free pages{where} for this append, got {free[s]}"
-            )
+        page_allocator.check_free_pages(np.asarray(self.num_free), lengths, self.page_size, active)
 
     def release(self, done: jax.Array) -> PagedKVCache:
         """The cache with the ``done`` sequences' pages freed and their lengths 0, in place.
@@ -195,12 +184,6 @@ class PagedKVCache:
             q, self.k, self.v, self.lengths, page_table=self.page_table,
             k_scales=self.k_scales, v_scales=self.v_scales, **kwargs,
         )  # fmt: skip
-
-
-def _shard_of_next_page(lengths, page_size: int, shards: int):
-    """``[batch]``: the shard a sequence's next page comes from, ``(j + b) % shards`` for its
-    page ``j = lengths // page_size`` (numpy or jax arrays alike)."""
-    return (lengths // page_size + np.arange(lengths.shape[0])) % shards
 
 
 def _kept(scales: jax.Array | None) -> Format | None:
@@ -232,10 +215,14 @@ def _release_step(
     return jax.jit(_release, donate_argnums=0, out_shardings=_out_shardings(kept, kept_scales))
 
 
-def _rank_within_shard(wants: jax.Array, shard: jax.Array, shards: int) -> jax.Array:
-    """``[n]``: each entry's place among the ``wants`` entries before it with its ``shard``."""
-    same = wants[:, None] & (shard[:, None] == jnp.arange(shards))  # [n, shards]
-    return jnp.take_along_axis(jnp.cumsum(same, axis=0), shard[:, None], axis=1)[:, 0] - 1
+def _with_pages(cache: PagedKVCache, pages: pf.PageAllocator, **changes) -> PagedKVCache:
+    return dataclasses.replace(
+        cache,
+        page_table=pages.page_table,
+        free_pages=pages.free_pages,
+        num_free=pages.num_free,
+        **changes,
+    )
 
 
 def _append(
@@ -246,58 +233,24 @@ def _append(
     split: placement.Split | None,
 ) -> PagedKVCache:
     """Allocates the pages the active sequences need, then writes their rows."""
-    num_pages, page_size, shards = cache.k.shape[0], cache.page_size, cache.shards
-    per_shard = cache.free_pages.shape[1]
-    lengths = cache.lengths
-    active = active & (lengths < cache.max_len)
-    needs = active & (lengths % page_size == 0)
-    shard = _shard_of_next_page(lengths, page_size, shards)
-    rank = _rank_within_shard(needs, shard, shards)
-    free = cache.num_free[shard]
-    granted = needs & (rank < free)
-    active = active & (granted | ~needs)  # no page to be had: the sequence waits
-    new_page = cache.free_pages[shard, jnp.clip(free - 1 - rank, 0, per_shard - 1)]
-    batch = jnp.arange(lengths.shape[0])
-    index = lengths // page_size
-    table = cache.page_table.at[batch, jnp.where(granted, index, cache.max_len)].set(
-        new_page, mode="drop"
+    pages, page, active = page_allocator.allocate_next(
+        cache.pages, cache.lengths, active, cache.page_size
     )
-    page = jnp.where(active, table[batch, jnp.minimum(index, table.shape[1] - 1)], num_pages)
-    row = lengths % page_size
+    row = cache.lengths % cache.page_size
 
-    def write(pool: jax.Array, values: jax.Array) -> jax.Array:  # page num_pages: no write
+    def write(pool: jax.Array, values: jax.Array) -> jax.Array:  # page -1: no write
         return write_rows(pool, values, page, row, split=split, split_axis=placement.PAGE_AXIS)
 
-    if cache.k_scales is None:
-        k, v, k_scales, v_scales = write(cache.k, k_new), write(cache.v, v_new), None, None
-    else:
-        (k8, ks), (v8, vs) = pf.quantize_int8(k_new), pf.quantize_int8(v_new)
-        k, v = write(cache.k, k8), write(cache.v, v8)
-        k_scales, v_scales = write(cache.k_scales, ks), write(cache.v_scales, vs)
-    taken = jnp.zeros((shards,), jnp.int32).at[shard].add(granted.astype(jnp.int32))
-    return PagedKVCache(
-        k, v, k_scales, v_scales, table,
-        lengths + active.astype(jnp.int32),
-        cache.free_pages,
-        cache.num_free - taken,
+    layer = pf.DecodeCache(cache.k, cache.v, None, cache.k_scales, cache.v_scales)
+    layer = write_kv(layer, k_new, v_new, write)
+    return _with_pages(
+        cache, pages,
+        k=layer.k, v=layer.v, k_scales=layer.k_scales, v_scales=layer.v_scales,
+        lengths=cache.lengths + active.astype(jnp.int32),
     )  # fmt: skip
 
 
 def _release(cache: PagedKVCache, done: jax.Array) -> PagedKVCache:
     """Pushes the ``done`` sequences' pages onto their shards' free stacks, in table order."""
-    shards, per_shard = cache.free_pages.shape
-    pages = cache.page_table.reshape(-1)
-    held = ((cache.page_table >= 0) & done[:, None]).reshape(-1)
-    shard = jnp.clip(pages // per_shard, 0, shards - 1)
-    slot = cache.num_free[shard] + _rank_within_shard(held, shard, shards)
-    free_pages = cache.free_pages.at[shard, jnp.where(held, slot, per_shard)].set(
-        pages, mode="drop"
-    )  # a slot past the end: dropped
-    returned = jnp.zeros((shards,), jnp.int32).at[shard].add(held.astype(jnp.int32))
-    return dataclasses.replace(
-        cache,
-        page_table=jnp.where(done[:, None], -1, cache.page_table),
-        lengths=jnp.where(done, 0, cache.lengths),
-        free_pages=free_pages,
-        num_free=cache.num_free + returned,
-    )
+    pages = page_allocator.release(cache.pages, done)
+    return _with_pages(cache, pages, lengths=jnp.where(done, 0, cache.lengths))

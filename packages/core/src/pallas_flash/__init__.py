@@ -10,6 +10,7 @@ Quick start::
     tok = pf.decode(q1, k_cache, v_cache, lengths)      # one token against a KV cache
     tok = pf.decode(q1, k_pages, v_pages, lengths, page_table=table)  # a paged cache
     k_cache = pf.write_token(k_cache, k1, lengths)      # its keys, in place under donation
+    pages = pf.PageAllocator.empty(batch, pages_per_sequence, num_pages)  # a page table
     [info.name for info in pf.list_backends()]
 """
 
@@ -22,6 +23,7 @@ from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.dot_product_attention import dot_product_attention
 from pallas_flash.errors import BackendNotFoundError, InvalidInputError, UnsupportedFeatureError
 from pallas_flash.hookspecs import hookimpl
+from pallas_flash.page_allocator import PageAllocator
 from pallas_flash.quantization import dequantize_int8, quantize_int8
 from pallas_flash.registry import get_backend, list_backends, register_plugin, unregister_plugin
 from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
@@ -35,6 +37,7 @@ __all__ = [
     "DecodeCache",
     "DecodeSpec",
     "InvalidInputError",
+    "PageAllocator",
     "SegmentIds",
     "UnsupportedFeatureError",
     "attention",

@@ -6,16 +6,22 @@ a jit that donates the cache, XLA updates the buffer in place. A cache split ove
 contiguous cache's sequence axis, a paged cache's pages) is written inside ``shard_map``:
 each device writes a row only if it falls in its own slice, so a write moves no cache data
 between devices (left to XLA's partitioner, a dynamic index on a partitioned axis gathers
-the cache).
+the cache). `write_pages` writes whole pages of a paged pool (a prompt's K/V), and `write_kv`
+writes a layer's keys and values with any of these, quantized to int8 with their scales when
+the cache is int8.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
+
+from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.quantization import quantize_int8
 
 Split = tuple[Mesh, tuple[str, ...]]
 """A mesh and the names of its axes that split one axis of a cache."""
@@ -67,19 +73,72 @@ def write_rows(
 def _write_rows(
     cache: jax.Array, rows: jax.Array, blocks: jax.Array, positions: jax.Array
 ) -> jax.Array:
-    """`write_rows` on one device (a row at clipped indices is written back unchanged)."""
+    """`write_rows` on one device."""
+    return _write_blocks(cache, rows[:, :, None], blocks, positions)
+
+
+def _write_blocks(
+    cache: jax.Array, spans: jax.Array, blocks: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """``cache [blocks, kv_heads, length, ...]`` with each ``spans[i] [kv_heads, span, ...]``
+    written from ``[blocks[i], :, positions[i]]`` when its block and span are in range (a span
+    at clipped indices is written back unchanged)."""
     num_blocks, kv_heads, length = cache.shape[:3]
-    rest = cache.shape[3:]
-    for i in range(rows.shape[0]):
+    span, rest = spans.shape[2], cache.shape[3:]
+    for i in range(spans.shape[0]):
         block = jnp.clip(blocks[i], 0, num_blocks - 1)
-        at = jnp.clip(positions[i], 0, length - 1)
+        at = jnp.clip(positions[i], 0, length - span)
         start = (block, 0, at) + (0,) * len(rest)
-        keep = jax.lax.dynamic_slice(cache, start, (1, kv_heads, 1, *rest))
+        keep = jax.lax.dynamic_slice(cache, start, (1, kv_heads, span, *rest))
         owns = (blocks[i] >= 0) & (blocks[i] < num_blocks)
-        owns &= (positions[i] >= 0) & (positions[i] < length)
-        new = rows[i].astype(cache.dtype).reshape(1, kv_heads, 1, *rest)
+        owns &= (positions[i] >= 0) & (positions[i] <= length - span)
+        new = spans[i].astype(cache.dtype).reshape(1, kv_heads, span, *rest)
         cache = jax.lax.dynamic_update_slice(cache, jnp.where(owns, new, keep), start)
     return cache
+
+
+def write_pages(pool: jax.Array, values: jax.Array, pages: jax.Array) -> jax.Array:
+    """``pool [num_pages, kv_heads, page_size, ...]`` with each ``values[i] [kv_heads,
+    page_size, ...]`` written as page ``pages[i]``; a page outside ``[0, num_pages)`` (-1: no
+    page) is written nowhere. One ``dynamic_update_slice`` per page, unrolled (a scatter would
+    re-lay-out a copy of the pool on TPU); ``...`` is ``head_dim``, or nothing for scales.
+
+    Args:
+      pool: a paged cache's pages or scales, on one device; donate it to the enclosing jit
+        so that the write happens in place.
+      values: ``[n, kv_heads, page_size, ...]``, cast to the pool's dtype.
+      pages: ``[n]`` int32.
+    """
+    return _write_blocks(pool, values, pages, jnp.zeros_like(pages))
+
+
+def write_kv(
+    cache: DecodeCache,
+    k: jax.Array,
+    v: jax.Array,
+    write: Callable[[jax.Array, jax.Array], jax.Array],
+) -> DecodeCache:
+    """``cache`` with keys ``k`` and values ``v`` written by ``write(array, values)`` (e.g.
+    `write_rows` at given blocks and positions, or `write_pages`). An int8 cache gets them
+    quantized by `pallas_flash.quantize_int8` (a scale per ``head_dim`` row), the int8 values
+    written into ``k``/``v`` and the scales into ``k_scales``/``v_scales`` by the same
+    ``write``; a float cache gets them cast to its dtype.
+
+    Args:
+      cache: one layer's cache (its ``page_table`` is kept as it is).
+      k: new keys ``[..., head_dim]`` in the layout ``write`` takes.
+      v: new values, shaped as ``k``.
+      write: writes values into one array of the cache and returns it.
+    """
+    if not cache.quantized:
+        return cache._replace(k=write(cache.k, k), v=write(cache.v, v))
+    (k8, k_scales), (v8, v_scales) = quantize_int8(k), quantize_int8(v)
+    return cache._replace(
+        k=write(cache.k, k8),
+        v=write(cache.v, v8),
+        k_scales=write(cache.k_scales, k_scales),
+        v_scales=write(cache.v_scales, v_scales),
+    )
 
 
 def write_token(

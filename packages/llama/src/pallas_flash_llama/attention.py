@@ -4,8 +4,9 @@ Both take ``[batch, heads, seq, head_dim]`` (decode: one position) and pick the 
 name, or let the registry choose. Under a mesh a Pallas kernel cannot be partitioned by XLA,
 so self-attention runs inside ``shard_map``: each device attends over its own batch rows
 (``data`` x ``fsdp``) and heads (``tensor``); GQA keeps K/V unrepeated, each device holding
-the kv heads of its query heads. Decoding hands the mesh to ``pf.decode``, whose
-multi-device backends (``splitkv``) split the cache's sequence axis over all of it.
+the kv heads of its query heads. Decoding writes the new token into a contiguous or paged,
+float or int8 cache (`kv_cache`) and hands the mesh to ``pf.decode``, whose multi-device
+backends (``splitkv``) split a contiguous cache's sequence axis over all of it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash.cache_write import write_kv, write_rows
 from pallas_flash_llama.sharding import BATCH_AXES
 
 
@@ -51,28 +53,39 @@ def cached_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    cache: pf.DecodeCache,
+    blocks: jax.Array,
     positions: jax.Array,
+    lengths: jax.Array,
     *,
     backend: str | None,
     mesh: Mesh | None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One decode step of one layer: the new token's K/V written into the cache in place,
-    then its query attends to positions ``<= positions[b]``.
+) -> tuple[jax.Array, pf.DecodeCache]:
+    """One decode step of one layer: the new token's K/V written into the cache in place
+    (quantized when it is int8), then its query attends to each sequence's ``lengths[b]``
+    positions.
 
     Args:
       q: ``[batch, q_heads, 1, head_dim]``.
       k, v: ``[batch, kv_heads, 1, head_dim]``.
-      k_cache, v_cache: ``[batch, kv_heads, max_len, head_dim]`` (donated by the caller),
-        sequence axis split over all of ``mesh`` when one is given.
-      positions: ``[batch]`` int32 position of the new token.
+      cache: the layer's cache (donated by the caller), contiguous (its sequence axis split
+        over all of ``mesh`` when one is given) or paged, float or int8.
+      blocks: ``[batch]`` int32, where sequence ``b``'s token goes: its row of a contiguous
+        cache, or its page of a paged one; a negative block: nowhere.
+      positions: ``[batch]`` int32, the token's position in its block.
+      lengths: ``[batch]`` int32 positions to attend to, the new token's included.
 
     Returns:
-      The output ``[batch, q_heads, 1, head_dim]`` and the updated caches.
+      The output ``[batch, q_heads, 1, head_dim]`` and the updated cache.
     """
     split = None if mesh is None else (mesh, tuple(mesh.axis_names))
-    k_cache = pf.write_token(k_cache, k[:, :, 0], positions, split=split)
-    v_cache = pf.write_token(v_cache, v[:, :, 0], positions, split=split)
-    out = pf.decode(q[:, :, 0], k_cache, v_cache, positions + 1, backend=backend, mesh=mesh)
-    return out[:, :, None], (k_cache, v_cache)
+
+    def write(array: jax.Array, rows: jax.Array) -> jax.Array:
+        return write_rows(array, rows, blocks, positions, split=split)
+
+    cache = write_kv(cache, k[:, :, 0], v[:, :, 0], write)
+    out = pf.decode(
+        q[:, :, 0], cache.k, cache.v, lengths, page_table=cache.page_table,
+        k_scales=cache.k_scales, v_scales=cache.v_scales, backend=backend, mesh=mesh,
+    )  # fmt: skip
+    return out[:, :, None], cache

@@ -2,6 +2,7 @@
 
     pallas-flash-llama init-tiny DIR
     pallas-flash-llama generate --model DIR --prompt "Once upon a time" --max-new-tokens 32
+    pallas-flash-llama generate ... --kv-cache paged --kv-dtype int8   (a paged int8 cache)
     pallas-flash-llama train --model DIR --data FILE --steps 100 --save OUT
     pallas-flash-llama train ... --checkpoint-dir CKPT   (run again to resume)
 
@@ -26,7 +27,7 @@ import jax
 import pallas_flash as pf
 from pallas_flash_llama import data, sharding, tiny
 from pallas_flash_llama.config import REMAT_POLICIES, get_config
-from pallas_flash_llama.generation import generate
+from pallas_flash_llama.generation import KV_CACHES, PAGE_SIZE, generate
 from pallas_flash_llama.model import init_params
 from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.tokenizer import TOKENIZER_FILE, encode, load_tokenizer
@@ -83,6 +84,9 @@ def _generate(args: argparse.Namespace) -> None:
         backend=args.backend,
         decode_backend=args.decode_backend,
         mesh=mesh,
+        kv_cache=args.kv_cache,
+        kv_dtype=args.kv_dtype,
+        page_size=args.page_size,
     )
     generated: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
@@ -212,6 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--decode-backend", help="pf.decode backend (splitkv splits over --mesh)")
+    gen.add_argument(
+        "--kv-cache",
+        choices=KV_CACHES,
+        default="contiguous",
+        help="KV cache layout: max-len positions per sequence, or pages allocated as "
+        "sequences grow (one device)",
+    )
+    gen.add_argument(
+        "--kv-dtype",
+        help="KV cache dtype: int8 (quantized, a scale per token and kv head); default: the "
+        "compute dtype",
+    )
+    gen.add_argument(
+        "--page-size", type=int, default=PAGE_SIZE, help="positions per page of a paged cache"
+    )
     common(gen)
     gen.set_defaults(run=_generate)
 

@@ -2,10 +2,13 @@
 
 Prompts are right-padded to a common length and prefilled in one call through
 ``pf.attention`` (causal, so padding after a prompt cannot affect it); every layer's K/V is
-written into the preallocated cache (`kv_cache`), and each sequence's length is its own
-prompt's. A decode step embeds one token per sequence at position ``lengths[b]``, writes its
-K/V there (overwriting padding) and attends through ``pf.decode``. Both steps are jitted with
-the cache donated, so no step copies it. Layers run as a Python loop over per-layer weights
+written into the preallocated cache (`kv_cache`: contiguous or paged, in the compute dtype or
+int8), and each sequence's length is its own prompt's. A paged cache first gives each
+sequence the pages its prompt takes, then its pages get the prompt's K/V whole. A decode step
+embeds one token per sequence at position ``lengths[b]`` (a paged cache first allocates a
+page to each sequence whose pages are full), writes its K/V there (overwriting padding;
+quantized for an int8 cache) and attends through ``pf.decode``. Both steps are jitted with the
+cache donated, so no step copies it. Layers run as a Python loop over per-layer weights
 (`inference_params`), each reading its own cache buffer.
 """
 
@@ -25,7 +28,7 @@ import pallas_flash as pf
 from pallas_flash_llama import sharding
 from pallas_flash_llama.attention import cached_attention, self_attention
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.kv_cache import KVCache, init_cache
+from pallas_flash_llama.kv_cache import KVCache, allocate_prompts, fill, init_cache, next_slots
 from pallas_flash_llama.layers import decoder_layer
 from pallas_flash_llama.model import Params, compute_params, embed, unembed
 from pallas_flash_llama.sampling import Sampling, sample
@@ -34,8 +37,12 @@ CACHE_ALIGN = 128
 """Cache lengths are rounded up to a multiple of this (times the mesh's devices)."""
 PROMPT_BUCKET = 16
 """Prompts are padded to a power of two of at least this, so few lengths compile."""
+PAGE_SIZE = 128
+"""Positions per page of a paged cache by default."""
 PAD_ID = 0
 GREEDY = Sampling()
+KV_CACHES = ("contiguous", "paged")
+"""The cache layouts `generate` takes (``kv_cache=``)."""
 
 
 def inference_params(params: Params, config: LlamaConfig) -> Params:
@@ -78,13 +85,13 @@ def _prefill(params, cache, tokens, lengths, config, backend, mesh):
     def attend(q, k, v):
         return self_attention(q, k, v, None, backend=backend, mesh=mesh), (k, v)
 
-    ks, vs = [], []
+    cache = allocate_prompts(cache, lengths)
+    layers = []
     for i, layer in enumerate(params["layers"]):
         x, (k, v) = decoder_layer(x, layer, positions, attend, config, mesh)
-        ks.append(jax.lax.dynamic_update_slice(cache.k[i], k.astype(cache.k[i].dtype), (0,) * 4))
-        vs.append(jax.lax.dynamic_update_slice(cache.v[i], v.astype(cache.v[i].dtype), (0,) * 4))
+        layers.append(fill(cache.layer(i), k, v))
     last = x[jnp.arange(x.shape[0]), lengths - 1]
-    return unembed(params, last, config), KVCache(tuple(ks), tuple(vs), lengths)
+    return unembed(params, last, config), cache.with_layers(layers, lengths)
 
 
 def decode_step(
@@ -100,7 +107,8 @@ def decode_step(
 
     Args:
       params: `inference_params`.
-      cache: the cache (donated); every sequence must have room for one more token.
+      cache: the cache (donated); every sequence must have room for one more token (a paged
+        sequence without a free page to take keeps its length).
       tokens: ``[batch]`` int32.
 
     Returns:
@@ -111,22 +119,24 @@ def decode_step(
 
 def _decode_step(params, cache, tokens, config, backend, mesh):
     positions = cache.lengths[:, None]
+    cache, blocks, rows, active = next_slots(cache)
+    lengths = cache.lengths + active.astype(jnp.int32)
     x = embed(params, tokens[:, None], config)
-    ks, vs = [], []
+    layers = []
     for i, layer in enumerate(params["layers"]):
         attend = functools.partial(
             cached_attention,
-            k_cache=cache.k[i],
-            v_cache=cache.v[i],
-            positions=cache.lengths,
+            cache=cache.layer(i),
+            blocks=blocks,
+            positions=rows,
+            lengths=lengths,
             backend=backend,
             mesh=mesh,
         )
-        x, (k, v) = decoder_layer(x, layer, positions, attend, config)
-        ks.append(k)
-        vs.append(v)
+        x, layer_cache = decoder_layer(x, layer, positions, attend, config)
+        layers.append(layer_cache)
     logits = unembed(params, x[:, 0], config)
-    return logits, KVCache(tuple(ks), tuple(vs), cache.lengths + 1)
+    return logits, cache.with_layers(layers, lengths)
 
 
 _STEPS = {"prefill": _prefill, "decode": _decode_step}
@@ -140,22 +150,25 @@ def jitted(
     mesh: Mesh | None = None,
 ) -> jax.stages.Wrapped:
     """The ``"prefill"`` or ``"decode"`` step, jitted for ``cache``: the cache is donated and
-    returned row-major in its own placement (`pf.cache_format`), so input and output alias and
-    every step writes it in place. ``cache`` may hold ``jax.ShapeDtypeStruct``s, to compile
-    ahead of time (``.trace(...)``); traced, it is left to the enclosing jit.
+    its buffers (values and scales) returned row-major in their own placement
+    (`pf.cache_format`), so input and output alias and every step writes them in place.
+    ``cache`` may hold ``jax.ShapeDtypeStruct``s, to compile ahead of time (``.trace(...)``);
+    traced, it is left to the enclosing jit.
     """
     if step not in _STEPS:
         raise pf.InvalidInputError(f"step: expected one of {sorted(_STEPS)}, got {step!r}")
-    return _jit(_STEPS[step], config, backend, mesh, pf.kept_format(cache.k[0]))
+    scales = None if cache.k_scales is None else pf.kept_format(cache.k_scales[0])
+    return _jit(_STEPS[step], config, backend, mesh, pf.kept_format(cache.k[0]), scales)
 
 
 @functools.cache
-def _jit(step, config, backend, mesh, kept) -> jax.stages.Wrapped:
+def _jit(step, config, backend, mesh, kept, kept_scales) -> jax.stages.Wrapped:
     layers = (kept,) * config.layers
+    scales = None if kept_scales is None else (kept_scales,) * config.layers
     return jax.jit(
         functools.partial(step, config=config, backend=backend, mesh=mesh),
         donate_argnames="cache",
-        out_shardings=(None, KVCache(layers, layers, None)),
+        out_shardings=(None, KVCache(layers, layers, None, scales, scales, None)),
     )
 
 
@@ -193,6 +206,9 @@ def generate(
     backend: str | None = None,
     decode_backend: str | None = None,
     mesh: Mesh | None = None,
+    kv_cache: Literal["contiguous", "paged"] = "contiguous",
+    kv_dtype: str | jnp.dtype | None = None,
+    page_size: int = PAGE_SIZE,
 ) -> Iterator[np.ndarray]:
     """Generates from a batch of prompts, yielding each step's tokens as they come.
 
@@ -209,6 +225,13 @@ def generate(
       mesh: a ``(data, fsdp, tensor)`` mesh (`sharding.make_mesh`): weights sharded by
         `sharding.RULES`, the prompts' batch over data x fsdp, the cache's sequence axis over
         every device.
+      kv_cache: ``"contiguous"``, ``max_len`` positions per sequence, or ``"paged"``, a pool
+        of pages per layer with a page table shared by the layers (one device), pages
+        allocated as the sequences grow (`kv_cache`).
+      kv_dtype: the cache's dtype: None for the compute dtype, or ``jnp.int8`` (or
+        ``"int8"``): K and V quantized as they are written, a float32 scale per token and kv
+        head.
+      page_size: positions per page of a paged cache.
 
     Yields:
       ``[batch]`` int32 numpy arrays, one per step: each sequence's new token, or -1 once
@@ -216,8 +239,9 @@ def generate(
 
     Raises:
       pf.InvalidInputError: an empty or out-of-vocabulary prompt, a prompt that does not fit
-        in ``max_len``, a missing key for sampling, or a mesh that does not divide the model
-        or the batch.
+        in ``max_len``, a missing key for sampling, a mesh that does not divide the model
+        or the batch, an unknown ``kv_cache``, or a bad ``kv_dtype`` or ``page_size``.
+      pf.UnsupportedFeatureError: a paged cache with a mesh.
     """
     prompts = _check_prompts(prompts, config)
     if max_new_tokens < 1:
@@ -228,6 +252,14 @@ def generate(
     stop = np.asarray(config.eos_ids if stop_tokens is None else stop_tokens, np.int32)
     longest = max(len(p) for p in prompts)
     devices = 1 if mesh is None else mesh.size
+    if kv_cache not in KV_CACHES:
+        raise pf.InvalidInputError(f"kv_cache: expected one of {KV_CACHES}, got {kv_cache!r}")
+    paged = kv_cache == "paged"
+    if paged and mesh is not None:
+        raise pf.UnsupportedFeatureError(
+            f"kv_cache: 'paged' runs on one device, got a mesh of {mesh.size} devices; "
+            "generate over a mesh with kv_cache='contiguous' (split along its sequence axis)"
+        )
     if mesh is not None:
         sharding.check_mesh(config, mesh, batch=len(prompts))
     if max_len is None:
@@ -246,7 +278,14 @@ def generate(
     lengths = np.array([len(p) for p in prompts], np.int32)
 
     p = inference_params(params, config)
-    cache = init_cache(config, len(prompts), max_len, mesh)
+    cache = init_cache(
+        config,
+        len(prompts),
+        max_len,
+        mesh,
+        kv_dtype=kv_dtype,
+        page_size=page_size if paged else None,
+    )
     logits, cache = prefill(p, cache, tokens, lengths, config, backend, mesh)
     done = np.zeros(len(prompts), bool)
     for step in range(budget):

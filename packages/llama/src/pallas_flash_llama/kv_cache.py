@@ -1,44 +1,119 @@
-"""The generation cache: one preallocated K and V buffer per layer, and each sequence's length.
+"""The generation cache: preallocated K and V buffers per layer, contiguous or paged, in the
+compute dtype or int8, and each sequence's length.
 
-Each layer's ``[batch, kv_heads, max_len, head_dim]`` buffer is its own array, not a slice of
-a ``[layers, ...]`` stack: a kernel's operand must be a whole buffer, and slicing a layer out
-of a stack would copy it (a cache-sized copy per layer per token). Prefill and decode steps
-donate the cache and write it with ``dynamic_update_slice``, so XLA updates it in place; the
-buffers are row-major (`pf.zeros_cache`), the layout the kernels read, which XLA on TPU
-would not choose by itself for a ``head_dim`` under 128.
-With a mesh the sequence axis is split over all its devices, as ``pf.decode`` expects.
+Layouts (`pf.DecodeCache`), per layer:
+
+- contiguous: ``[batch, kv_heads, max_len, head_dim]``, the sequence axis split over all of a
+  mesh when one is given, as ``pf.decode`` expects;
+- paged (one device): a pool ``[num_pages, kv_heads, page_size, head_dim]`` per layer; all
+  layers share one page table, one allocator and the lengths (`pf.PageAllocator`), since a
+  sequence's position ``p`` is in the same page of every layer's pool;
+- int8 (either layout): K and V in int8 with float32 scales, the buffer's shape without
+  ``head_dim`` (one per token and kv head), quantized as they are written
+  (`pallas_flash.cache_write.write_kv`).
+
+Each layer's buffer is its own array, not a slice of a ``[layers, ...]`` stack: a kernel's
+operand must be a whole buffer, and slicing a layer out of a stack would copy it (a
+cache-sized copy per layer per token). Prefill and decode steps donate the cache and write it
+with ``dynamic_update_slice``, so XLA updates it in place; the buffers are row-major
+(`pf.zeros_cache`), the layout the kernels read, which XLA on TPU would not choose by itself
+for a ``head_dim`` under 128.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash import page_allocator
+from pallas_flash.cache_write import write_kv, write_pages
 from pallas_flash_llama.config import LlamaConfig
+
+Layers = tuple[jax.Array, ...]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer for a batch of sequences being generated.
+    """Keys and values of every layer for a batch of sequences being generated (layouts in
+    the module doc).
 
     Attributes:
-      k: per layer, ``[batch, kv_heads, max_len, head_dim]``.
-      v: per layer, ``[batch, kv_heads, max_len, head_dim]``.
+      k: per layer, ``[batch, kv_heads, max_len, head_dim]``, or paged ``[num_pages,
+        kv_heads, page_size, head_dim]``; the compute dtype or int8.
+      v: per layer, shaped as ``k``.
       lengths: ``[batch]`` int32 tokens cached per sequence (positions past it are unused).
+      k_scales: per layer, float32 ``k``'s shape without ``head_dim`` for an int8 cache,
+        else None.
+      v_scales: the same for ``v``.
+      pages: the page table and free pages shared by every layer of a paged cache, else
+        None.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: Layers
+    v: Layers
     lengths: jax.Array
+    k_scales: Layers | None = None
+    v_scales: Layers | None = None
+    pages: pf.PageAllocator | None = None
+
+    @property
+    def paged(self) -> bool:
+        """Whether the layers' K/V are pages read through ``pages.page_table``."""
+        return self.pages is not None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K and V are int8 with scales."""
+        return self.k_scales is not None
+
+    @property
+    def page_size(self) -> int | None:
+        """Positions per page of a paged cache; None for a contiguous one."""
+        return self.k[0].shape[2] if self.paged else None
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        """Positions one sequence can hold."""
+        return self.layer(0).max_len
+
+    def layer(self, i: int) -> pf.DecodeCache:
+        """Layer ``i``'s cache as ``pf.decode`` reads it."""
+        return pf.DecodeCache(
+            self.k[i],
+            self.v[i],
+            None if self.pages is None else self.pages.page_table,
+            None if self.k_scales is None else self.k_scales[i],
+            None if self.v_scales is None else self.v_scales[i],
+        )
+
+    def with_layers(
+        self,
+        layers: Sequence[pf.DecodeCache],
+        lengths: jax.Array,
+        pages: pf.PageAllocator | None = None,
+    ) -> KVCache:
+        """This cache with every layer's buffers replaced by ``layers`` (as `layer` gives
+        them), ``lengths`` and, when given, ``pages``."""
+
+        def field(name: str) -> Layers | None:
+            arrays = tuple(getattr(layer, name) for layer in layers)
+            return None if arrays[0] is None else arrays
+
+        return KVCache(
+            field("k"),
+            field("v"),
+            lengths,
+            field("k_scales"),
+            field("v_scales"),
+            self.pages if pages is None else pages,
+        )
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
@@ -46,13 +121,148 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(None, None, tuple(mesh.axis_names), None))
 
 
-def init_cache(config: LlamaConfig, batch: int, max_len: int, mesh: Mesh | None = None) -> KVCache:
-    """A zero cache of ``max_len`` positions per sequence in the compute dtype, lengths 0,
-    on the first device or split over ``mesh`` (`cache_sharding`)."""
-    shape = (batch, config.kv_heads, max_len, config.head_dim)
-    sharding = None if mesh is None else cache_sharding(mesh)
+def _scales_sharding(sharding: NamedSharding | None) -> NamedSharding | None:
+    """The placement of an int8 buffer's scales: the values' without ``head_dim``."""
+    if sharding is None:
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:3]))
 
-    def zeros() -> tuple[jax.Array, ...]:
-        return tuple(pf.zeros_cache(shape, config.dtype, sharding) for _ in range(config.layers))
 
-    return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
+def init_cache(
+    config: LlamaConfig,
+    batch: int,
+    max_len: int,
+    mesh: Mesh | None = None,
+    *,
+    kv_dtype: str | jnp.dtype | None = None,
+    page_size: int | None = None,
+    num_pages: int | None = None,
+) -> KVCache:
+    """An empty cache on the first device, or split over ``mesh`` (`cache_sharding`).
+
+    Args:
+      config: the model (layers, kv heads, head_dim, compute dtype).
+      batch: sequences.
+      max_len: positions per sequence (paged: rounded up to whole pages).
+      mesh: split each layer's sequence axis over all of it (contiguous caches only).
+      kv_dtype: of K and V: None for the compute dtype, or ``jnp.int8`` (then with scales).
+      page_size: positions per page, for a paged cache; None: contiguous.
+      num_pages: pages per layer's pool; default: enough for every sequence to reach
+        ``max_len``, ``batch * ceil(max_len / page_size)``.
+
+    Raises:
+      pf.InvalidInputError: ``kv_dtype`` is neither a float dtype nor int8, or ``page_size`` or
+        ``num_pages`` is below 1.
+      pf.UnsupportedFeatureError: a paged cache with a mesh.
+    """
+    dtype = _cache_dtype(config.dtype if kv_dtype is None else kv_dtype)
+    pages = None
+    if page_size is None:
+        shape = (batch, config.kv_heads, max_len, config.head_dim)
+        sharding = None if mesh is None else cache_sharding(mesh)
+    else:
+        if page_size < 1:
+            raise pf.InvalidInputError(f"page_size: expected at least 1, got {page_size}")
+        if mesh is not None:
+            raise pf.UnsupportedFeatureError(
+                f"page_size: a paged cache is on one device, got a mesh of {mesh.size} "
+                "devices; use the contiguous cache (its sequence axis split over the mesh)"
+            )
+        per_sequence = math.ceil(max_len / page_size)
+        num_pages = batch * per_sequence if num_pages is None else num_pages
+        if num_pages < 1:
+            raise pf.InvalidInputError(f"num_pages: expected at least 1, got {num_pages}")
+        pages = pf.PageAllocator.empty(batch, per_sequence, num_pages)
+        shape, sharding = (num_pages, config.kv_heads, page_size, config.head_dim), None
+
+    def zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> Layers:
+        return tuple(pf.zeros_cache(shape, dtype, sharding) for _ in range(config.layers))
+
+    scales = None
+    if dtype == jnp.int8:
+        scales = (shape[:3], jnp.float32, _scales_sharding(sharding))
+    return KVCache(
+        zeros(shape, dtype, sharding),
+        zeros(shape, dtype, sharding),
+        jnp.zeros((batch,), jnp.int32),
+        None if scales is None else zeros(*scales),
+        None if scales is None else zeros(*scales),
+        pages,
+    )
+
+
+def _cache_dtype(kv_dtype: str | jnp.dtype) -> jnp.dtype:
+    """``kv_dtype`` as a dtype, checked to be a float dtype or int8."""
+    try:
+        dtype = jnp.dtype(kv_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or (dtype != jnp.int8 and not jnp.issubdtype(dtype, jnp.floating)):
+        raise pf.InvalidInputError(
+            f"kv_dtype: expected None, a float dtype or int8, got {kv_dtype!r}"
+        )
+    return dtype
+
+
+def allocate_prompts(cache: KVCache, lengths: jax.Array) -> KVCache:
+    """A paged cache with ``ceil(lengths[b] / page_size)`` pages allocated to each sequence
+    (a contiguous one unchanged); the lengths are set by `fill`'s caller."""
+    if not cache.paged:
+        return cache
+    pages, _ = page_allocator.allocate_prompts(cache.pages, lengths, cache.page_size)
+    return dataclasses.replace(cache, pages=pages)
+
+
+def fill(layer: pf.DecodeCache, k: jax.Array, v: jax.Array) -> pf.DecodeCache:
+    """One layer's cache with a prompt batch's keys and values written from position 0 (in
+    place under donation; quantized when int8).
+
+    Args:
+      layer: a contiguous layer, or a paged one whose table holds the pages the prompts take
+        (`allocate_prompts`); pages the table does not hold are not written.
+      k: ``[batch, kv_heads, prompt_len, head_dim]`` (``prompt_len <= max_len``).
+      v: shaped as ``k``.
+    """
+    page_size = layer.k.shape[2]
+
+    def write(array: jax.Array, x: jax.Array) -> jax.Array:
+        if not layer.paged:
+            return jax.lax.dynamic_update_slice(array, x.astype(array.dtype), (0,) * array.ndim)
+        pages = layer.page_table[:, : math.ceil(k.shape[2] / page_size)].reshape(-1)
+        return write_pages(array, as_pages(x, page_size), pages)
+
+    return write_kv(layer, k, v, write)
+
+
+def as_pages(x: jax.Array, page_size: int) -> jax.Array:
+    """``x [batch, kv_heads, length, ...]`` cut into pages ``[batch * ceil(length /
+    page_size), kv_heads, page_size, ...]``, sequence-major (page ``j`` of sequence ``b`` at
+    ``b * pages + j``), the last page zero-padded."""
+    batch, kv_heads, length, *rest = x.shape
+    count = math.ceil(length / page_size)
+    pad = [(0, 0)] * x.ndim
+    pad[2] = (0, count * page_size - length)
+    x = jnp.pad(x, pad).reshape(batch, kv_heads, count, page_size, *rest)
+    return jnp.moveaxis(x, 2, 1).reshape(batch * count, kv_heads, page_size, *rest)
+
+
+def next_slots(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+    """Where each sequence's next token goes: a page allocated first for each paged sequence
+    whose pages are full (`pallas_flash.page_allocator.allocate_next`).
+
+    Returns:
+      The cache (with its allocator updated), and ``[batch]`` int32 ``blocks`` and
+      ``positions`` for `pallas_flash.cache_write.write_rows` (contiguous: the sequence and
+      its length; paged: the page and its row; a negative block: not written), and
+      ``[batch]`` bool, the sequences that get the token (paged: not those that are full or
+      found no free page; contiguous: all, the caller keeps within ``max_len``).
+    """
+    lengths = cache.lengths
+    if not cache.paged:
+        batch = lengths.shape[0]
+        return cache, jnp.arange(batch, dtype=jnp.int32), lengths, jnp.ones((batch,), bool)
+    active = jnp.ones(lengths.shape, bool)
+    pages, page, active = page_allocator.allocate_next(
+        cache.pages, lengths, active, cache.page_size
+    )
+    return dataclasses.replace(cache, pages=pages), page, lengths % cache.page_size, active
