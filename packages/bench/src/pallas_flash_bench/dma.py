@@ -27,7 +27,7 @@ import dataclasses
 import math
 import re
 
-from pallas_flash_bench import bundle_listing, llo
+from pallas_flash_bench import bundle_listing, llo, loop_trips
 
 __all__ = ["Transfer", "executed_bytes", "transfers"]
 
@@ -52,8 +52,11 @@ class Transfer:
         return self.opcode.endswith("to_vmem")
 
 
-def transfers(listing: bundle_listing.BundleListing) -> tuple[Transfer, ...]:
-    """The HBM<->VMEM DMA instructions of a listing, in bundle order."""
+def transfers(
+    listing: bundle_listing.BundleListing, granules: bool = False
+) -> tuple[Transfer, ...]:
+    """The HBM<->VMEM DMA instructions of a listing, in bundle order; with ``granules``, one
+    without a block descriptor sized by its ``size_in_granules`` operand."""
     found = []
     for b in listing.bundles:
         for ins in b.instructions:
@@ -68,6 +71,8 @@ def transfers(listing: bundle_listing.BundleListing) -> tuple[Transfer, ...]:
             if window and element:
                 dims = [int(x) for x in window[1].replace(" ", "").split(",") if x]
                 size = math.prod(dims) * int(element[1])
+            elif granules:  # a manual copy (make_async_copy): no block descriptor
+                size = _general_bytes(ins)
             found.append(Transfer(b.index, ins.opcode, size, guard["guard"] if guard else None))
     return tuple(found)
 
@@ -83,13 +88,22 @@ def _general_bytes(ins: bundle_listing.Instruction) -> int | None:
     return int(granules) * GRANULE_BYTES if granules.isdigit() else None
 
 
-def executed_bytes(listing: bundle_listing.BundleListing) -> tuple[int, int] | None:
+def executed_bytes(
+    listing: bundle_listing.BundleListing, counts: loop_trips.BundleCounts | None = None
+) -> tuple[int, int] | None:
     """(min, max) HBM bytes the kernel's DMAs move over all its grid steps, predicates undecided
     from the schedule taken as false (min) or true (max); None when a transfer has no
-    descriptor or sits in a loop whose iterations are not evaluated."""
+    descriptor or sits in a loop whose iterations are not evaluated.
+
+    With ``counts`` (`loop_trips.bundle_counts`: loops with trip counts from the workload) each
+    transfer runs as often as its bundle, and a copy of a manual DMA (``make_async_copy``, no
+    block descriptor) moves its ``size_in_granules``."""
     lo = hi = 0
-    for t in transfers(listing):
-        runs = llo.executed_instruction(listing, t.bundle, t.guard)
+    for t in transfers(listing, granules=counts is not None):
+        if counts is not None:
+            runs = loop_trips.instruction_runs(counts, t.bundle, t.guard)
+        else:
+            runs = llo.executed_instruction(listing, t.bundle, t.guard)
         if runs is None or t.bytes is None:
             return None
         lo += runs[0] * t.bytes

@@ -162,6 +162,7 @@ def derive(
     compiler_bytes: float | None,
     copy_bytes: int,
     collectives: Sequence[tuple[str, int]] = (),
+    min_hbm_bytes: float | None = None,
 ) -> dict[str, Figure]:
     """The row's estimated figures.
 
@@ -179,17 +180,21 @@ def derive(
     (`Workload.busiest_chip_share` of them, at one chip's bandwidth), and its collectives
     (`collective_seconds`, model) follow the kernels, so their time adds to the latency.
     Prices, peak FLOP/s and bandwidth are those of all its chips.
+
+    ``min_hbm_bytes``: the least this implementation must move, where it is less than the
+    workload's (`Workload.min_hbm_bytes`; e.g. a reference with per-tensor int8 scales).
     """
     useful = workload.useful_flops
+    least = workload.min_hbm_bytes if min_hbm_bytes is None else min_hbm_bytes
     chips = workload.chips
     if static_cycles is not None:
         compute = figure(static_cycles / target.clock_hz, "static")
     else:
         compute = figure((compiler_flops or useful) / target.peak_flops / chips, "model")
     if compiler_bytes and not has_kernels:
-        hbm_bytes = figure(max(compiler_bytes * chips, workload.min_hbm_bytes), "compiler")
+        hbm_bytes = figure(max(compiler_bytes * chips, least), "compiler")
     else:
-        hbm_bytes = figure(workload.min_hbm_bytes + 2 * copy_bytes * chips, "model")
+        hbm_bytes = figure(least + 2 * copy_bytes * chips, "model")
     share = max(workload.busiest_chip_share, 1.0 / chips)
     memory = figure(hbm_bytes["value"] * share / target.hbm_bandwidth, "model")
     latency = max(compute, memory, key=lambda f: f["value"])

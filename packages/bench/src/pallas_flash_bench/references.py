@@ -1,6 +1,7 @@
 """The reference kernels a v5e user would otherwise pick, each in the configurations of a sweep:
 jax's ``flash_attention``, ``splash_attention`` (with its fused backward too) and, for decode,
-``paged_attention``; tokamax's splash attention where tokamax is installed.
+``paged_attention`` and ``ragged_paged_attention``; tokamax's splash attention where tokamax is
+installed.
 
 Every reference program is compiled with the scoped-VMEM limit our kernels may request, so
 that no reference loses a configuration to a smaller VMEM budget than ours.
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_flash_bench import paged_reference
+from pallas_flash_bench import paged_reference, ragged_reference
 from pallas_flash_bench.subjects import ArraySpec, Subject, array_specs, with_backward
 from pallas_flash_bench.workloads import Workload
 
@@ -276,8 +277,11 @@ def _subjects(
     configs: list[Config],
     label: Callable[[Config], str],
     arguments: Callable[[Workload], list[ArraySpec]] = array_specs,
+    loop_trips: Callable[[Config, Workload, str], tuple[int, ...] | None] | None = None,
+    **fields: object,
 ) -> list[Subject]:
-    """One reference subject per configuration, compiled with the whole VMEM."""
+    """One reference subject per configuration, compiled with the whole VMEM; ``fields``: the
+    `Subject`'s other settings (``min_hbm_bytes``, ``notes``)."""
     return [
         Subject(
             name=name,
@@ -287,6 +291,8 @@ def _subjects(
             build=_on_one_chip(functools.partial(build, config)),
             whole_vmem=True,
             arguments=arguments,
+            loop_trips=functools.partial(loop_trips, config) if loop_trips else None,
+            **fields,  # type: ignore[arg-type]
         )
         for config in configs
     ]
@@ -302,6 +308,10 @@ def reference_subjects(sweep: str) -> list[Subject]:
                    lambda b: b.label),
         *_subjects("jax-paged", version, paged_reference.build, paged_reference.BLOCKS[sweep],
                    lambda pages: f"grid of {pages}-page blocks", paged_reference.arguments),
+        *_subjects("jax-ragged-paged", version, ragged_reference.build,
+                   ragged_reference.BLOCKS[sweep], lambda blocks: blocks.label,
+                   ragged_reference.arguments, ragged_reference.loop_trips,
+                   min_hbm_bytes=ragged_reference.min_hbm_bytes, notes=ragged_reference.notes),
     ]  # fmt: skip
     if _tokamax_unavailable() is None:
         subjects += _subjects(

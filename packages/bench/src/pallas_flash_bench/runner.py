@@ -51,7 +51,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 9
+ANALYSIS_VERSION = 10
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 
@@ -339,6 +339,7 @@ def _with_figures(row: dict, subject: Subject, workload: Workload, options: Benc
             compiler_bytes=cost.get("bytes"),
             copy_bytes=sum(c["bytes"] for c in row["copies"]),
             collectives=[(c["opcode"], c["bytes"]) for c in row.get("collectives", [])],
+            min_hbm_bytes=subject.min_hbm_bytes(workload) if subject.min_hbm_bytes else None,
         )
         row["notes"] += _dma_notes(row, options.target)
         row["estimates"] = estimate.spread(

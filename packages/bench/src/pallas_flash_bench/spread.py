@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash_bench import bundle_listing, critical_path, dma, estimate, llo
+from pallas_flash_bench import bundle_listing, critical_path, dma, estimate, llo, loop_trips
 from pallas_flash_bench.workloads import Workload
 
 __all__ = ["ESTIMATES", "KernelEstimates", "kernel_entry", "kernel_estimates"]
@@ -49,17 +49,27 @@ class KernelEstimates:
     warnings: tuple[str, ...] = ()
 
 
-def kernel_estimates(schedule: llo.KernelSchedule) -> KernelEstimates:
-    """Every estimate of one kernel (its ``listing`` kept by `llo.build_schedule`)."""
+def kernel_estimates(
+    schedule: llo.KernelSchedule, counts: loop_trips.BundleCounts | None = None
+) -> KernelEstimates:
+    """Every estimate of one kernel (its ``listing`` kept by `llo.build_schedule`); with
+    ``counts``, each bundle weighed by its executions (`loop_trips.bundle_counts`: a kernel
+    whose loops have trip counts read from memory, given from the workload)."""
     listing = schedule.listing
     assert listing is not None, "the schedule was built without its listing"
     bundles = listing.bundles
-    ones = llo.executed_weight(listing, [list(range(len(bundles) + 1))])  # one per bundle
+
+    def executed(prefixes) -> Range | None:
+        if counts is not None:
+            return loop_trips.busiest(counts, list(prefixes))
+        return llo.executed_weight(listing, prefixes)
+
+    ones = executed([list(range(len(bundles) + 1))])  # one per bundle
     matmuls = listing.mxu_prefixes
     pushes = bundle_listing.unit_prefixes(bundles, "vmatpush", lambda _ins: 1)
     ranges: dict[str, Range | None] = {
         "schedule": ones,
-        "mxu": llo.executed_weight(listing, matmuls.values()),
+        "mxu": executed(matmuls.values()),
     }
     zeros = [0] * (len(bundles) + 1)
     for cost in PUSH_CYCLES:
@@ -67,22 +77,20 @@ def kernel_estimates(schedule: llo.KernelSchedule) -> KernelEstimates:
             [m + cost * p for m, p in zip(matmuls.get(u, zeros), pushes.get(u, zeros), strict=True)]
             for u in sorted({*matmuls, *pushes})
         ]
-        ranges[f"push{cost}"] = _larger(ones, llo.executed_weight(listing, charged))
+        ranges[f"push{cost}"] = _larger(ones, executed(charged))
     warnings: list[str] = []
     ranges["critical_path"] = None
     if schedule.critical_path is not None:
         weights, warnings = critical_path.bundle_weights(
             schedule.critical_path, [b.comment for b in bundles]
         )
-        ranges["critical_path"] = llo.executed_weight(
-            listing, [bundle_listing.prefix_sums(weights)]
-        )
+        ranges["critical_path"] = executed([bundle_listing.prefix_sums(weights)])
     loop = schedule.grid_loop
     lo, hi = (loop.start, loop.end) if loop is not None else (0, len(bundles) - 1)
     in_body = sum(p[hi + 1] - p[lo] for p in pushes.values())
     return KernelEstimates(
         ranges=ranges,
-        dma_bytes=dma.executed_bytes(listing),
+        dma_bytes=dma.executed_bytes(listing, counts),
         pushes=in_body,
         warnings=tuple(warnings),
     )
@@ -94,10 +102,24 @@ def _larger(a: Range | None, b: Range | None) -> Range | None:
     return max(a[0], b[0]), max(a[1], b[1])
 
 
-def kernel_entry(schedule: llo.KernelSchedule, workload: Workload) -> dict:
+def kernel_entry(
+    schedule: llo.KernelSchedule, workload: Workload, trips: tuple[int, ...] | None = None
+) -> dict:
     """One Pallas kernel's row entry: its static schedule, headline ``cycles`` (see
     `estimate.kernel_cycles`), ``estimates`` (cycles per estimate, `ESTIMATES`), ``dma_bytes``
-    over all grid steps (at most) and ``pushes`` in the grid loop body."""
+    over all grid steps (at most) and ``pushes`` in the grid loop body.
+
+    ``trips``: for a kernel with loops whose trip counts read memory, how often each runs over
+    the whole kernel for this workload (`Subject.loop_trips`), outermost first; see
+    `_entry_with_trips`."""
+    if trips is not None and schedule.executed_bundles_min is None:
+        assert schedule.listing is not None, "the schedule was built without its listing"
+        counts = loop_trips.bundle_counts(schedule.listing, trips)
+        if not isinstance(counts, str):
+            return _entry_with_trips(schedule, trips, counts)
+        schedule = dataclasses.replace(
+            schedule, warnings=(*schedule.warnings, f"loop trip counts not applied: {counts}")
+        )
     steps = schedule.grid_steps or schedule.trip_count or 1
     cycles, how = estimate.kernel_cycles(
         schedule.executed_bundles_min,
@@ -115,6 +137,18 @@ def kernel_entry(schedule: llo.KernelSchedule, workload: Workload) -> dict:
     if dma_bytes is not None:  # ragged decode: the blocks past a sequence's end are not copied
         ragged = workload.op == "decode" and workload.lengths is not None
         dma_bytes = estimate.between(dma_bytes, fraction) if ragged else dma_bytes[1]
+    return _entry(schedule, steps, cycles, how, found, dma_bytes, fraction)
+
+
+def _entry(
+    schedule: llo.KernelSchedule,
+    steps: int,
+    cycles: int,
+    how: str,
+    found: KernelEstimates,
+    dma_bytes: int | None,
+    fraction: float,
+) -> dict:
     return {
         "name": schedule.name,
         "bundles_per_step": schedule.bundles_per_step,
@@ -134,3 +168,31 @@ def kernel_entry(schedule: llo.KernelSchedule, workload: Workload) -> dict:
         "dma_bytes": dma_bytes,
         "warnings": [*schedule.warnings, *found.warnings],
     }
+
+
+def _entry_with_trips(
+    schedule: llo.KernelSchedule, trips: tuple[int, ...], counts: loop_trips.BundleCounts
+) -> dict:
+    """`kernel_entry` of a kernel whose loops without a trip count run ``trips`` times
+    (`loop_trips`): every estimate weighs each bundle by its executions, predicated regions
+    that the schedule cannot decide (inside those loops: e.g. the prefetch of the next block,
+    skipped on the kernel's last block only) run on every iteration (their max), as do
+    copies whose predicate it cannot decide (at most)."""
+    found = kernel_estimates(schedule, counts)
+    listing = schedule.listing
+    assert listing is not None
+    bundles = found.ranges["schedule"]
+    mxu = found.ranges["mxu"]
+    assert bundles is not None and mxu is not None
+    cycles, how = bundles[1], "every bundle by its executions"
+    if mxu[1] > cycles:
+        how += f"; MXU-bound: the busiest MXU needs {mxu[1]} cycles for {cycles} bundles"
+        cycles = mxu[1]
+    loops = ", ".join(str(n) for n in trips)
+    how = (
+        f"loops whose trip counts read memory charged from the workload's lengths ({loops} "
+        f"runs, outermost first), undecided regions run; {how}"
+    )
+    steps = schedule.grid_steps or schedule.trip_count or 1
+    dma_bytes = found.dma_bytes[1] if found.dma_bytes is not None else None
+    return _entry(schedule, steps, cycles, how, found, dma_bytes, 1.0)

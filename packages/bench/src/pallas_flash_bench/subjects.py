@@ -96,6 +96,13 @@ class Subject:
       arguments: the shapes of the arrays ``build``'s function takes (default `array_specs`,
         the layouts of ``pf.attention`` and ``pf.decode``); a reference whose kernel reads
         another layout takes its own, so that no copy into ours is charged to it.
+      loop_trips: ``(workload, kernel name) -> runs``: for a Pallas kernel whose loops read
+        their trip counts from memory, how often each of those loops runs over the whole
+        kernel on the workload, outermost first (`pallas_flash_bench.loop_trips`); None for a
+        kernel it does not know. Without it such loops count once.
+      min_hbm_bytes: the least the subject must move on a workload (default
+        `Workload.min_hbm_bytes`), for a reference that reads less (no int8 scale arrays).
+      notes: ``workload -> notes`` for its rows (what its figures rest on).
     """
 
     name: str
@@ -105,6 +112,9 @@ class Subject:
     build: Callable[[Workload, Mesh | None], Callable[..., object] | None]
     whole_vmem: bool = False
     arguments: Callable[[Workload], list[ArraySpec]] = array_specs
+    loop_trips: Callable[[Workload, str], tuple[int, ...] | None] | None = None
+    min_hbm_bytes: Callable[[Workload], float] | None = None
+    notes: Callable[[Workload], list[str]] | None = None
 
     @property
     def id(self) -> str:

@@ -115,9 +115,18 @@ def analyse_row(
         return row
     calls = hlo.kernel_calls(text)
     conditional = hlo.conditional_kernel_calls(text)
+    if subject.notes is not None:
+        row["notes"] += subject.notes(workload)
     for call in calls:
         if call.name in schedules:
-            entry = spread.kernel_entry(schedules[call.name], workload)
+            trips = subject.loop_trips(workload, call.name) if subject.loop_trips else None
+            entry = spread.kernel_entry(schedules[call.name], workload, trips)
+            if trips is not None and not entry["cycles_from"].startswith("loops whose"):
+                row["notes"].append(
+                    f"kernel {call.name}: its loops' trip counts ({trips}) could not be applied "
+                    f"({'; '.join(entry['warnings'][-1:])}): each loop body is counted once per "
+                    "grid step, a LOWER bound on its time"
+                )
             if call.name in conditional:
                 entry["runs"] = workload.runs_conditional_kernels
                 if not entry["runs"]:
