@@ -13,7 +13,7 @@ import pytest
 import pallas_flash as pf
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
-from pallas_flash_splitkv import DecodeBlocks, split_kv_decode
+from pallas_flash_splitkv import DecodeBlocks, paged_kernel, split_kv_decode
 
 BLOCKS = [DecodeBlocks(128, 1), DecodeBlocks(128, 3), DecodeBlocks(256, 2), DecodeBlocks()]
 
@@ -77,11 +77,11 @@ def test_traced_lengths_out_of_range_are_clipped(blocks: DecodeBlocks) -> None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_paged_steps_of_several_pages_prefetch_across_sequences(per_step, dtype: str) -> None:
     """Pages of 128, 3 per step over tables of 7 (a last step of one page): sequences that
-    are empty first and between others (no step starts the next one's copies), end inside a
-    page, on a step's edge, or fill the table; pages shuffled; NaN in every slot past a
-    length and in every page nobody uses."""
-    batch, q_heads, kv_heads, page, head_dim, per_sequence = 6, 4, 2, 128, 64, 7
-    lengths = np.array([0, 5, 3 * page, 0, 7 * page, 3 * page + 1], np.int32)
+    are empty first, between others (a step starts the copies of the next non-empty one) and
+    last, end inside a page, on a step's edge, or fill the table; pages shuffled; NaN in
+    every slot past a length and in every page nobody uses."""
+    batch, q_heads, kv_heads, page, head_dim, per_sequence = 7, 4, 2, 128, 64, 7
+    lengths = np.array([0, 5, 3 * page, 0, 7 * page, 3 * page + 1, 0], np.int32)
     rng = np.random.default_rng(0)
     num_pages = batch * per_sequence + 3
     table = rng.permutation(num_pages)[: batch * per_sequence].reshape(batch, per_sequence)
@@ -108,4 +108,27 @@ def test_paged_steps_of_several_pages_prefetch_across_sequences(per_step, dtype:
         blocks=DecodeBlocks(pages_per_step=per_step), mesh=None,
     )  # fmt: skip
     assert_close(out, expected, FORWARD_TOLERANCE["bfloat16"])
-    assert (np.asarray(out, np.float32)[[0, 3]] == 0).all()
+    assert (np.asarray(out, np.float32)[[0, 3, 6]] == 0).all()
+
+
+def test_paged_batch_with_no_token_copies_nothing() -> None:
+    """Every sequence empty: no step holds a position, so none starts or waits for a copy
+    (a wait nobody started would never end), and the output is 0."""
+    batch, q_heads, kv_heads, page, head_dim, per_sequence = 3, 4, 2, 128, 64, 4
+    pool = jnp.full((batch * per_sequence, kv_heads, page, head_dim), jnp.nan, jnp.bfloat16)
+    table = jnp.arange(batch * per_sequence, dtype=jnp.int32).reshape(batch, per_sequence)
+    out = split_kv_decode(
+        inputs.normal(0, (batch, q_heads, head_dim), "bfloat16"),
+        pf.DecodeCache(pool, pool, table),
+        jnp.zeros((batch,), jnp.int32),
+        spec=pf.DecodeSpec(sm_scale=0.125),
+        blocks=DecodeBlocks(pages_per_step=2),
+        mesh=None,
+    )
+    assert (np.asarray(out, np.float32) == 0).all()
+
+
+def test_first_non_empty_points_each_sequence_at_the_next_one_holding_a_token() -> None:
+    lengths = jnp.array([0, 5, 0, 0, 9, 2**31 - 1, -4, 0], jnp.int32)
+    got = jax.jit(paged_kernel.first_non_empty, static_argnums=1)(lengths, 100)
+    assert np.asarray(got).tolist() == [1, 1, 4, 4, 4, 5, 8, 8, 8]

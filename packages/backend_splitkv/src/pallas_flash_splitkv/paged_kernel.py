@@ -13,12 +13,15 @@ can only fetch one page per step, so the kernel copies its pages itself: each pa
 block is one DMA of ``[kv_heads, page_size, head_dim]`` from the pool (pages in ``pl.ANY``)
 into its rows of a double-buffered VMEM block ``[kv_heads, pages_per_step x page_size,
 head_dim]``. A step waits for its own copies and starts those of the next step that holds a
-position, in the same sequence or at the start of the next (when that one is not empty), so
-they land while it computes; a step nobody started (a sequence after an empty one, or the
-first) starts its own. Two SMEM scalars carry this from step to step: the count of steps that
-held a position (its parity picks the buffer) and whether the next such step's copies are in
-flight. Pages past a sequence's length are never copied; their rows of the block keep older
-data, which `fold.fold_block` masks (K) and zeroes (V) like any stale slot.
+position: the next block of its sequence, or the first of the next sequence that is not
+empty (``first_from [batch + 1]``, scalar-prefetched: the first non-empty sequence at or after
+each one, computed before the kernel), so they land while it computes; the grid's first step
+starts the copies of the first step that holds a position. Every step's copies are thus
+started by a region whose predicate the step decides alone: none is left for the rare case
+of a sequence after an empty one (a static schedule charges such a region to every step
+that might run it). An SMEM counter of the steps that held a position carries the buffer
+parity from step to step. Pages past a sequence's length are never copied; their rows of the
+block keep older data, which `fold.fold_block` masks (K) and zeroes (V) like any stale slot.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ _F32 = jnp.float32
 def _kernel(
     lengths_ref: jax.Ref,
     table_ref: jax.Ref,
+    first_from_ref: jax.Ref,
     q_ref: jax.Ref,
     *refs: jax.Ref,
     tiling: fold.Tiling,
@@ -53,11 +57,11 @@ def _kernel(
     """One grid step ``(b, i)`` (module doc). Refs after q: the pool's arrays in HBM (k, v
     and, when quantized, their scales); the outputs; scratch: running max, sum and
     accumulator (as `kernel`), one double-buffered block per pool array, DMA semaphores
-    ``[2, arrays]`` and the SMEM state ``[steps that held a position, next copies started]``.
+    ``[2, arrays]`` and the SMEM count of steps that held a position.
     """
     arrays = 4 if tiling.quantized else 2
     pool, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[:arrays], refs[arrays : arrays + 5]
-    blocks, (sems, state) = refs[arrays + 5 : 2 * arrays + 5], refs[2 * arrays + 5 :]
+    blocks, (sems, folded) = refs[arrays + 5 : 2 * arrays + 5], refs[2 * arrays + 5 :]
     page_size = tiling.block_kv // pages_per_step
     b, i = pl.program_id(0), pl.program_id(1)
 
@@ -78,8 +82,12 @@ def _kernel(
 
     @pl.when((b == 0) & (i == 0))
     def _first_step() -> None:
-        state[0] = 0
-        state[1] = 0
+        folded[0] = 0
+        first = first_from_ref[0]
+
+        @pl.when(first < batch)
+        def _start_first() -> None:
+            copies(first, 0, 0, lambda c: c.start())
 
     running = fold.StepRefs(q_ref, *(None,) * 4, m_ref, l_ref, acc_ref)  # no block: start, finish
 
@@ -92,26 +100,17 @@ def _kernel(
 
     @pl.when(first < length)
     def _fold() -> None:
-        slot = state[0] % 2
-
-        @pl.when(state[1] == 0)
-        def _start_own() -> None:
-            copies(b, i, slot, lambda c: c.start())
-
+        slot = folded[0] % 2
         copies(b, i, slot, lambda c: c.wait())
         more = first + tiling.block_kv < length
-        after = jnp.minimum(b + 1, batch - 1)
-        has_next = more | (
-            (b + 1 < batch) & (fold.clipped_length(lengths_ref, after, tiling.max_len) > 0)
-        )
+        after = first_from_ref[b + 1]  # the next sequence that is not empty, or batch
 
-        @pl.when(has_next)
+        @pl.when(more | (after < batch))
         def _start_next() -> None:
             copies(jnp.where(more, b, after), jnp.where(more, i + 1, 0), 1 - slot,
                    lambda c: c.start())  # fmt: skip
 
-        state[0] = state[0] + 1
-        state[1] = has_next.astype(jnp.int32)
+        folded[0] = folded[0] + 1
         views = [block.at[slot] for block in blocks] + [None] * (4 - arrays)
         fold.fold_block(fold.StepRefs(q_ref, *views, m_ref, l_ref, acc_ref), first, length, tiling)
 
@@ -160,7 +159,7 @@ def paged_partials_kernel(
         pltpu.VMEM((kv_heads, group, head_dim), _F32),
         *(pltpu.VMEM((2, kv_heads, block, *x.shape[3:]), x.dtype) for x in pool),
         pltpu.SemaphoreType.DMA((2, len(pool))),
-        pltpu.SMEM((2,), jnp.int32),
+        pltpu.SMEM((1,), jnp.int32),
     ]
 
     def out_map(b, i, *refs):
@@ -180,7 +179,7 @@ def paged_partials_kernel(
             jax.ShapeDtypeStruct((batch, 1, kv_heads, group, LANES), _F32),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(batch, steps),
             in_specs=[
                 pl.BlockSpec((None, kv_heads, group, head_dim), lambda b, i, *refs: (b, 0, 0, 0)),
@@ -196,5 +195,15 @@ def paged_partials_kernel(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=False if interpret is None else interpret,
         name="pallas_flash_split_kv_decode_paged",
-    )(lengths, page_table.reshape(-1), q, *pool)
+    )(lengths, page_table.reshape(-1), first_non_empty(lengths, tiling.max_len), q, *pool)
     return out, lse[..., 0]
+
+
+def first_non_empty(lengths: jax.Array, max_len: int) -> jax.Array:
+    """``[batch + 1]`` int32: at ``b``, the first sequence ``>= b`` whose length (clipped to
+    ``[0, max_len]``, as the kernel reads it) is positive; ``batch`` where none is."""
+    batch = lengths.shape[0]
+    index = jnp.arange(batch, dtype=jnp.int32)
+    holding = jnp.where(jnp.clip(lengths, 0, max_len) > 0, index, batch)
+    suffix = jax.lax.cummin(holding, reverse=True)
+    return jnp.concatenate([suffix, jnp.array([batch], jnp.int32)]).astype(jnp.int32)
