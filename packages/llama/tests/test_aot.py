@@ -168,47 +168,56 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     assert memory.temp_size_in_bytes < chip_layer_cache
 
 
-def test_paged_int8_decode_step_compiles_for_a_v5e_chip(v5e_devices) -> None:
-    """Llama-3.2-1B on one chip with an int8 paged cache (8 sequences of up to 8k positions in
-    pages of 128): the step allocates pages, quantizes and appends the new token in place,
-    calls one paged splitkv kernel per layer on operands that are not copies, and aliases
-    every layer's pool and scales."""
+@pytest.mark.parametrize("chips", [1, 4])
+def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> None:
+    """Llama-3.2-1B with an int8 paged cache (8 sequences of up to 8k positions in pages of
+    128), on one chip or its pages split over a v5e-4: the step allocates pages, quantizes and
+    appends the new token in place (each chip its own pages), calls the paged splitkv kernel
+    on operands that are not copies, merges the chips' partials only (no collective moves a
+    pool), and aliases every layer's pool and scales."""
     config = get_config("llama-3.2-1b")
-    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
-    params = _inference_params(config, make_mesh(1, 1, 1, devices=v5e_devices[:1]))
+    mesh = make_mesh(1, 1, chips, devices=v5e_devices[:chips])
+    params = _inference_params(config, mesh)
     batch, pages_per_sequence, page_size = 8, 64, 128
     num_pages = batch * pages_per_sequence
     pool = (num_pages, config.kv_heads, page_size, config.head_dim)
+    replicated = NamedSharding(mesh, PartitionSpec())
 
-    def struct(shape, dtype, row_major=True):
-        placed = pf.cache_format(device, len(shape)) if row_major else device
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+    def struct(shape, dtype, sharding=replicated):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    values = (struct(pool, jnp.int8),) * config.layers
-    scales = (struct(pool[:3], jnp.float32),) * config.layers
+    def pooled(shape, dtype):
+        split = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        return struct(shape, dtype, pf.cache_format(split, len(shape)))
+
+    values = (pooled(pool, jnp.int8),) * config.layers
+    scales = (pooled(pool[:3], jnp.float32),) * config.layers
     pages = pf.PageAllocator(
-        struct((batch, pages_per_sequence), jnp.int32, False),
-        struct((1, num_pages), jnp.int32, False),
-        struct((1,), jnp.int32, False),
+        struct((batch, pages_per_sequence), jnp.int32),
+        struct((chips, num_pages // chips), jnp.int32),
+        struct((chips,), jnp.int32),
     )
-    lengths = struct((batch,), jnp.int32, False)
-    cache = KVCache(values, values, lengths, scales, scales, pages)
-    tokens = struct((batch,), jnp.int32, False)
-    step = generation.jitted("decode", cache, config, "splitkv")
+    cache = KVCache(values, values, struct((batch,), jnp.int32), scales, scales, pages)
+    step = generation.jitted("decode", cache, config, "splitkv", mesh if chips > 1 else None)
+    tokens = struct((batch,), jnp.int32)
     compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
     calls = hlo.kernel_calls(text)
-    assert len(calls) == config.layers
     assert {call.name.split(".")[0] for call in calls} == {"pallas_flash_split_kv_decode_paged"}
+    assert len(calls) - len(hlo.conditional_kernel_calls(text)) == config.layers
     assert not _large_operand_copies(text)
-    layer_pool = math.prod(pool)  # int8 bytes
+    layer_pool = math.prod(pool) // chips  # int8 bytes per chip
     copies = hlo.find_copy_trap(text)  # weights prefetched into VMEM move, not re-laid out
     assert not [op.name for op in copies if op.relayout is not False and op.bytes >= 1 << 20]
-    assert not [op.name for op in copies if op.shape.startswith(("s8[512,", "f32[512,"))]
+    chip_pages = (f"s8[{num_pages // chips},", f"f32[{num_pages // chips},")
+    assert not [op.name for op in copies if op.shape.startswith(chip_pages)]
+    partials = batch * config.q_heads * (config.head_dim + 1) * 4
+    assert all(op.bytes <= partials for op in hlo.collectives(text)), hlo.collectives(text)
     _, out_cache = compiled.output_formats
     for fmt in (*out_cache.k, *out_cache.v):
         assert fmt.layout.major_to_minor == (0, 1, 2, 3)
     memory = compiled.memory_analysis()
-    cache_bytes = 2 * config.layers * (layer_pool + 4 * math.prod(pool[:3]))
+    cache_bytes = 2 * config.layers * (layer_pool + 4 * math.prod(pool[:3]) // chips)
     assert memory.alias_size_in_bytes >= cache_bytes  # every pool and its scales in place
-    assert memory.temp_size_in_bytes < layer_pool
+    # no chip holds a whole layer's pool in temporaries (26 MB on one chip, 32 MB on four)
+    assert memory.temp_size_in_bytes < math.prod(pool), memory.temp_size_in_bytes

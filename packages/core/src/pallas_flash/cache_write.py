@@ -49,16 +49,31 @@ def write_rows(
         contiguous cache; 0, pages, for a paged one): each device writes only the rows that
         fall in its own contiguous slice, inside ``shard_map``.
     """
+    return _write_split(_write_rows, cache, rows, blocks, positions, split, split_axis)
+
+
+def _write_split(
+    write: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array],
+    cache: jax.Array,
+    values: jax.Array,
+    blocks: jax.Array,
+    positions: jax.Array,
+    split: Split | None,
+    split_axis: int,
+) -> jax.Array:
+    """``write(cache, values, blocks, positions)`` on one device, or inside ``shard_map`` on
+    each device's slice of ``cache`` along ``split_axis`` (0: blocks, 2: positions), with the
+    indices made local: a device writes only what falls in its own slice."""
     if split is None or not split[1]:
-        return _write_rows(cache, rows, blocks, positions)
+        return write(cache, values, blocks, positions)
     mesh, axes = split
     part = cache.shape[split_axis] // math.prod(mesh.shape[name] for name in axes)
 
-    def on_device(cache, rows, blocks, positions):
+    def on_device(cache, values, blocks, positions):
         first = jax.lax.axis_index(axes) * part
         if split_axis == 0:
-            return _write_rows(cache, rows, blocks - first, positions)
-        return _write_rows(cache, rows, blocks, positions - first)
+            return write(cache, values, blocks - first, positions)
+        return write(cache, values, blocks, positions - first)
 
     local = PartitionSpec(*(axes if i == split_axis else None for i in range(cache.ndim)))
     return jax.shard_map(
@@ -67,7 +82,7 @@ def write_rows(
         in_specs=(local, PartitionSpec(), PartitionSpec(), PartitionSpec()),
         out_specs=local,
         check_vma=False,
-    )(cache, rows, blocks, positions)
+    )(cache, values, blocks, positions)
 
 
 def _write_rows(
@@ -97,19 +112,23 @@ def _write_blocks(
     return cache
 
 
-def write_pages(pool: jax.Array, values: jax.Array, pages: jax.Array) -> jax.Array:
+def write_pages(
+    pool: jax.Array, values: jax.Array, pages: jax.Array, *, split: Split | None = None
+) -> jax.Array:
     """``pool [num_pages, kv_heads, page_size, ...]`` with each ``values[i] [kv_heads,
     page_size, ...]`` written as page ``pages[i]``; a page outside ``[0, num_pages)`` (-1: no
     page) is written nowhere. One ``dynamic_update_slice`` per page, unrolled (a scatter would
     re-lay-out a copy of the pool on TPU); ``...`` is ``head_dim``, or nothing for scales.
 
     Args:
-      pool: a paged cache's pages or scales, on one device; donate it to the enclosing jit
-        so that the write happens in place.
+      pool: a paged cache's pages or scales; donate it to the enclosing jit so that the write
+        happens in place.
       values: ``[n, kv_heads, page_size, ...]``, cast to the pool's dtype.
       pages: ``[n]`` int32.
+      split: the mesh axes that split the pool's pages: each device writes only its own
+        pages, inside ``shard_map`` (``values`` are handed to every device).
     """
-    return _write_blocks(pool, values, pages, jnp.zeros_like(pages))
+    return _write_split(_write_blocks, pool, values, pages, jnp.zeros_like(pages), split, 0)
 
 
 def write_kv(

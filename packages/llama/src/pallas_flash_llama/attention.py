@@ -68,8 +68,8 @@ def cached_attention(
     Args:
       q: ``[batch, q_heads, 1, head_dim]``.
       k, v: ``[batch, kv_heads, 1, head_dim]``.
-      cache: the layer's cache (donated by the caller), contiguous (its sequence axis split
-        over all of ``mesh`` when one is given) or paged, float or int8.
+      cache: the layer's cache (donated by the caller), contiguous or paged, float or int8;
+        with ``mesh``, its sequence axis (paged: its pages) split over all of it.
       blocks: ``[batch]`` int32, where sequence ``b``'s token goes: its row of a contiguous
         cache, or its page of a paged one; a negative block: nowhere.
       positions: ``[batch]`` int32, the token's position in its block.
@@ -79,9 +79,10 @@ def cached_attention(
       The output ``[batch, q_heads, 1, head_dim]`` and the updated cache.
     """
     split = None if mesh is None else (mesh, tuple(mesh.axis_names))
+    axis = 0 if cache.paged else 2  # the axis the mesh splits: pages, or positions
 
     def write(array: jax.Array, rows: jax.Array) -> jax.Array:
-        return write_rows(array, rows, blocks, positions, split=split)
+        return write_rows(array, rows, blocks, positions, split=split, split_axis=axis)
 
     cache = write_kv(cache, k[:, :, 0], v[:, :, 0], write)
     out = pf.decode(

@@ -89,7 +89,7 @@ def _prefill(params, cache, tokens, lengths, config, backend, mesh):
     layers = []
     for i, layer in enumerate(params["layers"]):
         x, (k, v) = decoder_layer(x, layer, positions, attend, config, mesh)
-        layers.append(fill(cache.layer(i), k, v))
+        layers.append(fill(cache.layer(i), k, v, mesh))
     last = x[jnp.arange(x.shape[0]), lengths - 1]
     return unembed(params, last, config), cache.with_layers(layers, lengths)
 
@@ -223,11 +223,12 @@ def generate(
       backend: the ``pf.attention`` backend of the prefill; decode_backend: ``pf.decode``'s
         (``splitkv`` to split the cache over ``mesh``); default: the registry's choice.
       mesh: a ``(data, fsdp, tensor)`` mesh (`sharding.make_mesh`): weights sharded by
-        `sharding.RULES`, the prompts' batch over data x fsdp, the cache's sequence axis over
-        every device.
+        `sharding.RULES`, the prompts' batch over data x fsdp, the cache's sequence axis (a
+        paged cache's pages) over every device.
       kv_cache: ``"contiguous"``, ``max_len`` positions per sequence, or ``"paged"``, a pool
-        of pages per layer with a page table shared by the layers (one device), pages
-        allocated as the sequences grow (`kv_cache`).
+        of pages per layer with a page table shared by the layers, pages allocated as the
+        sequences grow (`kv_cache`; over a mesh, each sequence's pages go round the
+        devices).
       kv_dtype: the cache's dtype: None for the compute dtype, or ``jnp.int8`` (or
         ``"int8"``): K and V quantized as they are written, a float32 scale per token and kv
         head.
@@ -241,7 +242,6 @@ def generate(
       pf.InvalidInputError: an empty or out-of-vocabulary prompt, a prompt that does not fit
         in ``max_len``, a missing key for sampling, a mesh that does not divide the model
         or the batch, an unknown ``kv_cache``, or a bad ``kv_dtype`` or ``page_size``.
-      pf.UnsupportedFeatureError: a paged cache with a mesh.
     """
     prompts = _check_prompts(prompts, config)
     if max_new_tokens < 1:
@@ -255,11 +255,6 @@ def generate(
     if kv_cache not in KV_CACHES:
         raise pf.InvalidInputError(f"kv_cache: expected one of {KV_CACHES}, got {kv_cache!r}")
     paged = kv_cache == "paged"
-    if paged and mesh is not None:
-        raise pf.UnsupportedFeatureError(
-            f"kv_cache: 'paged' runs on one device, got a mesh of {mesh.size} devices; "
-            "generate over a mesh with kv_cache='contiguous' (split along its sequence axis)"
-        )
     if mesh is not None:
         sharding.check_mesh(config, mesh, batch=len(prompts))
     if max_len is None:

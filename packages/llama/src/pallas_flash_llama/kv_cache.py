@@ -5,9 +5,11 @@ Layouts (`pf.DecodeCache`), per layer:
 
 - contiguous: ``[batch, kv_heads, max_len, head_dim]``, the sequence axis split over all of a
   mesh when one is given, as ``pf.decode`` expects;
-- paged (one device): a pool ``[num_pages, kv_heads, page_size, head_dim]`` per layer; all
-  layers share one page table, one allocator and the lengths (`pf.PageAllocator`), since a
-  sequence's position ``p`` is in the same page of every layer's pool;
+- paged: a pool ``[num_pages, kv_heads, page_size, head_dim]`` per layer; all layers share
+  one page table, one allocator and the lengths (`pf.PageAllocator`), since a sequence's
+  position ``p`` is in the same page of every layer's pool. With a mesh the pool's pages are
+  split over all of it (`pool_sharding`), and page ``j`` of sequence ``b`` comes from device
+  ``(j + b) % devices``, so each device holds about ``1 / devices`` of every sequence;
 - int8 (either layout): K and V in int8 with float32 scales, the buffer's shape without
   ``head_dim`` (one per token and kv head), quantized as they are written
   (`pallas_flash.cache_write.write_kv`).
@@ -121,6 +123,17 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(None, None, tuple(mesh.axis_names), None))
 
 
+def pool_sharding(mesh: Mesh) -> NamedSharding:
+    """The placement of each layer's pool of a paged cache: pages split over every mesh axis."""
+    return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names), None, None, None))
+
+
+def write_split(mesh: Mesh | None) -> tuple[Mesh, tuple[str, ...]] | None:
+    """The mesh axes that split a cache's sequence axis (contiguous) or pages (paged), as
+    `pallas_flash.cache_write` takes them; None without a mesh."""
+    return None if mesh is None else (mesh, tuple(mesh.axis_names))
+
+
 def _scales_sharding(sharding: NamedSharding | None) -> NamedSharding | None:
     """The placement of an int8 buffer's scales: the values' without ``head_dim``."""
     if sharding is None:
@@ -138,22 +151,23 @@ def init_cache(
     page_size: int | None = None,
     num_pages: int | None = None,
 ) -> KVCache:
-    """An empty cache on the first device, or split over ``mesh`` (`cache_sharding`).
+    """An empty cache on the first device, or split over ``mesh`` (`cache_sharding`, or
+    `pool_sharding` for a paged one).
 
     Args:
       config: the model (layers, kv heads, head_dim, compute dtype).
       batch: sequences.
       max_len: positions per sequence (paged: rounded up to whole pages).
-      mesh: split each layer's sequence axis over all of it (contiguous caches only).
+      mesh: split each layer's sequence axis (paged: its pages) over all of it.
       kv_dtype: of K and V: None for the compute dtype, or ``jnp.int8`` (then with scales).
       page_size: positions per page, for a paged cache; None: contiguous.
-      num_pages: pages per layer's pool; default: enough for every sequence to reach
-        ``max_len``, ``batch * ceil(max_len / page_size)``.
+      num_pages: pages per layer's pool (a multiple of the mesh's devices); default: enough
+        for every sequence to reach ``max_len`` whichever device each page comes from,
+        ``devices * batch * ceil(ceil(max_len / page_size) / devices)``.
 
     Raises:
-      pf.InvalidInputError: ``kv_dtype`` is neither a float dtype nor int8, or ``page_size`` or
-        ``num_pages`` is below 1.
-      pf.UnsupportedFeatureError: a paged cache with a mesh.
+      pf.InvalidInputError: ``kv_dtype`` is neither a float dtype nor int8, ``page_size`` or
+        ``num_pages`` is below 1, or ``num_pages`` is not a multiple of the mesh's devices.
     """
     dtype = _cache_dtype(config.dtype if kv_dtype is None else kv_dtype)
     pages = None
@@ -163,17 +177,15 @@ def init_cache(
     else:
         if page_size < 1:
             raise pf.InvalidInputError(f"page_size: expected at least 1, got {page_size}")
-        if mesh is not None:
-            raise pf.UnsupportedFeatureError(
-                f"page_size: a paged cache is on one device, got a mesh of {mesh.size} "
-                "devices; use the contiguous cache (its sequence axis split over the mesh)"
-            )
+        shards = 1 if mesh is None else mesh.size
         per_sequence = math.ceil(max_len / page_size)
-        num_pages = batch * per_sequence if num_pages is None else num_pages
+        if num_pages is None:
+            num_pages = shards * batch * math.ceil(per_sequence / shards)
         if num_pages < 1:
             raise pf.InvalidInputError(f"num_pages: expected at least 1, got {num_pages}")
-        pages = pf.PageAllocator.empty(batch, per_sequence, num_pages)
-        shape, sharding = (num_pages, config.kv_heads, page_size, config.head_dim), None
+        pages = pf.PageAllocator.empty(batch, per_sequence, num_pages, shards)
+        shape = (num_pages, config.kv_heads, page_size, config.head_dim)
+        sharding = None if mesh is None else pool_sharding(mesh)
 
     def zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> Layers:
         return tuple(pf.zeros_cache(shape, dtype, sharding) for _ in range(config.layers))
@@ -213,7 +225,9 @@ def allocate_prompts(cache: KVCache, lengths: jax.Array) -> KVCache:
     return dataclasses.replace(cache, pages=pages)
 
 
-def fill(layer: pf.DecodeCache, k: jax.Array, v: jax.Array) -> pf.DecodeCache:
+def fill(
+    layer: pf.DecodeCache, k: jax.Array, v: jax.Array, mesh: Mesh | None = None
+) -> pf.DecodeCache:
     """One layer's cache with a prompt batch's keys and values written from position 0 (in
     place under donation; quantized when int8).
 
@@ -222,6 +236,7 @@ def fill(layer: pf.DecodeCache, k: jax.Array, v: jax.Array) -> pf.DecodeCache:
         (`allocate_prompts`); pages the table does not hold are not written.
       k: ``[batch, kv_heads, prompt_len, head_dim]`` (``prompt_len <= max_len``).
       v: shaped as ``k``.
+      mesh: the mesh a paged layer's pages are split over (each device writes its own).
     """
     page_size = layer.k.shape[2]
 
@@ -229,7 +244,7 @@ def fill(layer: pf.DecodeCache, k: jax.Array, v: jax.Array) -> pf.DecodeCache:
         if not layer.paged:
             return jax.lax.dynamic_update_slice(array, x.astype(array.dtype), (0,) * array.ndim)
         pages = layer.page_table[:, : math.ceil(k.shape[2] / page_size)].reshape(-1)
-        return write_pages(array, as_pages(x, page_size), pages)
+        return write_pages(array, as_pages(x, page_size), pages, split=write_split(mesh))
 
     return write_kv(layer, k, v, write)
 
