@@ -6,7 +6,8 @@ so self-attention runs inside ``shard_map``: each device attends over its own ba
 (``data`` x ``fsdp``) and heads (``tensor``); GQA keeps K/V unrepeated, each device holding
 the kv heads of its query heads. Decoding writes the new token into a contiguous or paged,
 float or int8 cache (`kv_cache`) and hands the mesh to ``pf.decode``, whose multi-device
-backends (``splitkv``) split a contiguous cache's sequence axis over all of it.
+backends (``splitkv``) follow the cache's split over all of it: a contiguous cache's sequence
+axis, or a paged one's pages.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash.cache_write import write_kv, write_rows
+from pallas_flash_llama.kv_cache import write_split
 from pallas_flash_llama.sharding import BATCH_AXES
 
 
@@ -78,11 +80,10 @@ def cached_attention(
     Returns:
       The output ``[batch, q_heads, 1, head_dim]`` and the updated cache.
     """
-    split = None if mesh is None else (mesh, tuple(mesh.axis_names))
     axis = 0 if cache.paged else 2  # the axis the mesh splits: pages, or positions
 
     def write(array: jax.Array, rows: jax.Array) -> jax.Array:
-        return write_rows(array, rows, blocks, positions, split=split, split_axis=axis)
+        return write_rows(array, rows, blocks, positions, split=write_split(mesh), split_axis=axis)
 
     cache = write_kv(cache, k[:, :, 0], v[:, :, 0], write)
     out = pf.decode(

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=KV_CACHES,
         default="contiguous",
         help="KV cache layout: max-len positions per sequence, or pages allocated as "
-        "sequences grow (one device)",
+        "sequences grow (over --mesh, each sequence's pages round the devices)",
     )
     gen.add_argument(
         "--kv-dtype",
