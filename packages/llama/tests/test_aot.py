@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash.interpret import INTERPRET_ENV_VAR
-from pallas_flash_llama import generation, model
+from pallas_flash_llama import abstract, generation
 from pallas_flash_llama.config import get_config
-from pallas_flash_llama.kv_cache import KVCache, cache_sharding
-from pallas_flash_llama.sharding import BATCH_AXES, make_mesh, param_shardings
-from pallas_flash_llama.train import TrainConfig, TrainState, make_train_step
+from pallas_flash_llama.kv_cache import KVCache
+from pallas_flash_llama.sharding import make_mesh
+from pallas_flash_llama.train import TrainConfig, make_train_step
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
@@ -47,15 +47,6 @@ def v5e_devices() -> list[jax.Device]:
 @pytest.fixture(autouse=True)
 def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(INTERPRET_ENV_VAR, "0")
-
-
-def _abstract(shapes, shardings, dtype):
-    return jax.tree.map(
-        lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-        shapes,
-        shardings,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
 
 
 def _large_operand_copies(text: str) -> list:
@@ -85,14 +76,8 @@ def test_train_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     config = get_config("llama-3.2-1b").replace(remat="save_qkv")
     mesh = make_mesh(1, 4, 1, devices=v5e_devices)
     train_config = TrainConfig()
-    params = _abstract(model.param_shapes(config), param_shardings(config, mesh), jnp.float32)
-    opt_state = jax.eval_shape(train_config.optimizer().init, params)
-    state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32))
-    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
-    batch = {
-        name: jax.ShapeDtypeStruct((4, 2048), jnp.int32, sharding=rows)
-        for name in ("tokens", "segment_ids")
-    }
+    state = abstract.train_state(config, train_config, mesh)
+    batch = abstract.batch(4, 2048, mesh)
     step = make_train_step(config, train_config, backend="pallas", mesh=mesh)
     compiled = step.trace(state, batch).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
@@ -104,32 +89,6 @@ def test_train_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < HBM_BYTES
 
 
-def _inference_params(config, mesh):
-    """`generation.inference_params` of ``config`` as abstract arrays sharded over ``mesh``."""
-    stacked = param_shardings(config, mesh)
-    unstacked = {
-        name: NamedSharding(mesh, PartitionSpec(*s.spec[1:]))
-        for name, s in stacked["layers"].items()
-    }
-    shapes = jax.eval_shape(
-        lambda p: generation.inference_params(p, config),
-        _abstract(model.param_shapes(config), stacked, jnp.float32),
-    )
-    params = {
-        name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stacked[name])
-        for name, x in shapes.items()
-        if name != "layers"
-    }
-    params["layers"] = [
-        {
-            name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=unstacked[name])
-            for name, x in layer.items()
-        }
-        for layer in shapes["layers"]
-    ]
-    return params
-
-
 def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     """Llama-3.2-1B has head_dim 64, for which XLA's own layout of the cache would put the
     sequence axis minor and copy every layer's cache for the kernel: the steps keep it
@@ -137,19 +96,9 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     config = get_config("llama-3.2-1b")
     mesh = make_mesh(1, 1, 4, devices=v5e_devices)
     batch, max_len = 8, 32768
-    params = _inference_params(config, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    layer_cache = jax.ShapeDtypeStruct(
-        (batch, config.kv_heads, max_len, config.head_dim),
-        jnp.bfloat16,
-        sharding=pf.cache_format(cache_sharding(mesh)),
-    )
-    cache = KVCache(
-        (layer_cache,) * config.layers,
-        (layer_cache,) * config.layers,
-        jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated),
-    )
-    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated)
+    params = abstract.inference_params(config, mesh)
+    cache = abstract.contiguous_cache(config, batch, max_len, mesh)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=cache.lengths.sharding)
     step = generation.jitted("decode", cache, config, "splitkv", mesh)
     compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
@@ -177,7 +126,7 @@ def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> Non
     pool), and aliases every layer's pool and scales."""
     config = get_config("llama-3.2-1b")
     mesh = make_mesh(1, 1, chips, devices=v5e_devices[:chips])
-    params = _inference_params(config, mesh)
+    params = abstract.inference_params(config, mesh)
     batch, pages_per_sequence, page_size = 8, 64, 128
     num_pages = batch * pages_per_sequence
     pool = (num_pages, config.kv_heads, page_size, config.head_dim)

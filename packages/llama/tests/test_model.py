@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import llama_reference as reference
@@ -9,7 +11,9 @@ import numpy as np
 import pytest
 from llama_testing import TINY_HF
 
+import pallas_flash as pf
 from pallas_flash_llama import model
+from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.weights import load_params
 
 TOL = dict(rtol=2e-4, atol=2e-4)
@@ -82,6 +86,39 @@ def test_remat_tags_name_the_projections(loaded) -> None:
     text = str(jax.make_jaxpr(lambda p: model.forward(p, tokens, config, backend="xla"))(params))
     for name in ("q", "k", "v", "attn_out", "mlp_hidden"):
         assert f"name={name}\n" in text or f"name={name} " in text or f"name={name}]" in text, name
+
+
+@pytest.mark.parametrize("remat", ["none", "save_qkv"])
+def test_unrolled_layers_match_the_scan(loaded, remat: str) -> None:
+    """``scan_layers=False`` (a Python loop over layer slices) computes what the scan does:
+    logits, gradients, and the stacked keys and values (None without ``keep_kv``)."""
+    config, params, _ = loaded
+    scanned = config.replace(remat=remat)
+    unrolled = scanned.replace(scan_layers=False)
+    tokens = _tokens(5, (2, 24), config.vocab)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(p, cfg):
+        _, kv = model.hidden_states(p, tokens, cfg, backend="xla", keep_kv=True)
+        grads = jax.grad(lambda p: model.forward(p, tokens, cfg, backend="xla").mean())(p)
+        return model.forward(p, tokens, cfg, backend="xla"), kv, grads
+
+    want, got = run(params, scanned), run(params, unrolled)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert got[1][0].shape == (config.layers, 2, config.kv_heads, 24, config.head_dim)
+    assert model.hidden_states(params, tokens, unrolled, backend="xla")[1] is None
+    jaxprs = [str(jax.make_jaxpr(run, static_argnums=1)(params, c)) for c in (scanned, unrolled)]
+    assert "scan[" in jaxprs[0] and "scan[" not in jaxprs[1]
+
+
+def test_scan_layers_must_be_a_bool() -> None:
+    fields = dict(vocab=8, hidden=8, layers=1, q_heads=1, kv_heads=1, head_dim=8, mlp=8)
+    with pytest.raises(pf.InvalidInputError, match="scan_layers"):
+        LlamaConfig(**fields, scan_layers="yes")
+    assert not LlamaConfig(**fields, scan_layers=False).scan_layers
 
 
 def test_init_params_shapes_and_dtypes() -> None:

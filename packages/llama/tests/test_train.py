@@ -82,3 +82,22 @@ def test_the_step_donates_its_state() -> None:
     batch = jax.device_put(data.pack([list(range(3, 30))], seq_len=16))
     new_state, _ = make_train_step(config, train_config, backend="xla")(state, batch)
     assert state.params["embed"].is_deleted() and not new_state.params["embed"].is_deleted()
+
+
+def test_the_step_without_donation_keeps_its_state() -> None:
+    """``donate=False`` leaves the input state usable and computes what the donating step
+    does (which deletes its input: CPU honours donation)."""
+    config = get_config("tiny")
+    train_config = TrainConfig()
+    params = model.init_params(config, jax.random.key(0))
+    batch = jax.device_put(data.pack([list(range(3, 30))], seq_len=16))
+    kept, donated = (init_state(jax.tree.map(jnp.copy, params), train_config) for _ in "ab")
+    step = make_train_step(config, train_config, backend="xla", donate=False)
+    kept_state, kept_metrics = step(kept, batch)
+    new_state, metrics = make_train_step(config, train_config, backend="xla")(donated, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
+    assert all(x.is_deleted() for x in jax.tree.leaves(donated.params))
+    np.testing.assert_allclose(float(kept_metrics["loss"]), float(metrics["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(kept_state), jax.tree.leaves(new_state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert int(step(kept, batch)[0].step) == 1  # the kept state steps again

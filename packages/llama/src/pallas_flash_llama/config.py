@@ -53,6 +53,9 @@ class LlamaConfig:
       dtype: compute dtype of matmuls and activations (``bfloat16``; ``float32`` for tests).
       param_dtype: dtype parameters are kept (and trained) in.
       remat: the training remat policy (`RematPolicy`).
+      scan_layers: layers run under ``lax.scan`` over the stacked axis (one layer compiled);
+        when False, as a Python loop that slices each layer's parameters out of the stacked
+        arrays (every layer compiled separately: slower to compile, for comparison).
     """
 
     vocab: int
@@ -72,6 +75,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: RematPolicy = "none"
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "layers", "q_heads", "kv_heads", "head_dim", "mlp"):
@@ -86,6 +90,8 @@ class LlamaConfig:
             raise pf.InvalidInputError(
                 f"remat: expected one of {REMAT_POLICIES}, got {self.remat!r}"
             )
+        if not isinstance(self.scan_layers, bool):
+            raise pf.InvalidInputError(f"scan_layers: expected a bool, got {self.scan_layers!r}")
 
     def replace(self, **changes: Any) -> LlamaConfig:
         """A copy with some fields changed (``config.replace(dtype="float32")``)."""

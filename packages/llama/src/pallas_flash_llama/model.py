@@ -13,8 +13,9 @@ Parameters (`init_params`): a dict, matmul weights laid out input-axis first::
     lm_head     [hidden, vocab]             (absent with tied embeddings)
 
 Layers run with ``lax.scan`` over the stacked axis (one layer compiled, whatever the depth),
-under the config's remat policy. Norm weights stay float32; matmul weights are cast to the
-compute dtype (`compute_params`); logits are float32.
+or with ``config.scan_layers`` False as a Python loop over per-layer slices (every layer
+compiled), under the config's remat policy. Norm weights stay float32; matmul weights are
+cast to the compute dtype (`compute_params`); logits are float32.
 """
 
 from __future__ import annotations
@@ -158,7 +159,13 @@ def hidden_states(
 
     if config.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[config.remat])
-    return jax.lax.scan(layer, x, p["layers"])
+    if config.scan_layers:
+        return jax.lax.scan(layer, x, p["layers"])
+    outs = []
+    for i in range(config.layers):
+        x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], p["layers"]))
+        outs.append(out)
+    return x, None if outs[0] is None else jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
 
 def forward(

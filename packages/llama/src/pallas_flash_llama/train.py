@@ -1,9 +1,10 @@
 """Training: next-token loss over packed sequences, AdamW, one jitted step with donation.
 
 Parameters and optimiser state are float32 (master weights); the forward computes in the
-config's dtype (bfloat16). The step is jitted with the `TrainState` donated, so parameters
-and optimiser state are updated in place. Under a mesh the state keeps the shardings of
-`sharding.param_shardings` and the batch is split over ``data`` x ``fsdp`` (`shard_batch`).
+config's dtype (bfloat16). The step is jitted with the `TrainState` donated (by default),
+so parameters and optimiser state are updated in place. Under a mesh the state keeps the
+shardings of `sharding.param_shardings` and the batch is split over ``data`` x ``fsdp``
+(`shard_batch`).
 """
 
 from __future__ import annotations
@@ -120,8 +121,11 @@ def make_train_step(
     *,
     backend: str | None = None,
     mesh: Mesh | None = None,
+    donate: bool = True,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """A jitted ``step(state, batch) -> (state, metrics)`` that donates ``state``.
+    """A jitted ``step(state, batch) -> (state, metrics)`` that donates ``state`` (updated in
+    place); with ``donate`` False the state is not donated and stays usable (for measuring
+    what donation saves).
 
     Metrics: ``loss``, ``tokens`` (counted by the loss), ``grad_norm`` (before clipping),
     ``learning_rate``.
@@ -140,7 +144,7 @@ def make_train_step(
         }
         return TrainState(params, opt_state, state.step + 1), metrics
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0 if donate else ())
 
 
 def shard_batch(batch: Batch, mesh: Mesh | None) -> Batch:

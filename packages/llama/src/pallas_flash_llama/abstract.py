@@ -1,0 +1,105 @@
+"""Abstract arguments of the train, prefill and decode steps: ``jax.ShapeDtypeStruct``s with
+their shardings, to compile a step ahead of time for a TPU slice this host does not have
+(``step.trace(*args).lower(lowering_platforms=("tpu",)).compile()``).
+
+The mesh may be made of a topology's devices (``jax.experimental.topologies``); nothing here
+allocates memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import pallas_flash as pf
+from pallas_flash_llama import generation, model
+from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.kv_cache import KVCache, cache_sharding
+from pallas_flash_llama.sharding import BATCH_AXES, param_shardings
+from pallas_flash_llama.train import Batch, TrainConfig, TrainState
+
+
+def _structs(shapes, shardings, dtype) -> dict:
+    return jax.tree.map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+        shapes,
+        shardings,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def params(config: LlamaConfig, mesh: Mesh) -> dict:
+    """The stacked parameters (`model.param_shapes`) in ``config.param_dtype``, sharded by
+    `sharding.param_shardings`."""
+    shapes = model.param_shapes(config)
+    return _structs(shapes, param_shardings(config, mesh), jnp.dtype(config.param_dtype))
+
+
+def train_state(config: LlamaConfig, train_config: TrainConfig, mesh: Mesh) -> TrainState:
+    """The `TrainState`: parameters, the optimiser state (in their shardings) and the step."""
+    stacked = params(config, mesh)
+    opt_state = jax.eval_shape(train_config.optimizer().init, stacked)
+    return TrainState(stacked, opt_state, jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def batch(size: int, seq_len: int, mesh: Mesh) -> Batch:
+    """``tokens`` and ``segment_ids`` ``[size, seq_len]`` int32, split over the batch axes."""
+    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+    return {
+        name: jax.ShapeDtypeStruct((size, seq_len), jnp.int32, sharding=rows)
+        for name in ("tokens", "segment_ids")
+    }
+
+
+def inference_params(config: LlamaConfig, mesh: Mesh) -> dict:
+    """`generation.inference_params`: the compute dtype, one dict per layer, each array in
+    its stacked parameter's sharding less the layer axis."""
+    stacked = param_shardings(config, mesh)
+    unstacked = {
+        name: NamedSharding(mesh, PartitionSpec(*s.spec[1:]))
+        for name, s in stacked["layers"].items()
+    }
+    shapes = jax.eval_shape(lambda p: generation.inference_params(p, config), params(config, mesh))
+    out = {
+        name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stacked[name])
+        for name, x in shapes.items()
+        if name != "layers"
+    }
+    out["layers"] = [
+        {
+            name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=unstacked[name])
+            for name, x in layer.items()
+        }
+        for layer in shapes["layers"]
+    ]
+    return out
+
+
+def contiguous_cache(
+    config: LlamaConfig, size: int, max_len: int, mesh: Mesh, kv_dtype: str | None = None
+) -> KVCache:
+    """A contiguous `KVCache` of ``size`` sequences of ``max_len`` positions, each layer's
+    buffer split along its sequence axis over the mesh (`kv_cache.cache_sharding`) and laid
+    out row-major (`pf.cache_format`); int8 with float32 scales when ``kv_dtype`` says so."""
+    shape = (size, config.kv_heads, max_len, config.head_dim)
+    split = cache_sharding(mesh)
+    dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
+    layer = jax.ShapeDtypeStruct(shape, dtype, sharding=pf.cache_format(split))
+    scales = None
+    if dtype == jnp.int8:
+        placed = NamedSharding(mesh, PartitionSpec(*split.spec[:3]))
+        scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=pf.cache_format(placed, 3))
+        scales = (scale,) * config.layers
+    replicated = NamedSharding(mesh, PartitionSpec())
+    lengths = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
+    return KVCache((layer,) * config.layers, (layer,) * config.layers, lengths, scales, scales)
+
+
+def prompts(size: int, prompt_len: int, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The prefill step's ``tokens [size, prompt_len]`` and ``lengths [size]``, replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return (
+        jax.ShapeDtypeStruct((size, prompt_len), jnp.int32, sharding=replicated),
+        jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated),
+    )
