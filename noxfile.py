@@ -118,7 +118,7 @@ def bench(session: nox.Session) -> None:
     `-- --full` the default (not quick) sweep runs. tokamax comes in as a reference (the bench
     package's ``tokamax`` extra), here only: the tests session does without it.
     """
-    _install(session, CORE, f"{BENCH}[tokamax]", *BACKENDS.values())
+    _install(session, CORE, f"{BENCH}[tokamax]", LLAMA, *BACKENDS.values())
     args = list(session.posargs)
     if "--full" in args:
         args.remove("--full")

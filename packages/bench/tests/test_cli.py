@@ -154,3 +154,42 @@ def test_fit_search_bisects_to_the_step(monkeypatch) -> None:
     subject = all_subjects("quick", ["xla"], False)["xla"]
     result = worker.longest_fitting(subject, "forward", TARGETS["v5e-1"], runner.FIT_LIMIT, 256)
     assert result["longest_seq_len"] == 12_800  # the largest multiple of 256 <= 13,000
+
+
+@needs_libtpu
+def test_model_workloads_compile_and_are_estimated_as_whole_programs(tmp_path) -> None:
+    """A tiny LLaMa's train step (fsdp over 4 chips) and serving run (tensor over 2) go
+    through the worker: each program's scanned layers are counted per layer, its collectives
+    modelled, and the report shows them."""
+    pytest.importorskip("pallas_flash_llama")
+    from pallas_flash_bench.model_workloads import ModelWorkload
+    from pallas_flash_bench.targets import DEFAULT_TARGET
+
+    train = ModelWorkload("train tiny", "train", "tiny", "v5e-4", (1, 4, 1), 8, seq_len=256,
+                          remat="save_qkv")  # fmt: skip
+    serve = ModelWorkload("serve tiny", "serve", "tiny", "v5e-4", (1, 1, 2), 4, prompt_len=64,
+                          generate_len=64)  # fmt: skip
+    target = TARGETS[DEFAULT_TARGET]
+    options = runner.BenchOptions(
+        target=target, sweep="quick", workloads=[], models=[train, serve], backends=None,
+        references=False, fit=False, measure=False, price_per_chip_hour=1.2,
+        out_dir=tmp_path, cache=runner.ResultCache(None), workers=1,
+    )  # fmt: skip
+    results = runner.run(options)
+    rows = {row["workload"]["name"]: row for row in results["models"]}
+    trained = rows["train tiny"]
+    (program,) = trained["programs"]
+    assert program["compiled"], program["error"]
+    estimate = program["estimate"]
+    assert sorted(estimate["loop_trips"].values()) == [2, 2]  # forward and backward scans
+    assert estimate["seconds_by_kind"]["kernel"] > 0  # the pallas kernels
+    assert estimate["collectives"] and estimate["collective_seconds"] > 0
+    f = trained["figures"]
+    assert 0 < f["mfu"]["exposed"] < f["mfu"]["overlapped"] < 1
+    served = rows["serve tiny"]
+    assert [p["program"] for p in served["programs"]] == ["prefill", "decode"]
+    assert all(p["compiled"] for p in served["programs"])
+    assert served["figures"]["tokens_per_second"]["overlapped"] > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "## Training steps against MaxText (v5e)" in report and "train tiny" in report
+    assert "## Serving against JetStream (v5e)" in report

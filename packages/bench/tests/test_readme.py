@@ -44,3 +44,27 @@ def test_the_committed_readme_block_has_the_bench_format() -> None:
         len(comparison.AGAINST_REFERENCES_HEADER) - 1,
         len(comparison.SPREAD_HEADER) - 1,
     }, "every row has its table's columns"
+
+
+def test_the_models_block_is_rewritten_on_its_own(tmp_path) -> None:
+    """A --models run rewrites the models block and leaves the main block alone."""
+    text = (
+        f"{readme.BEGIN}\nmain\n{readme.END}\n\n{readme.MODELS_BEGIN}\nold\n{readme.MODELS_END}\n"
+    )
+    path = tmp_path / "README.md"
+    path.write_text(text)
+    models = {"meta": {"date": "2026-11-25", "versions": {"jax": "0.10.2"}}, "models": []}
+    readme.update(path, None, models)
+    new = path.read_text()
+    assert new.startswith(f"{readme.BEGIN}\nmain\n{readme.END}\n")
+    assert "From one run of `pallas-flash bench --models` on 2026-11-25 (jax 0.10.2" in new
+    assert "old" not in new and new.rstrip().endswith(readme.MODELS_END)
+
+
+def test_the_committed_readme_has_a_models_block_from_a_models_run() -> None:
+    text = README.read_text()
+    start, end = text.index(readme.MODELS_BEGIN), text.index(readme.MODELS_END)
+    block = text[start:end]
+    assert "From one run of `pallas-flash bench --models`" in block
+    assert "### Training steps against MaxText (v5e)" in block
+    assert "### Serving against JetStream (v5e)" in block

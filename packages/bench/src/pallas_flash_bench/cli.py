@@ -4,6 +4,7 @@ kernel), ``readme`` (the README's report block from a run)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -29,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
         "--serving",
         action="store_true",
         help="only the serving decode sweep (ragged batches, paged and int8 caches)",
+    )
+    bench.add_argument(
+        "--models",
+        action="store_true",
+        help="only the model workloads: LLaMa train steps and serving runs on v5e slices "
+        "against MaxText and JetStream, and the ablation (needs pallas-flash-llama)",
     )
     bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
     bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")
@@ -65,12 +72,36 @@ def _parser() -> argparse.ArgumentParser:
     readme.add_argument(
         "--results", type=pathlib.Path, default=pathlib.Path("bench-results/results.json")
     )
+    readme.add_argument(
+        "--models",
+        type=pathlib.Path,
+        help="a `pallas-flash bench --models` run's results.json: rewrite the models block too",
+    )
+    readme.add_argument("--only-models", action="store_true", help="leave the main block as it is")
     readme.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
     return parser
 
 
+def _models(args: argparse.Namespace) -> list:
+    """The model workloads: all with ``--models`` (or the full sweep), the quick sweep's one
+    small row with ``--quick``; none when the LLaMa package is not installed (with a note)."""
+    if args.serving or args.ops or args.seq_lens:
+        return []
+    if importlib.util.find_spec("pallas_flash_llama") is None:
+        print("pallas-flash bench: pallas-flash-llama is not installed: no model rows",
+              file=sys.stderr)  # fmt: skip
+        return []
+    from pallas_flash_bench import model_workloads
+
+    if args.quick and not args.models:
+        return model_workloads.quick_models()
+    return model_workloads.default_models()
+
+
 def _workloads(args: argparse.Namespace) -> list[Workload]:
     chips = TARGETS[args.target].chips
+    if args.models:
+        return []
     if args.serving:
         sweep = serving_sweep(chips)
     else:
@@ -102,9 +133,10 @@ def _bench(args: argparse.Namespace) -> int:
         target=target,
         sweep="quick" if args.quick else "default",
         workloads=_workloads(args),
+        models=_models(args),
         backends=args.backends.split(",") if args.backends else None,
         references=not args.no_reference,
-        fit=not args.no_fit,
+        fit=not args.no_fit and not args.models,
         measure=not args.no_measure,
         price_per_chip_hour=args.price if args.price is not None else target.price_per_chip_hour,
         out_dir=args.out,
@@ -112,8 +144,11 @@ def _bench(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     results = run(options)
-    compiled = sum(r["compiled"] for r in results["rows"])
-    print(f"{compiled}/{len(results['rows'])} programs compiled for {target.name}; "
+    rows = results["rows"] + results["models"]
+    compiled = sum(bool(r.get("compiled") or (r.get("figures") or {}).get("compiled"))
+                   for r in rows)  # fmt: skip
+    where = f" for {target.name}" if results["rows"] else ""
+    print(f"{compiled}/{len(rows)} workloads compiled{where}; "
           f"wrote {args.out}/report.md, results.json, roofline.png")  # fmt: skip
     return 0
 
@@ -133,8 +168,11 @@ def _inspect(args: argparse.Namespace) -> int:
 def _readme(args: argparse.Namespace) -> int:
     from pallas_flash_bench import readme
 
-    readme.update(args.readme, json.loads(args.results.read_text()))
-    print(f"{args.readme}: report block rewritten from {args.results}")
+    results = None if args.only_models else json.loads(args.results.read_text())
+    models = None if args.models is None else json.loads(args.models.read_text())
+    readme.update(args.readme, results, models)
+    sources = [str(p) for p, used in ((args.results, results), (args.models, models)) if used]
+    print(f"{args.readme}: rewritten from {' and '.join(sources)}")
     return 0
 
 

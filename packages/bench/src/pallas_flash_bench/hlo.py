@@ -109,6 +109,14 @@ class Computation:
                 return op
         return None
 
+    @property
+    def root(self) -> HloOp | None:
+        """The op whose result the computation returns: the last op no other op reads (the
+        ``ROOT`` mark is not kept)."""
+        read = {name for op in self.ops for name in op.operands}
+        unread = [op for op in self.ops if op.name not in read and op.opcode != "parameter"]
+        return unread[-1] if unread else None
+
 
 # --------------------------------------------------------------------------------------------
 # Shapes
@@ -139,7 +147,23 @@ def shape_bytes(shape: str) -> int:
     return sum(_array_bytes(dtype, dims) for dtype, dims, _ in _arrays(shape))
 
 
-def _tuple_elements(shape: str) -> list[str]:
+def hbm_bytes(shape: str) -> int:
+    """Bytes of a shape's arrays laid out in HBM: memory space 0, no ``S(n)`` in the layout
+    (``S(1)`` is VMEM)."""
+    return sum(
+        _array_bytes(dtype, dims)
+        for dtype, dims, layout in _arrays(shape)
+        if not re.search(r"S\((?!0\))\d+\)", layout)
+    )
+
+
+def largest_array_bytes(shape: str) -> int:
+    """Bytes of a shape's largest array (an asynchronous collective's ``-start`` op returns
+    its operand and its result as a tuple: the result is the larger)."""
+    return max((_array_bytes(dtype, dims) for dtype, dims, _ in _arrays(shape)), default=0)
+
+
+def tuple_elements(shape: str) -> list[str]:
     """Top-level elements of a tuple shape (the shape itself when it is no tuple)."""
     shape = shape.strip()
     if not shape.startswith("("):
@@ -398,7 +422,7 @@ def find_copy_trap(text: str) -> list[HloOp]:
         if op.opcode == "copy-done" and op.operands and op.operands[0] in starts:
             continue  # counted with its copy-start
         if op.opcode == "copy-start":
-            elements = _tuple_elements(op.shape)
+            elements = tuple_elements(op.shape)
             data = elements[0]
             src = shapes.get(op.operands[0], "") if op.operands else ""
             relayout, how = _copy_direction(src or (elements[1] if len(elements) > 1 else ""), data)
@@ -463,7 +487,7 @@ def kernel_calls(text: str) -> list[HloOp]:
     ]
 
 
-_BRANCHES = re.compile(
+BRANCHES_RE = re.compile(
     r"\b(?:branch_computations=\{(?P<names>[^}]*)\}|(?:true|false)_computation=(?P<one>%[\w.\-]+))"
 )
 
@@ -477,7 +501,7 @@ def conditional_kernel_calls(text: str) -> set[str]:
         for comp in comps.values()
         for op in comp.ops
         if op.opcode == "conditional"
-        for match in _BRANCHES.finditer(op.attributes)
+        for match in BRANCHES_RE.finditer(op.attributes)
         for name in (match["names"] or match["one"]).split(",")
     }
     return {op.name for op in kernel_calls(text) if op.computation in branches}

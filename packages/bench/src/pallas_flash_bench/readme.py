@@ -11,10 +11,12 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_flash_bench import cells, comparison
+from pallas_flash_bench import cells, comparison, model_report
 
 BEGIN = "<!-- pallas-flash readme: begin -->"
 END = "<!-- pallas-flash readme: end -->"
+MODELS_BEGIN = "<!-- pallas-flash readme models: begin -->"
+MODELS_END = "<!-- pallas-flash readme models: end -->"
 
 
 def render_block(results: Mapping[str, Any]) -> str:
@@ -40,19 +42,49 @@ def render_block(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, block: str) -> str:
-    """``text`` with its block (from `BEGIN` to `END`) replaced by ``block``.
+def render_models_block(results: Mapping[str, Any]) -> str:
+    """The models block (markers included) for a ``pallas-flash bench --models`` run: its
+    provenance, then the report's model sections, one heading level down."""
+    meta = results.get("meta") or {}
+    found = dict(meta.get("versions") or {}, model_analysis=meta.get("model_analysis"))
+    versions = ", ".join(f"{k} {v}" for k, v in found.items() if k != "analysis")
+    sections = model_report.model_sections(results)
+    lines = [
+        MODELS_BEGIN,
+        "",
+        f"From one run of `pallas-flash bench --models` on {meta.get('date') or cells.MISSING} "
+        f"({versions}; a CPU host: no TPU). Ours are static estimates; the references were "
+        "measured on TPUs.",
+        "",
+        *(f"#{line}" if line.startswith("## ") else line for line in sections),
+        MODELS_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with its block (from ``begin`` to ``end``) replaced by ``block``.
 
     Raises:
       ValueError: ``text`` lacks either marker.
     """
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"expected the markers {BEGIN!r} and {END!r}, in that order")
-    rest = text[end + len(END) :]
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"expected the markers {begin!r} and {end!r}, in that order")
+    rest = text[stop + len(end) :]
     return text[:start] + block + rest.removeprefix("\n")
 
 
-def update(readme: pathlib.Path, results: Mapping[str, Any]) -> None:
-    """Rewrites the block of the file ``readme`` from ``results``."""
-    readme.write_text(replace_block(readme.read_text(), render_block(results)))
+def update(
+    readme: pathlib.Path,
+    results: Mapping[str, Any] | None,
+    models: Mapping[str, Any] | None = None,
+) -> None:
+    """Rewrites the file ``readme``'s block from ``results`` and its models block from
+    ``models`` (a ``--models`` run), each when given."""
+    text = readme.read_text()
+    if results is not None:
+        text = replace_block(text, render_block(results))
+    if models is not None:
+        text = replace_block(text, render_models_block(models), MODELS_BEGIN, MODELS_END)
+    readme.write_text(text)

@@ -33,6 +33,7 @@ from pallas_flash_bench.cells import (
     workload_of,
 )
 from pallas_flash_bench.comparison import against_references_table, mfu_range, spread_table
+from pallas_flash_bench.model_report import model_sections
 from pallas_flash_bench.workloads import Workload
 
 OP_TITLES = {
@@ -474,6 +475,7 @@ def render_report(results: Mapping[str, Any]) -> str:
         *spread_table(rows),
         *against_references_table(rows),
         *_decoding_table(results, rows),
+        *model_sections(results),
         *_fits_table(list(results.get("fits") or [])),
         *_kernels_table(rows, (results.get("meta") or {}).get("target") or {}),
         *_copies_section(rows),

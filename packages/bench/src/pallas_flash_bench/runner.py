@@ -14,21 +14,25 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import TYPE_CHECKING
 
 import jax
 from tqdm import tqdm
 
 import pallas_flash as pf
-from pallas_flash_bench import aot, estimate, measure
+from pallas_flash_bench import aot, estimate, measure, whole_program
 from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.references import reference_notes
 from pallas_flash_bench.report import write_report
 from pallas_flash_bench.roofline import write_roofline
 from pallas_flash_bench.spread import ESTIMATES
 from pallas_flash_bench.subjects import Subject, all_subjects
-from pallas_flash_bench.targets import Target
+from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.worker import RESULT_PREFIX
 from pallas_flash_bench.workloads import Workload
+
+if TYPE_CHECKING:
+    from pallas_flash_bench.model_workloads import ModelWorkload
 
 FIT_LIMIT = 1 << 21
 """Longest sequence the fit search tries: Q, K, V and O of B=1, H=16, D=128 bf16 at 2M tokens
@@ -41,6 +45,8 @@ class BenchOptions:
     target: Target
     sweep: str
     workloads: list[Workload]
+    models: list[ModelWorkload]
+    """Model workloads (`model_workloads`; they need the LLaMa package)."""
     backends: list[str] | None
     references: bool
     fit: bool
@@ -91,6 +97,13 @@ def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
             if s.kind == "backend"
             for op in ("forward", "forward_backward")
         ]
+    jobs += [
+        {"kind": "model", "workload": w.to_json(), "target": w.target,
+         "topology": TARGETS[w.target].topology, "sweep": options.sweep, "backends": None,
+         "references": False, "llama": importlib.metadata.version("pallas-flash-llama"),
+         "analysis": whole_program.ANALYSIS_VERSION}
+        for w in options.models
+    ]  # fmt: skip
     for i, job in enumerate(jobs):
         job["id"] = i
     return jobs
@@ -102,7 +115,8 @@ def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dic
     if not jobs:
         return results
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="pallas-flash-bench-"))
-    rows = [j for j in jobs if j["kind"] == "row"]
+    # model programs are the longest compiles: each worker starts on its share of them
+    rows = [j for j in jobs if j["kind"] == "model"] + [j for j in jobs if j["kind"] == "row"]
     fits = [j for j in jobs if j["kind"] == "fit"]
     groups = [(rows[i::workers], True) for i in range(workers)] + [(fits, False)]
     lines: queue.Queue[str | None] = queue.Queue()
@@ -211,9 +225,12 @@ def run(options: BenchOptions) -> dict:
             options.cache.put(ResultCache.key(job, toolchain), result)
     results.update(fresh)
 
-    rows, fits = [], []
+    rows, fits, models = [], [], []
     for job in jobs:
         result = results.get(job["id"])
+        if job["kind"] == "model":
+            models.append(_model_row(job, result, options))
+            continue
         if job["kind"] == "fit":
             if result is not None and "job_error" not in result:
                 fits.append(result)
@@ -237,15 +254,29 @@ def run(options: BenchOptions) -> dict:
             else "given with --price",
             "measured_on": measure.platform() if options.measure else None,
             "notes": notes,
+            "model_analysis": whole_program.ANALYSIS_VERSION if options.models else None,
         },
         "rows": rows,
         "fits": fits,
+        "models": models,
     }
     options.out_dir.mkdir(parents=True, exist_ok=True)
     (options.out_dir / "results.json").write_text(json.dumps(output, indent=1))
     write_report(output, options.out_dir / "report.md")
     write_roofline(output, options.out_dir / "roofline.png")
     return output
+
+
+def _model_row(job: dict, result: dict | None, options: BenchOptions) -> dict:
+    """A model workload's analysis with its figures (`model_figures`), or its error."""
+    from pallas_flash_bench import model_figures
+
+    if result is None or "job_error" in result:
+        error = "libtpu is not installed" if result is None else result["job_error"]
+        return {"workload": job["workload"], "programs": [], "error": error, "figures": None}
+    target = TARGETS[job["target"]]
+    figures = model_figures.derive(result, target, options.price_per_chip_hour)
+    return {**result, "error": None, "figures": figures}
 
 
 def _failed_row(subject: Subject, workload: Workload, result: dict | None) -> dict:

@@ -11,6 +11,10 @@ direction. ``collective_latency`` is an assumption, not a published figure: 10 u
 collective, an allowance for the synchronisation and the hops of a small all-reduce on a 2x2
 slice (a few hops of about a microsecond each, plus the barrier).
 
+Whole programs (`pallas_flash_bench.ici`) use the slice's torus: ``torus`` gives its sides,
+``ici_wraparound`` whether they wrap (v5e: only the full 16x16 pod), and each ring step of a
+collective costs ``ici_hop_latency``, 1 us: an assumption, like ``collective_latency``.
+
 Prices are on-demand list prices per chip-hour from the Google Cloud TPU pricing page as last
 recorded by this project (2025; not re-checked when this table was written, 2026-11-21, as no
 network was available); pass ``--price`` to use your own.
@@ -52,6 +56,12 @@ class Target:
     """Assumed seconds each collective costs beyond its bytes (see the module docstring)."""
     price_per_chip_hour: float
     """US dollars, on-demand list price (see the module docstring)."""
+    torus: tuple[int, ...] = (2, 2)
+    """The slice's sides in chips (the ICI torus or mesh the chips form)."""
+    ici_wraparound: bool = False
+    """Whether the torus sides wrap around (a ring runs both ways round each)."""
+    ici_hop_latency: float = 1e-6
+    """Assumed seconds per ring step of a collective (see the module docstring)."""
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -72,9 +82,20 @@ _V5E = dict(
     price_per_chip_hour=1.20,
 )
 
+
+def _v5e_slice(x: int, y: int, host: tuple[int, int, int]) -> Target:
+    """A v5e slice of x by y chips (compiled as that topology)."""
+    options = dict(_V5E, topology=f"v5e:{x}x{y}", chips_per_host_bounds=host)
+    return Target(name=f"v5e-{x * y}", chips=x * y, torus=(x, y), ici_wraparound=x == y == 16,
+                  **options)  # fmt: skip
+
+
 TARGETS = {
     "v5e-1": Target(name="v5e-1", chips=1, **_V5E),
     "v5e-4": Target(name="v5e-4", chips=4, **_V5E),
+    "v5e-8": _v5e_slice(2, 4, (2, 4, 1)),
+    "v5e-16": _v5e_slice(4, 4, (2, 2, 1)),
+    "v5e-256": _v5e_slice(16, 16, (2, 2, 1)),
     # One v4 chip shows up as two devices (one per TensorCore) in this topology: figures are
     # per TensorCore, half a chip's.
     "v4": Target(

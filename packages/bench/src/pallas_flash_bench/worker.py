@@ -218,18 +218,24 @@ def main(argv: list[str]) -> None:
     subjects_by_config: dict[tuple, dict] = {}
     for job in jobs:
         key = (job["sweep"], tuple(job["backends"] or ()), job["references"])
-        if key not in subjects_by_config:
+        if job["kind"] != "model" and key not in subjects_by_config:
             subjects_by_config[key] = all_subjects(job["sweep"], job["backends"], job["references"])
-        subject = subjects_by_config[key][job["subject"]]
         target = TARGETS[job["target"]]
         os.environ[GENERATION_ENV_VAR] = target.generation  # kernels sized for the target
         try:
-            if job["kind"] == "row":
+            if job["kind"] == "model":  # needs the LLaMa package: imported only then
+                from pallas_flash_bench import model_steps, model_workloads
+
+                model = model_workloads.ModelWorkload(**job["workload"])
+                result = model_steps.analyse_model(model, dump_dir)
+            elif job["kind"] == "row":
                 workload = Workload(**job["workload"])
+                subject = subjects_by_config[key][job["subject"]]
                 result = analyse_row(
                     subject, workload, target, dump_dir, job.get("keep_hlo", False)
                 )
             else:
+                subject = subjects_by_config[key][job["subject"]]
                 result = longest_fitting(subject, job["op"], target, job["limit"], job["step"])
         except Exception as exc:  # noqa: BLE001 - report and go on with the next job
             result = {"job_error": _error_text(exc), "traceback": traceback.format_exc()}

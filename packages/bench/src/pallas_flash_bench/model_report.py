@@ -1,0 +1,189 @@
+"""The report's model sections: training steps against MaxText, serving against JetStream,
+the ablation, and what each step's estimate is made of.
+
+Ours are static estimates from a v5e compile on a CPU host (`whole_program`, `ici`); the
+references were measured on TPUs by their authors. Every time is given at both ends of the
+collectives' overlap: ``hidden .. exposed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pallas_flash_bench import model_figures
+from pallas_flash_bench.cells import MISSING, byte_size, markdown_table, num, percent
+
+GiB = 1 << 30
+HBM_PER_CHIP = 16 * GiB
+
+
+def _ends(values: Mapping[str, Any] | None, render: Callable[[Any], str]) -> str:
+    """``a .. b`` of an ``{overlapped, exposed}`` pair (one value when they agree)."""
+    if not values or values.get("overlapped") is None:
+        return MISSING
+    lo, hi = (render(values[end]) for end in model_figures.ENDS)
+    return lo if lo == hi else f"{lo} .. {hi}"
+
+
+def _seconds(value: Any) -> str:
+    return f"{num(value)} s"
+
+
+def _ms(value: Any) -> str:
+    return f"{num(value * 1e3)} ms"
+
+
+def _hbm(row: Mapping[str, Any]) -> str:
+    f = row.get("figures") or {}
+    peak = f.get("peak_hbm")
+    if peak is None:
+        return MISSING
+    if not f.get("fits"):
+        return f"does not fit: needs {byte_size(peak)} of temporaries"
+    return f"{byte_size(peak)} ({percent(peak / HBM_PER_CHIP)})"
+
+
+def _slice(w: Mapping[str, Any]) -> str:
+    data, fsdp, tensor = w["mesh"]
+    return f"{w['target']} (data {data}, fsdp {fsdp}, tensor {tensor})"
+
+
+def _reference(row: Mapping[str, Any], render: Callable[[Any], str]) -> tuple[str, str]:
+    f = row.get("figures") or {}
+    ref = f.get("reference")
+    if ref is None:
+        return "none published", MISSING
+    ratio = _ends(model_figures.against_reference(f), lambda x: f"{num(x)}x")
+    return f"{render(ref['value'])} ({ref['source']})", ratio
+
+
+def _failed(row: Mapping[str, Any]) -> str | None:
+    if row.get("error"):
+        return f"not analysed: {row['error'][:120]}"
+    return None
+
+
+def training_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for row in models:
+        w = row["workload"]
+        if w["step"] != "train" or w["name"].startswith("ablation"):
+            continue
+        f = row.get("figures") or {}
+        ref, ratio = _reference(row, percent)
+        failed = _failed(row)
+        rows.append([w["name"], _slice(w), f"{w['batch']} x {w['seq_len']}", w["remat"],
+                     failed or _ends(f.get("step_seconds"), _seconds),
+                     _ends(f.get("mfu"), percent),
+                     _ends(f.get("tokens_per_chip_second"), num), _hbm(row), ref,
+                     ratio])  # fmt: skip
+    if not rows:
+        return []
+    header = ["workload", "slice", "batch x seq", "remat", "step (static)", "MFU (static)",
+              "tokens/s/chip", "peak HBM per chip", "reference MFU (measured)",
+              "ours / ref"]  # fmt: skip
+    return ["## Training steps against MaxText (v5e)", "", *markdown_table(header, rows), ""]
+
+
+def serving_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for row in models:
+        w = row["workload"]
+        if w["step"] != "serve":
+            continue
+        f = row.get("figures") or {}
+        ref, ratio = _reference(row, lambda v: f"{num(v)} tok/s")
+        rows.append([w["name"], _slice(w), w["batch"], f"{w['prompt_len']} / {w['generate_len']}",
+                     w.get("kv_dtype") or "bfloat16",
+                     _failed(row) or _ends(f.get("prefill_seconds"), _seconds),
+                     _ends(f.get("decode_step_seconds"), _ms),
+                     _ends(f.get("tokens_per_second"), num),
+                     _ends(f.get("tokens_per_dollar"), num), _hbm(row), ref, ratio])  # fmt: skip
+    if not rows:
+        return []
+    header = ["workload", "slice", "batch", "prompt / generated", "KV cache", "prefill",
+              "decode step (cache full)", "tokens/s (static)", "tokens/$", "peak HBM per chip",
+              "reference (measured)", "ours / ref"]  # fmt: skip
+    return ["## Serving against JetStream (v5e)", "",
+            "Tokens/s: every generated token over the prefill (8 prompts a step, the batch's "
+            "steps together) plus all decode steps. A decode step is charged with every block "
+            "of each chip's share of the cache: the cache is split along its sequence over the "
+            "chips, so the first chip's share (every sequence's first positions) is full from "
+            "the first step and sets the step's time.", "",
+            *markdown_table(header, rows), ""]  # fmt: skip
+
+
+def ablation_table(
+    models: Sequence[Mapping[str, Any]], steps: Sequence[tuple[str, str]]
+) -> list[str]:
+    """``steps``: (what the row changes, workload name) in order."""
+    by_name = {row["workload"]["name"]: row for row in models}
+    rows = []
+    for what, name in steps:
+        row = by_name.get(name)
+        if row is None:
+            continue
+        f = row.get("figures") or {}
+        seconds = "decode_step_seconds" if row["workload"]["step"] == "serve" else "step_seconds"
+        render = _ms if row["workload"]["step"] == "serve" else _seconds
+        rows.append([what, num(f.get("compile_seconds")),
+                     _failed(row) or _ends(f.get(seconds), render),
+                     _ends(f.get("mfu"), percent), _hbm(row)])  # fmt: skip
+    if not rows:
+        return []
+    header = ["change (each row adds one to the row before)", "compile s (this host)",
+              "step (static)", "MFU (static)", "peak HBM per chip"]  # fmt: skip
+    return ["## What each optimisation buys (Llama-2-7B)", "",
+            "Training rows: one step on v5e-256, 4 sequences of 2048 tokens per chip; serving "
+            "rows: the decode step of the Llama-2-7B serving run. A program that does not fit "
+            "has no schedule, so no time: the compiler's figure of what it needed stands in, "
+            "and its compile time is until the compiler gave up. Compile times are this CPU "
+            "host's, two compiles at once.",
+            "", *markdown_table(header, rows), ""]  # fmt: skip
+
+
+def breakdown_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per program: its compute by kind of op, the memory-bound share, the collectives, the
+    loop counts and what could not be counted."""
+    rows = []
+    for row in models:
+        for p in row.get("programs", []):
+            e = p.get("estimate")
+            if e is None:
+                continue
+            kinds = e["seconds_by_kind"]
+            trips = ", ".join(f"{t}" if t is not None else "?" for t in e["loop_trips"].values())
+            once = len(e["undetermined_loops"]) + len(e["ops_with_unknown_inner_loops"])
+            unlisted = len(e.get("ops_without_listing", []))
+            rows.append([row["workload"]["name"], p["program"], _seconds(e["compute_seconds"]),
+                         _seconds(kinds["kernel"]), _seconds(kinds["matmul"]),
+                         _seconds(kinds["other"]), _seconds(e["memory_bound_seconds"]),
+                         _seconds(e["collective_seconds"]), len(e["collectives"]),
+                         trips or MISSING, once, unlisted])  # fmt: skip
+    if not rows:
+        return []
+    header = ["workload", "program", "compute", "Pallas kernels", "MXU-bound XLA ops",
+              "other XLA ops", "of which HBM-bound", "collectives (model)", "collectives",
+              "loop trips", "counted once", "no listing"]  # fmt: skip
+    return ["## What the model estimates are made of", "",
+            "Compute: every scheduled op, its runs (loop trip counts from the HLO) times the "
+            "larger of its static cycles and its HBM bytes over the bandwidth. Collectives: the "
+            "ICI model (docs/benchmarks.md). Counted once: loops or ops whose trip count the "
+            "HLO does not give (their time is then a lower bound). No listing: ops the LLO dump "
+            "has no program for (asynchronous copies, scalar bookkeeping), charged their HBM "
+            "bytes only.", "",
+            *markdown_table(header, rows), ""]  # fmt: skip
+
+
+def model_sections(results: Mapping[str, Any]) -> list[str]:
+    """Every model section of the report (none when the run had no model workloads)."""
+    from pallas_flash_bench.model_workloads import ABLATION_DECODE, ablation
+
+    models = list(results.get("models") or [])
+    if not models:
+        return []
+    steps = [(what, w.name) for what, w in ablation()]
+    steps += [(what, w.name) for what, w in ABLATION_DECODE]
+    return [*training_table(models), *serving_table(models), *ablation_table(models, steps),
+            *breakdown_table(models)]  # fmt: skip

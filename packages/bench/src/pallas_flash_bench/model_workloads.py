@@ -1,0 +1,180 @@
+"""Model workloads: a LLaMa train step or a serving run on a v5e slice, and the published
+figures each is held against.
+
+The references are measured on hardware by their authors; ours are static estimates (see
+`whole_program`): the report labels both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from pallas_flash_llama.config import LlamaConfig, get_config
+
+MAXTEXT_16B = LlamaConfig(
+    vocab=32000,
+    hidden=4096,
+    layers=32,
+    q_heads=64,
+    kv_heads=64,
+    head_dim=128,
+    mlp=28672,
+    rope_theta=10_000.0,
+    max_len=2048,
+)
+"""MaxText's default decoder at ``global_parameter_scale=16`` (base.yml: emb 2048, 16 heads
+of 128, MLP 7168, 16 layers, vocabulary 32,000; the scale doubles the width, quadruples the
+heads and MLP and doubles the layers): 15.8 B parameters, a LLaMa layer (RMSNorm, RoPE,
+SwiGLU) without GQA."""
+
+MODELS = {"maxtext-16b": MAXTEXT_16B}
+"""Shapes the bench adds to `pallas_flash_llama.config.CONFIGS`."""
+
+
+def model_config(name: str) -> LlamaConfig:
+    return MODELS[name] if name in MODELS else get_config(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A published figure: ``value`` in ``unit`` (``mfu`` as a fraction, or ``tokens/s``)."""
+
+    source: str
+    value: float
+    unit: Literal["mfu", "tokens/s"]
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelWorkload:
+    """One model program on one slice.
+
+    ``step="train"``: a training step (forward, backward, AdamW) on ``batch`` sequences of
+    ``seq_len`` tokens, float32 master weights, the mesh ``(data, fsdp, tensor)``.
+    ``step="serve"``: ``batch`` prompts of ``prompt_len`` tokens prefilled ``prefill_batch``
+    at a time (as JetStream's engine prefills requests and inserts them into the decode
+    batch), then ``generate_len`` decode steps of the whole batch against a contiguous cache
+    of ``prompt_len + generate_len`` positions (``kv_dtype``: None for the compute dtype, or
+    ``int8``).
+
+    The ablation's switches: ``dtype`` (compute), ``scan_layers``, ``backend``, ``remat``,
+    ``donate``.
+    """
+
+    name: str
+    step: Literal["train", "serve"]
+    model: str
+    target: str
+    mesh: tuple[int, int, int]
+    batch: int
+    seq_len: int = 2048
+    remat: str = "none"
+    backend: str = "pallas"
+    dtype: str = "bfloat16"
+    scan_layers: bool = True
+    donate: bool = True
+    prompt_len: int = 1024
+    generate_len: int = 1024
+    kv_dtype: str | None = None
+    decode_backend: str = "splitkv"
+    prefill_batch: int = 8
+
+    @property
+    def prefill_calls(self) -> int:
+        """Prefill steps a serving run takes: its batch, ``prefill_batch`` prompts each."""
+        return -(-self.batch // self.prefill_batch)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh", tuple(self.mesh))  # from JSON: a list
+
+    @property
+    def config(self) -> LlamaConfig:
+        base = model_config(self.model)
+        return base.replace(remat=self.remat, dtype=self.dtype, scan_layers=self.scan_layers)
+
+    @property
+    def chips(self) -> int:
+        data, fsdp, tensor = self.mesh
+        return data * fsdp * tensor
+
+    @property
+    def tokens(self) -> int:
+        """Tokens a step trains on, or a serving run generates."""
+        return self.batch * (self.seq_len if self.step == "train" else self.generate_len)
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def _train(name: str, model: str, target: str, chips: int, per_chip: int, remat: str,
+           **kw) -> ModelWorkload:  # fmt: skip
+    return ModelWorkload(name, "train", model, target, (1, chips, 1), per_chip * chips,
+                         remat=remat, **kw)  # fmt: skip
+
+
+def _serve(name: str, model: str, batch: int, **kw) -> ModelWorkload:
+    return ModelWorkload(name, "serve", model, "v5e-8", (1, 1, 8), batch, **kw)
+
+
+TRAINING = [
+    _train("train maxtext-16b", "maxtext-16b", "v5e-256", 256, 6, "full"),
+    _train("train llama-2-7b", "llama-2-7b", "v5e-256", 256, 4, "save_qkv"),
+    _train("train llama-3.2-1b", "llama-3.2-1b", "v5e-4", 4, 2, "save_qkv"),
+]
+SERVING = [
+    _serve("serve llama-2-7b bf16", "llama-2-7b", 96),
+    _serve("serve llama-2-7b int8", "llama-2-7b", 96, kv_dtype="int8"),
+    _serve("serve llama-3-8b bf16", "llama-3-8b", 128),
+]
+
+REFERENCES = {
+    "train maxtext-16b": Reference(
+        "MaxText README (v5e-256, measured)", 0.611, "mfu", "120 TFLOP/s/chip"
+    ),
+    "serve llama-2-7b bf16": Reference("jetstream-pytorch (v5e-8, measured)", 3663, "tokens/s"),
+    "serve llama-2-7b int8": Reference("jetstream-pytorch (v5e-8, measured)", 4783, "tokens/s"),
+    "serve llama-3-8b bf16": Reference("jetstream-pytorch (v5e-8, measured)", 8249, "tokens/s"),
+}
+"""Published figures by workload name; MaxText ships the Llama-2-7B config without one."""
+
+
+def ablation() -> list[tuple[str, ModelWorkload]]:
+    """The ablation (Llama-2-7B training on v5e-256, 4 sequences of 2048 per chip): each row
+    adds one change to the row before, ``(what changed, workload)``."""
+    row = ModelWorkload("ablation", "train", "llama-2-7b", "v5e-256", (256, 1, 1), 1024,
+                        backend="xla", dtype="float32", scan_layers=False,
+                        donate=False)  # fmt: skip
+    steps = [
+        ("float32 compute, a Python loop over layers, XLA attention, data parallel", {}),
+        ("bfloat16 compute", {"dtype": "bfloat16"}),
+        ("lax.scan over layers", {"scan_layers": True}),
+        ("Pallas flash attention (xla -> pallas)", {"backend": "pallas"}),
+        ("remat, saving q, k, v", {"remat": "save_qkv"}),
+        ("donated state", {"donate": True}),
+        ("FSDP: parameters and optimiser state sharded over the 256 chips", {"mesh": (1, 256, 1)}),
+    ]
+    out = []
+    for i, (what, change) in enumerate(steps):
+        row = dataclasses.replace(row, name=f"ablation {i}", **change)
+        same = [w for w in TRAINING if w == dataclasses.replace(row, name=w.name)]
+        out.append((what, same[0] if same else row))  # the last row is the training row's
+    return out
+
+
+ABLATION_DECODE = [
+    ("serving, bfloat16 cache", SERVING[0]),
+    ("int8 KV cache", SERVING[1]),
+]
+"""The serving end of the ablation: the decode step before and after the int8 cache."""
+
+
+def default_models() -> list[ModelWorkload]:
+    """Every model workload: the training and serving rows, then the ablation's."""
+    rows = [*TRAINING, *SERVING, *(w for _, w in ablation())]
+    return list({w.name: w for w in rows}.values())
+
+
+def quick_models() -> list[ModelWorkload]:
+    """The quick sweep's one small model row (a CI-sized run exercises the whole path)."""
+    return [TRAINING[2]]

@@ -1,0 +1,218 @@
+"""How often each op of a whole program runs: the trip counts of its ``while`` loops.
+
+A model step scans its layers: the compiled HLO holds one layer's ops inside a ``while`` body
+that runs once per layer. The static schedule has one listing per op, so an op's cycles must
+be counted as often as the loops around it run. The trip count comes from the HLO itself:
+the ``known_trip_count`` XLA records in a loop's backend config when it has one, else the
+loop's shape after XLA's passes, ``i = C; while (i < N) { ...; i = i + 1 }``: its condition
+compares one tuple element with a constant bound, its init tuple starts that element at a
+constant and its body adds one to it. A loop of any other shape is *undetermined*: its ops
+are counted once, and the caller says so.
+
+Branches of a ``conditional`` are counted as if taken every time (an upper bound; the model
+steps have none in their hot path). No JAX import: this module only reads text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from pallas_flash_bench.hlo import BRANCHES_RE, COLLECTIVES, Computation, HloOp, parse_computations
+
+_CONSTANT_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*[su]\d+\[\]\S*\s+constant\((?P<value>-?\d+)\)",
+    re.M,
+)
+_INDEX_RE = re.compile(r"\bindex=(?P<index>\d+)")
+_DIRECTION_RE = re.compile(r"\bdirection=(?P<direction>\w+)")
+_LOOP_PARTS_RE = re.compile(r"\b(?P<part>condition|body)=%(?P<name>[\w.\-]+)")
+_CALLED_RE = re.compile(
+    r"\b(?:calls|to_apply|called_computations)=\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramRuns:
+    """Executions of each computation and op of one run of a program.
+
+    Attributes:
+      computations: computation name -> how often it runs (ENTRY: 1; a loop body: its
+        caller's count times the trip count; a fused or called computation: its caller's).
+      trips: ``while`` op name -> its trip count (None: undetermined, counted once).
+      ops: op name -> how often it runs (its computation's count).
+      sequential: the computations whose ops run one after another as programs of their
+        own (ENTRY, loop bodies and conditions, conditional branches), not those fused into
+        or applied by an op.
+    """
+
+    computations: dict[str, int]
+    trips: dict[str, int | None]
+    ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    sequential: frozenset[str] = frozenset()
+
+    def runs(self, op_name: str) -> int:
+        """Executions of the op called ``op_name`` (1 for a name the program lacks)."""
+        return self.ops.get(op_name, 1)
+
+    @property
+    def undetermined(self) -> list[str]:
+        return sorted(name for name, trips in self.trips.items() if trips is None)
+
+
+def constants(text: str) -> dict[str, int]:
+    """Every integer scalar constant of the module, by instruction name (names are unique in
+    an HLO module)."""
+    return {m["name"]: int(m["value"]) for m in _CONSTANT_RE.finditer(text)}
+
+
+def _known_trip_count(op: HloOp) -> int | None:
+    match = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(?P<n>\d+)"', op.attributes)
+    return int(match["n"]) if match else None
+
+
+def _by_name(comp: Computation) -> dict[str, HloOp]:
+    return {op.name: op for op in comp.ops}
+
+
+def _counter(op: HloOp | None, ops: dict[str, HloOp]) -> int | None:
+    """The tuple index ``op`` reads when it is ``get-tuple-element(parameter)`` (or a copy)."""
+    while op is not None and op.opcode in ("copy", "bitcast") and op.operands:
+        op = ops.get(op.operands[0])
+    if op is None or op.opcode != "get-tuple-element":
+        return None
+    source = ops.get(op.operands[0]) if op.operands else None
+    match = _INDEX_RE.search(op.attributes)
+    if source is None or source.opcode != "parameter" or match is None:
+        return None
+    return int(match["index"])
+
+
+def _value(name: str, ops: dict[str, HloOp], values: dict[str, int]) -> int | None:
+    """The integer an op holds when it is a scalar constant or a copy of one."""
+    op = ops.get(name)
+    while op is not None and op.opcode in ("copy", "bitcast") and op.operands:
+        name, op = op.operands[0], ops.get(op.operands[0])
+    return values.get(name)
+
+
+def _bound(condition: Computation, values: dict[str, int]) -> tuple[int, int] | None:
+    """(counter index, exclusive bound) of a condition ``counter < N`` (or ``N > counter``)."""
+    ops = _by_name(condition)
+    root = condition.root
+    if root is None or root.opcode != "compare" or len(root.operands) != 2:
+        return None
+    direction = _DIRECTION_RE.search(root.attributes)
+    lhs, rhs = (ops.get(name) for name in root.operands)
+    if direction is None:
+        return None
+    if direction["direction"] == "LT" and rhs is not None and rhs.name in values:
+        index = _counter(lhs, ops)
+        return None if index is None else (index, values[rhs.name])
+    if direction["direction"] == "GT" and lhs is not None and lhs.name in values:
+        index = _counter(rhs, ops)
+        return None if index is None else (index, values[lhs.name])
+    return None
+
+
+def _steps_by_one(body: Computation, index: int, values: dict[str, int]) -> bool:
+    """Whether the body's result tuple sets element ``index`` to that element plus one."""
+    ops = _by_name(body)
+    root = body.root
+    if root is None or root.opcode != "tuple" or index >= len(root.operands):
+        return False
+    step = ops.get(root.operands[index])
+    if step is None or step.opcode != "add" or len(step.operands) != 2:
+        return False
+    a, b = (ops.get(name) for name in step.operands)
+    return any(
+        _counter(counter, ops) == index and one is not None and _value(one.name, ops, values) == 1
+        for counter, one in ((a, b), (b, a))
+    )
+
+
+def trip_count(loop: HloOp, comps: dict[str, Computation], values: dict[str, int]) -> int | None:
+    """The trip count of the ``while`` op ``loop``, or None when its shape does not tell."""
+    known = _known_trip_count(loop)
+    if known is not None:
+        return known
+    parts = {m["part"]: m["name"] for m in _LOOP_PARTS_RE.finditer(loop.attributes)}
+    condition, body = comps.get(parts.get("condition", "")), comps.get(parts.get("body", ""))
+    caller = comps.get(loop.computation)
+    if condition is None or body is None or caller is None or not loop.operands:
+        return None
+    bound = _bound(condition, values)
+    if bound is None:
+        return None
+    index, end = bound
+    init = _by_name(caller).get(loop.operands[0])
+    if init is None or init.opcode != "tuple" or index >= len(init.operands):
+        return None
+    start = _value(init.operands[index], _by_name(caller), values)
+    if start is None or not _steps_by_one(body, index, values):
+        return None
+    return max(end - start, 0)
+
+
+def _callees(op: HloOp) -> list[tuple[str, str]]:
+    """(called computation, how: ``body``, ``condition``, ``branch`` or ``called``) of an op."""
+    out: list[tuple[str, str]] = []
+    if op.opcode == "while":
+        parts = {m["part"]: m["name"] for m in _LOOP_PARTS_RE.finditer(op.attributes)}
+        out += [(parts[p], p) for p in ("condition", "body") if p in parts]
+    for match in _CALLED_RE.finditer(op.attributes):
+        out += [(n.strip().lstrip("%"), "called") for n in match["names"].split(",")]
+    for match in BRANCHES_RE.finditer(op.attributes):
+        names = (match["names"] or match["one"]).split(",")
+        out += [(n.strip().lstrip("%"), "branch") for n in names]
+    return out
+
+
+def program_runs(text: str) -> ProgramRuns:
+    """`ProgramRuns` of the optimised HLO ``text`` of one program (``compiled.as_text()``)."""
+    comps = parse_computations(text)
+    values = constants(text)
+    runs: dict[str, int] = {}
+    trips: dict[str, int | None] = {}
+    sequential = {c.name for c in comps.values() if c.entry}
+    pending = [(name, 1) for name in sequential]
+    while pending:
+        name, count = pending.pop()
+        comp = comps.get(name)
+        if comp is None or runs.get(name, 0) >= count:
+            continue
+        runs[name] = count
+        for op in comp.ops:
+            if op.opcode == "while" and op.name not in trips:
+                trips[op.name] = trip_count(op, comps, values)
+            for callee, how in _callees(op):
+                n = trips.get(op.name) if how == "body" else 1
+                if how != "called" and name in sequential:
+                    sequential.add(callee)
+                # a condition runs once more than the body; its ops are negligible
+                pending.append((callee, count * (n if n is not None else 1)))
+    ops = {op.name: runs.get(comp.name, 1) for comp in comps.values() for op in comp.ops}
+    return ProgramRuns(runs, trips, ops, frozenset(sequential))
+
+
+def collective_groups(text: str) -> list[tuple[HloOp, int]]:
+    """Each collective of the program once, with how often it runs.
+
+    XLA's asynchronous collective fusions split one collective over several computations
+    (its start, continuations and done), each holding an op with the same ``channel_id``: a
+    channel is counted once, at its first op. Ops without a channel id count one by one.
+    """
+    program = program_runs(text)
+    seen: set[str] = set()
+    out = []
+    for comp in parse_computations(text).values():
+        for op in comp.ops:
+            if op.opcode.removesuffix("-start") not in COLLECTIVES:
+                continue
+            channel = re.search(r"\bchannel_id=(\d+)", op.attributes)
+            if channel is not None:
+                if channel[1] in seen:
+                    continue
+                seen.add(channel[1])
+            out.append((op, program.computations.get(comp.name, 1)))
+    return out

@@ -1,0 +1,172 @@
+"""The static estimate of a whole program (a model's train or decode step) on one chip.
+
+Every op the program runs (a Pallas kernel, an XLA fusion, a copy) is charged
+
+    runs x max(static seconds, HBM seconds)
+
+- ``runs``: how often the op executes in one step (`program_loops`: a scanned layer's ops
+  once per layer);
+- static seconds: the executed bundles of its listing in the LLO dump (`llo.load_dump`)
+  over the clock, or its busiest MXU's cycles when those are more; a Pallas kernel as the
+  kernel rows charge it (`spread.kernel_entry`, with the attention shape it runs, so a
+  causal kernel's skipped blocks are not charged). The dump holds one listing per distinct
+  program: an op without its own takes that of the op with its `signature` (an unrolled
+  layer's ops, the first layer's);
+- HBM seconds: the bytes it moves through HBM (`op_bytes`) over the bandwidth, a floor for
+  the ops a bundle count misses: elementwise fusions and the optimiser update wait on
+  memory, not on issue slots.
+
+Collectives are left out here and modelled by `ici` (their schedules only wait). Ops of a
+loop whose trip count the HLO does not give are counted once and listed (``undetermined``);
+ops no listing matches are charged their HBM time only and listed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+
+from pallas_flash_bench import hlo, ici, llo, op_bytes, program_loops, spread
+from pallas_flash_bench.targets import Target
+from pallas_flash_bench.workloads import Workload
+
+ANALYSIS_VERSION = 2
+"""Bump when a model program's analysis changes: its cached results are then recompiled."""
+
+TOP_OPS = 12
+"""How many of a program's heaviest ops its estimate lists (``top_ops``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTime:
+    """One scheduled op's share of a step."""
+
+    name: str
+    kind: str  # "kernel" (Pallas), "matmul" (MXU-bound XLA op) or "other"
+    runs: int
+    static_seconds: float  # one run
+    hbm_seconds: float  # one run
+    inner_loops_counted_once: bool = False  # its schedule has loops of unknown trip count
+
+    @property
+    def seconds(self) -> float:
+        """All its runs, each the larger of its static and HBM time."""
+        return self.runs * max(self.static_seconds, self.hbm_seconds)
+
+
+_NO_CODE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                      "after-all", "partition-id", "replica-id", "opt-barrier", "while",
+                      "conditional", "call"})  # fmt: skip
+"""Opcodes that run no program of their own (bookkeeping, or control whose body is counted)."""
+
+
+def _stem(name: str) -> str:
+    return re.sub(r"(\.\d+)+$", "", name)
+
+
+def signature(op: hlo.HloOp, comps: Mapping[str, hlo.Computation],
+              shapes: Mapping[str, str]) -> tuple:  # fmt: skip
+    """What makes two ops one compiled program: name stem, opcode, shapes of result and
+    operands and, for a fusion, its fused ops' opcodes and shapes. The LLO dump holds one
+    listing per distinct program (an unrolled layer's fusions share the first layer's)."""
+    callee = re.search(r"\bcalls=%(?P<name>[\w.\-]+)", op.attributes)
+    fused = comps.get(callee["name"]) if callee else None
+    body = tuple((o.opcode, o.shape) for o in fused.ops) if fused is not None else ()
+    operands = tuple(shapes.get(n, "") for n in op.operands)
+    return (_stem(op.name), op.opcode, op.shape, operands, body)
+
+
+def _charged(op: hlo.HloOp) -> bool:
+    """Whether an op of a sequential computation is charged here: not bookkeeping, not a
+    collective (`ici` models those), not the second half of an asynchronous pair."""
+    if op.opcode in _NO_CODE or op.opcode.endswith("-done"):
+        return False
+    base = op.opcode.removesuffix("-start")
+    return base not in hlo.COLLECTIVES and not op.opcode.startswith("async")
+
+
+def op_times(
+    text: str,
+    schedules: Mapping[str, llo.KernelSchedule],
+    kernel_workload: Callable[[str], Workload],
+    target: Target,
+) -> tuple[list[OpTime], program_loops.ProgramRuns, list[str]]:
+    """`OpTime` of every op the program runs but its collectives; the program's loop counts;
+    and the ops no listing of the dump matches (charged their HBM bytes only).
+    ``kernel_workload(kernel name)``: the attention shape a Pallas kernel runs."""
+    runs = program_loops.program_runs(text)
+    comps = hlo.parse_computations(text)
+    ops = [op for name in runs.sequential if name in comps for op in comps[name].ops]
+    shapes = {op.name: op.shape for comp in comps.values() for op in comp.ops}
+    kernels = {call.name for call in hlo.kernel_calls(text)}
+    by_signature = {}
+    for op in ops:
+        if op.name in schedules:
+            by_signature.setdefault(signature(op, comps, shapes), schedules[op.name])
+    cycles_of: dict[str, tuple[int, str]] = {}
+    out, unmatched = [], []
+    for op in filter(_charged, ops):
+        schedule = schedules.get(op.name) or by_signature.get(signature(op, comps, shapes))
+        memory = op_bytes.op_hbm_bytes(op, comps, shapes) / target.hbm_bandwidth
+        if schedule is None:
+            unmatched.append(op.name)
+            out.append(OpTime(op.name, "other", runs.runs(op.name), 0.0, memory))
+            continue
+        if schedule.name not in cycles_of:
+            cycles_of[schedule.name] = _cycles(schedule, op.name in kernels, kernel_workload)
+        cycles, kind = cycles_of[schedule.name]
+        once = kind != "kernel" and schedule.executed_bundles_max is None
+        out.append(OpTime(op.name, kind, runs.runs(op.name), cycles / target.clock_hz, memory,
+                          once))  # fmt: skip
+    return out, runs, unmatched
+
+
+def _cycles(
+    schedule: llo.KernelSchedule, kernel: bool, kernel_workload: Callable[[str], Workload]
+) -> tuple[int, str]:
+    """(static cycles of one run, kind of op) of a listing."""
+    if kernel:
+        return spread.kernel_entry(schedule, kernel_workload(schedule.name))["cycles"], "kernel"
+    if schedule.executed_bundles_max is None:
+        return schedule.bundles, "other"
+    mxu = schedule.executed_mxu_cycles_max or 0
+    kind = "matmul" if mxu > schedule.executed_bundles_max else "other"
+    return max(schedule.executed_bundles_max, mxu), kind
+
+
+def program_estimate(
+    text: str,
+    schedules: Mapping[str, llo.KernelSchedule],
+    kernel_workload: Callable[[str], Workload],
+    target: Target,
+    chips: int,
+) -> dict:
+    """A step's static estimate on one chip of ``chips``: compute seconds by kind of op
+    (`op_times`), the collectives (`ici`), the step at both ends of their overlap, and what
+    the estimate could not count."""
+    times, runs, unmatched = op_times(text, schedules, kernel_workload, target)
+    collectives = ici.program_collectives(program_loops.collective_groups(text), chips, target)
+    by_kind = {kind: sum(t.seconds for t in times if t.kind == kind)
+               for kind in ("kernel", "matmul", "other")}  # fmt: skip
+    compute = sum(by_kind.values())
+    exchange = sum(c["seconds"] for c in collectives)
+    hidden, exposed = ici.step_bounds(compute, exchange)
+    memory_bound = sum(t.seconds for t in times if t.hbm_seconds > t.static_seconds)
+    loops = [t.name for t in times if t.inner_loops_counted_once]
+    heaviest = sorted(times, key=lambda t: -t.seconds)[:TOP_OPS]
+    return {
+        "compute_seconds": compute,
+        "seconds_by_kind": by_kind,
+        "memory_bound_seconds": memory_bound,
+        "collective_seconds": exchange,
+        "step_seconds_overlapped": hidden,
+        "step_seconds_exposed": exposed,
+        "ops": len(times),
+        "loop_trips": runs.trips,
+        "undetermined_loops": runs.undetermined,
+        "ops_with_unknown_inner_loops": loops,
+        "ops_without_listing": unmatched,
+        "collectives": collectives,
+        "top_ops": [dict(dataclasses.asdict(t), seconds=t.seconds) for t in heaviest],
+    }

@@ -1,0 +1,130 @@
+"""Model flops as MaxText counts them, a model workload's figures and its report sections."""
+
+from __future__ import annotations
+
+import pytest
+
+from pallas_flash_bench import model_figures, model_flops, model_report
+from pallas_flash_bench.model_workloads import (
+    MAXTEXT_16B,
+    ModelWorkload,
+    ablation,
+    default_models,
+    quick_models,
+)
+from pallas_flash_bench.targets import TARGETS
+
+
+def test_maxtext_16b_has_maxtext_s_shape() -> None:
+    # global_parameter_scale=16: 15.8 B parameters
+    assert MAXTEXT_16B.num_params == pytest.approx(15.8e9, rel=0.01)
+
+
+def test_train_flops_count_matmuls_three_times_and_causal_attention_half() -> None:
+    c = MAXTEXT_16B
+    batch, seq = 6, 2048
+    weights = c.layers * (c.hidden * c.head_dim * 4 * c.q_heads + 3 * c.hidden * c.mlp)
+    weights += c.hidden * c.vocab  # the logits; the input lookup is no matmul
+    assert model_flops.matmul_weights(c) == weights
+    attention = 4 * batch * seq * seq * c.q_heads * c.head_dim * c.layers / 2
+    expected = 3 * (2 * weights * batch * seq + attention)
+    assert model_flops.train_step_flops(c, batch, seq) == pytest.approx(expected)
+    # about 6 x params x tokens
+    assert expected / (6 * c.num_params * batch * seq) == pytest.approx(1.03, abs=0.01)
+
+
+def test_decode_flops_per_token() -> None:
+    c = MAXTEXT_16B
+    per_token = 2 * model_flops.matmul_weights(c) + 4 * 1000 * c.q_heads * c.head_dim * c.layers
+    assert model_flops.decode_step_flops(c, 3, 1000) == pytest.approx(3 * per_token)
+
+
+def _program(name: str, compute: float, collectives: float, peak: int) -> dict:
+    estimate = {
+        "compute_seconds": compute,
+        "seconds_by_kind": {"kernel": compute / 4, "matmul": compute / 2, "other": compute / 4},
+        "memory_bound_seconds": compute / 8,
+        "collective_seconds": collectives,
+        "step_seconds_overlapped": max(compute, collectives),
+        "step_seconds_exposed": compute + collectives,
+        "ops": 10,
+        "loop_trips": {"while.1": 32},
+        "undetermined_loops": [],
+        "ops_with_unknown_inner_loops": [],
+        "collectives": [
+            {
+                "name": "ag",
+                "opcode": "all-gather",
+                "bytes": 1,
+                "group": 8,
+                "runs": 32,
+                "seconds": collectives,
+            }
+        ],
+    }
+    hbm = {"argument": peak, "output": peak, "alias": peak, "temp": 0, "peak": peak}
+    return {"program": name, "compiled": True, "error": None, "hbm": hbm,
+            "estimate": estimate, "notes": [], "compile_seconds": 60.0}  # fmt: skip
+
+
+def test_train_figures_at_both_ends_against_maxtext() -> None:
+    w = default_models()[0]
+    assert w.name == "train maxtext-16b" and w.chips == 256
+    result = {"workload": w.to_json(), "programs": [_program("train", 3.0, 1.0, 10 << 30)]}
+    f = model_figures.derive(result, TARGETS["v5e-256"], 1.2)
+    flops = model_flops.train_step_flops(w.config, w.batch, w.seq_len)
+    assert f["step_seconds"] == {"overlapped": 3.0, "exposed": 4.0}
+    assert f["mfu"]["overlapped"] == pytest.approx(flops / 3.0 / (256 * 197e12))
+    assert f["tokens_per_chip_second"]["exposed"] == pytest.approx(w.batch * 2048 / 4.0 / 256)
+    ratio = model_figures.against_reference(f)
+    assert ratio["overlapped"] == pytest.approx(f["mfu"]["overlapped"] / 0.611)
+    assert f["fits"] and f["peak_hbm"] == 10 << 30
+
+
+def test_serving_figures_charge_prefill_and_every_decode_step() -> None:
+    w = next(w for w in default_models() if w.name == "serve llama-2-7b int8")
+    programs = [_program("prefill", 0.8, 0.0, 1 << 30), _program("decode", 0.01, 0.002, 2 << 30)]
+    f = model_figures.derive({"workload": w.to_json(), "programs": programs}, TARGETS["v5e-8"], 1.2)
+    assert w.prefill_calls == 12  # 96 prompts, 8 a step
+    total = 12 * 0.8 + 1024 * 0.012
+    assert f["step_seconds"]["exposed"] == pytest.approx(total)
+    assert f["tokens_per_second"]["exposed"] == pytest.approx(96 * 1024 / total)
+    assert f["tokens_per_dollar"]["exposed"] == pytest.approx(96 * 1024 / total / (8 * 1.2 / 3600))
+    assert f["peak_hbm"] == 2 << 30
+
+
+def test_a_program_out_of_memory_gives_what_it_needed() -> None:
+    w = ablation()[0][1]
+    failed = {"program": "train", "compiled": False, "error": "RESOURCE_EXHAUSTED: ...",
+              "hbm": None, "estimate": None, "notes": [], "needed_bytes": 40 << 30}  # fmt: skip
+    row = {"workload": w.to_json(), "programs": [failed], "error": None}
+    row["figures"] = model_figures.derive(row, TARGETS["v5e-256"], 1.2)
+    assert not row["figures"]["fits"] and row["figures"]["mfu"]["overlapped"] is None
+    text = "\n".join(model_report.model_sections({"models": [row]}))
+    assert "does not fit: needs 40 GiB" in text
+
+
+def test_report_sections_show_ours_beside_the_reference() -> None:
+    rows = []
+    for w, programs in (
+        (default_models()[0], [_program("train", 3.0, 1.0, 10 << 30)]),
+        (default_models()[3], [_program("prefill", 0.8, 0, 1 << 30),
+                               _program("decode", 0.01, 0.002, 2 << 30)]),
+    ):  # fmt: skip
+        row = {"workload": w.to_json(), "programs": programs, "error": None}
+        row["figures"] = model_figures.derive(row, TARGETS[w.target], 1.2)
+        rows.append(row)
+    text = "\n".join(model_report.model_sections({"models": rows}))
+    assert "## Training steps against MaxText (v5e)" in text
+    assert "61.1 % (MaxText README (v5e-256, measured))" in text
+    assert "## Serving against JetStream (v5e)" in text and "3663 tok/s" in text
+    assert "## What the model estimates are made of" in text
+    assert model_report.model_sections({"models": []}) == []
+
+
+def test_the_quick_sweep_has_one_small_model_row() -> None:
+    (row,) = quick_models()
+    assert row.target == "v5e-4" and row.model == "llama-3.2-1b"
+    names = [w.name for w in default_models()]
+    assert len(names) == len(set(names))
+    assert ModelWorkload(**row.to_json()) == row
