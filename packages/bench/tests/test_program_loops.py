@@ -82,7 +82,9 @@ def test_a_known_trip_count_wins() -> None:
 
 
 def test_an_asynchronous_collective_counts_once_per_channel() -> None:
-    found = [(op.name, runs) for op, runs in program_loops.collective_groups(SCANNED)]
+    comps = hlo.parse_computations(SCANNED)
+    program = program_loops.program_runs(SCANNED, comps)
+    found = [(op.name, runs) for op, runs in program_loops.collective_groups(comps, program)]
     assert found == [("all-gather.7", 10), ("sum", 1)]
 
 

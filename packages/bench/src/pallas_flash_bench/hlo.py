@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 
 __all__ = [
     "Computation",
@@ -310,6 +311,15 @@ def _detail(opcode: str, attributes: str) -> str:
     return ""
 
 
+_FUSED_RE = re.compile(r"\bcalls=%(?P<name>[\w.\-]+)")
+
+
+def fused_computation(op: HloOp, comps: Mapping[str, Computation]) -> Computation | None:
+    """The computation a fusion (or other op with ``calls=``) runs, if the module has it."""
+    match = _FUSED_RE.search(op.attributes)
+    return comps.get(match["name"]) if match else None
+
+
 def parse_computations(text: str) -> dict[str, Computation]:
     """Every computation of an HLO module, in order, keyed by name (without ``%``)."""
     comps: dict[str, Computation] = {}
@@ -479,12 +489,12 @@ def kernel_calls(text: str) -> list[HloOp]:
     """
     comps = parse_computations(text)
     ordered = sorted(comps.values(), key=lambda c: not c.entry)
-    return [
-        op
-        for comp in ordered
-        for op in comp.ops
-        if op.opcode == "custom-call" and op.detail == "tpu_custom_call"
-    ]
+    return [op for comp in ordered for op in comp.ops if is_kernel_call(op)]
+
+
+def is_kernel_call(op: HloOp) -> bool:
+    """Whether ``op`` calls a Mosaic (Pallas) kernel."""
+    return op.opcode == "custom-call" and op.detail == "tpu_custom_call"
 
 
 BRANCHES_RE = re.compile(

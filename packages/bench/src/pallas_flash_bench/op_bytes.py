@@ -19,7 +19,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from pallas_flash_bench.hlo import Computation, HloOp, hbm_bytes, shape_bytes, tuple_elements
+from pallas_flash_bench.hlo import (
+    Computation,
+    HloOp,
+    fused_computation,
+    hbm_bytes,
+    shape_bytes,
+    tuple_elements,
+)
 
 _PARAMETER_INDEX_RE = re.compile(r"^param_(?P<index>\d+)")
 _PARTIAL_READS = ("slice", "dynamic-slice", "gather")
@@ -79,8 +86,7 @@ def op_hbm_bytes(op: HloOp, comps: Mapping[str, Computation], shapes: Mapping[st
     """Bytes ``op`` reads from and writes to HBM (see the module docstring); ``shapes``: every
     op's result shape by name (its operands' shapes)."""
     if op.opcode == "fusion":
-        callee = re.search(r"\bcalls=%(?P<name>[\w.\-]+)", op.attributes)
-        fused = comps.get(callee["name"]) if callee else None
+        fused = fused_computation(op, comps)
         if fused is not None:
             return _fusion_bytes(op, fused, shapes)
     if op.opcode == _UPDATE and len(op.operands) > 1:

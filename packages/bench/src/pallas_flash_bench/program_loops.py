@@ -75,10 +75,16 @@ def _by_name(comp: Computation) -> dict[str, HloOp]:
     return {op.name: op for op in comp.ops}
 
 
-def _counter(op: HloOp | None, ops: dict[str, HloOp]) -> int | None:
-    """The tuple index ``op`` reads when it is ``get-tuple-element(parameter)`` (or a copy)."""
+def _through_copies(op: HloOp | None, ops: dict[str, HloOp]) -> HloOp | None:
+    """The op whose value ``op`` holds, looking through copies and bitcasts."""
     while op is not None and op.opcode in ("copy", "bitcast") and op.operands:
         op = ops.get(op.operands[0])
+    return op
+
+
+def _counter(op: HloOp | None, ops: dict[str, HloOp]) -> int | None:
+    """The tuple index ``op`` reads when it is ``get-tuple-element(parameter)`` (or a copy)."""
+    op = _through_copies(op, ops)
     if op is None or op.opcode != "get-tuple-element":
         return None
     source = ops.get(op.operands[0]) if op.operands else None
@@ -90,10 +96,8 @@ def _counter(op: HloOp | None, ops: dict[str, HloOp]) -> int | None:
 
 def _value(name: str, ops: dict[str, HloOp], values: dict[str, int]) -> int | None:
     """The integer an op holds when it is a scalar constant or a copy of one."""
-    op = ops.get(name)
-    while op is not None and op.opcode in ("copy", "bitcast") and op.operands:
-        name, op = op.operands[0], ops.get(op.operands[0])
-    return values.get(name)
+    op = _through_copies(ops.get(name), ops)
+    return values.get(op.name if op is not None else name)
 
 
 def _bound(condition: Computation, values: dict[str, int]) -> tuple[int, int] | None:
@@ -168,9 +172,10 @@ def _callees(op: HloOp) -> list[tuple[str, str]]:
     return out
 
 
-def program_runs(text: str) -> ProgramRuns:
-    """`ProgramRuns` of the optimised HLO ``text`` of one program (``compiled.as_text()``)."""
-    comps = parse_computations(text)
+def program_runs(text: str, comps: dict[str, Computation] | None = None) -> ProgramRuns:
+    """`ProgramRuns` of the optimised HLO ``text`` of one program (``compiled.as_text()``);
+    ``comps``: its `parse_computations`, when the caller has them already."""
+    comps = parse_computations(text) if comps is None else comps
     values = constants(text)
     runs: dict[str, int] = {}
     trips: dict[str, int | None] = {}
@@ -195,17 +200,18 @@ def program_runs(text: str) -> ProgramRuns:
     return ProgramRuns(runs, trips, ops, frozenset(sequential))
 
 
-def collective_groups(text: str) -> list[tuple[HloOp, int]]:
+def collective_groups(
+    comps: dict[str, Computation], program: ProgramRuns
+) -> list[tuple[HloOp, int]]:
     """Each collective of the program once, with how often it runs.
 
     XLA's asynchronous collective fusions split one collective over several computations
     (its start, continuations and done), each holding an op with the same ``channel_id``: a
     channel is counted once, at its first op. Ops without a channel id count one by one.
     """
-    program = program_runs(text)
     seen: set[str] = set()
     out = []
-    for comp in parse_computations(text).values():
+    for comp in comps.values():
         for op in comp.ops:
             if op.opcode.removesuffix("-start") not in COLLECTIVES:
                 continue

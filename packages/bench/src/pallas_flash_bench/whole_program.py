@@ -70,8 +70,7 @@ def signature(op: hlo.HloOp, comps: Mapping[str, hlo.Computation],
     """What makes two ops one compiled program: name stem, opcode, shapes of result and
     operands and, for a fusion, its fused ops' opcodes and shapes. The LLO dump holds one
     listing per distinct program (an unrolled layer's fusions share the first layer's)."""
-    callee = re.search(r"\bcalls=%(?P<name>[\w.\-]+)", op.attributes)
-    fused = comps.get(callee["name"]) if callee else None
+    fused = hlo.fused_computation(op, comps)
     body = tuple((o.opcode, o.shape) for o in fused.ops) if fused is not None else ()
     operands = tuple(shapes.get(n, "") for n in op.operands)
     return (_stem(op.name), op.opcode, op.shape, operands, body)
@@ -87,19 +86,18 @@ def _charged(op: hlo.HloOp) -> bool:
 
 
 def op_times(
-    text: str,
+    comps: Mapping[str, hlo.Computation],
+    runs: program_loops.ProgramRuns,
     schedules: Mapping[str, llo.KernelSchedule],
     kernel_workload: Callable[[str], Workload],
     target: Target,
-) -> tuple[list[OpTime], program_loops.ProgramRuns, list[str]]:
-    """`OpTime` of every op the program runs but its collectives; the program's loop counts;
-    and the ops no listing of the dump matches (charged their HBM bytes only).
+) -> tuple[list[OpTime], list[str]]:
+    """`OpTime` of every op the program runs but its collectives (``comps`` and ``runs``: its
+    `hlo.parse_computations` and `program_loops.program_runs`), and the ops no listing of the
+    dump matches (charged their HBM bytes only).
     ``kernel_workload(kernel name)``: the attention shape a Pallas kernel runs."""
-    runs = program_loops.program_runs(text)
-    comps = hlo.parse_computations(text)
     ops = [op for name in runs.sequential if name in comps for op in comps[name].ops]
     shapes = {op.name: op.shape for comp in comps.values() for op in comp.ops}
-    kernels = {call.name for call in hlo.kernel_calls(text)}
     by_signature = {}
     for op in ops:
         if op.name in schedules:
@@ -114,12 +112,13 @@ def op_times(
             out.append(OpTime(op.name, "other", runs.runs(op.name), 0.0, memory))
             continue
         if schedule.name not in cycles_of:
-            cycles_of[schedule.name] = _cycles(schedule, op.name in kernels, kernel_workload)
+            kernel = hlo.is_kernel_call(op)
+            cycles_of[schedule.name] = _cycles(schedule, kernel, kernel_workload)
         cycles, kind = cycles_of[schedule.name]
         once = kind != "kernel" and schedule.executed_bundles_max is None
         out.append(OpTime(op.name, kind, runs.runs(op.name), cycles / target.clock_hz, memory,
                           once))  # fmt: skip
-    return out, runs, unmatched
+    return out, unmatched
 
 
 def _cycles(
@@ -145,8 +144,11 @@ def program_estimate(
     """A step's static estimate on one chip of ``chips``: compute seconds by kind of op
     (`op_times`), the collectives (`ici`), the step at both ends of their overlap, and what
     the estimate could not count."""
-    times, runs, unmatched = op_times(text, schedules, kernel_workload, target)
-    collectives = ici.program_collectives(program_loops.collective_groups(text), chips, target)
+    comps = hlo.parse_computations(text)
+    runs = program_loops.program_runs(text, comps)
+    times, unmatched = op_times(comps, runs, schedules, kernel_workload, target)
+    groups = program_loops.collective_groups(comps, runs)
+    collectives = ici.program_collectives(groups, chips, target)
     by_kind = {kind: sum(t.seconds for t in times if t.kind == kind)
                for kind in ("kernel", "matmul", "other")}  # fmt: skip
     compute = sum(by_kind.values())
