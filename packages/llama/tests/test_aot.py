@@ -3,8 +3,8 @@ the attention kernels are Mosaic calls whose operands are not copies, and state 
 
 Training: Llama-3.2-1B shapes, f32 master weights and AdamW state sharded over fsdp=4, batch
 4 x 2048, remat ``save_qkv``, the ``pallas`` kernels. Decoding: Llama-3.2-1B shapes in bf16
-over tensor=4, a batch of 8 with a 32k cache split over the 4 chips, ``splitkv``; and on one
-chip with an int8 paged cache.
+over tensor=4, a batch of 8 with a 32k cache split over the 4 chips by kv heads or along the
+sequence, ``splitkv``; and on one chip or four with an int8 paged cache.
 """
 
 from __future__ import annotations
@@ -89,15 +89,16 @@ def test_train_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     assert memory.argument_size_in_bytes + memory.temp_size_in_bytes < HBM_BYTES
 
 
-def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
+@pytest.mark.parametrize("split", ["heads", "sequence"])
+def test_decode_step_compiles_for_a_v5e_slice(v5e_devices, split: str) -> None:
     """Llama-3.2-1B has head_dim 64, for which XLA's own layout of the cache would put the
     sequence axis minor and copy every layer's cache for the kernel: the steps keep it
-    row-major."""
+    row-major. Split over kv heads, no collective but the tensor-parallel layers' own."""
     config = get_config("llama-3.2-1b")
     mesh = make_mesh(1, 1, 4, devices=v5e_devices)
     batch, max_len = 8, 32768
     params = abstract.inference_params(config, mesh)
-    cache = abstract.contiguous_cache(config, batch, max_len, mesh)
+    cache = abstract.contiguous_cache(config, batch, max_len, mesh, split=split)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=cache.lengths.sharding)
     step = generation.jitted("decode", cache, config, "splitkv", mesh)
     compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()
@@ -115,6 +116,10 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     cache_bytes = 2 * config.layers * chip_layer_cache
     assert memory.alias_size_in_bytes >= cache_bytes  # the cache is updated in place
     assert memory.temp_size_in_bytes < chip_layer_cache
+    if split == "heads":  # the attention and MLP outputs' sums (and the logits'): no merge
+        collectives = hlo.collectives(text)
+        assert {op.opcode.removesuffix("-start") for op in collectives} == {"all-reduce"}
+        assert len(collectives) <= 2 * config.layers + 1
 
 
 @pytest.mark.parametrize("chips", [1, 4])
@@ -146,7 +151,8 @@ def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> Non
         struct((chips, num_pages // chips), jnp.int32),
         struct((chips,), jnp.int32),
     )
-    cache = KVCache(values, values, struct((batch,), jnp.int32), scales, scales, pages)
+    lengths = struct((batch,), jnp.int32)
+    cache = KVCache(values, values, lengths, scales, scales, pages, split="sequence")
     step = generation.jitted("decode", cache, config, "splitkv", mesh if chips > 1 else None)
     tokens = struct((batch,), jnp.int32)
     compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()

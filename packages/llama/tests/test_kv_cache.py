@@ -160,6 +160,8 @@ def test_the_paged_decode_step_updates_every_pool_in_place(tiny) -> None:
         ({"kv_dtype": "int32"}, pf.InvalidInputError, "kv_dtype: expected"),
         ({"kv_dtype": "int4x"}, pf.InvalidInputError, "kv_dtype: expected"),
         ({"kv_cache": "paged", "page_size": 0}, pf.InvalidInputError, "page_size: expected"),
+        ({"kv_split": "rows"}, pf.InvalidInputError, "split: expected one of"),
+        ({"kv_cache": "paged", "kv_split": "heads"}, pf.InvalidInputError, "paged cache's pages"),
     ],
 )
 def test_bad_cache_options_are_named(tiny, kwargs, error, message) -> None:

@@ -10,6 +10,7 @@ import pallas_flash as pf
 from pallas_flash_llama import generation as gen
 from pallas_flash_llama import model
 from pallas_flash_llama.config import get_config
+from pallas_flash_llama.kv_cache import init_cache
 from pallas_flash_llama.sharding import check_mesh, make_mesh
 from pallas_flash_llama.train import TrainConfig, init_state, make_train_step, shard_batch
 
@@ -69,10 +70,19 @@ def test_sharded_training_equals_unsharded() -> None:
     assert wq.sharding.is_equivalent_to(want, wq.ndim), wq.sharding
 
 
-def test_generation_with_the_cache_split_over_the_mesh_equals_one_device() -> None:
-    mesh = _mesh(1, 4, 1)
+@pytest.mark.parametrize(
+    ("split", "sizes", "kv_dtype"),
+    [("sequence", (1, 4, 1), None), ("heads", (1, 2, 2), None), ("heads", (2, 1, 2), "int8")],
+)
+def test_generation_with_the_cache_split_over_the_mesh_equals_one_device(
+    split, sizes, kv_dtype
+) -> None:
+    """Split along the sequence, each device's partials are merged across devices; split over
+    batch and kv heads, each device decodes its own sequences and heads: both give one
+    device's tokens."""
+    mesh = _mesh(*sizes)
     prompts = [[1, 5, 9, 33], [1, 7], [1, 3, 4, 5, 6, 7, 8], [1, 2, 3]]
-    kwargs = dict(max_new_tokens=5, stop_tokens=[], backend="xla")
+    kwargs = dict(max_new_tokens=5, stop_tokens=[], backend="xla", kv_dtype=kv_dtype)
     want = gen.generate_all(
         model.init_params(CONFIG, jax.random.key(0)),
         CONFIG,
@@ -86,9 +96,18 @@ def test_generation_with_the_cache_split_over_the_mesh_equals_one_device() -> No
         prompts,
         decode_backend="splitkv",
         mesh=mesh,
+        kv_split=split,
         **kwargs,
     )
     assert got == want
+    cache = init_cache(CONFIG, len(prompts), 128, mesh, kv_dtype=kv_dtype, split=split)
+    data, fsdp, tensor = sizes
+    want_shard = {
+        "sequence": (4, CONFIG.kv_heads, 128 // 4, CONFIG.head_dim),
+        "heads": (4 // (data * fsdp), CONFIG.kv_heads // tensor, 128, CONFIG.head_dim),
+    }[split]
+    assert cache.k[0].sharding.shard_shape(cache.k[0].shape) == want_shard
+    assert cache.split == split
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash_llama import generation, model
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.kv_cache import KVCache, cache_sharding
+from pallas_flash_llama.kv_cache import (
+    CacheSplit,
+    KVCache,
+    cache_sharding,
+    check_split,
+    scales_sharding,
+)
 from pallas_flash_llama.sharding import BATCH_AXES, param_shardings
 from pallas_flash_llama.train import Batch, TrainConfig, TrainState
 
@@ -77,23 +83,29 @@ def inference_params(config: LlamaConfig, mesh: Mesh) -> dict:
 
 
 def contiguous_cache(
-    config: LlamaConfig, size: int, max_len: int, mesh: Mesh, kv_dtype: str | None = None
+    config: LlamaConfig,
+    size: int,
+    max_len: int,
+    mesh: Mesh,
+    kv_dtype: str | None = None,
+    split: CacheSplit = "heads",
 ) -> KVCache:
     """A contiguous `KVCache` of ``size`` sequences of ``max_len`` positions, each layer's
-    buffer split along its sequence axis over the mesh (`kv_cache.cache_sharding`) and laid
-    out row-major (`pf.cache_format`); int8 with float32 scales when ``kv_dtype`` says so."""
+    buffer split over the mesh as ``split`` says (`kv_cache.cache_sharding`) and laid out
+    row-major (`pf.cache_format`); int8 with float32 scales when ``kv_dtype`` says so."""
     shape = (size, config.kv_heads, max_len, config.head_dim)
-    split = cache_sharding(mesh)
+    placed = cache_sharding(mesh, check_split(split, paged=False))
     dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
-    layer = jax.ShapeDtypeStruct(shape, dtype, sharding=pf.cache_format(split))
+    layer = jax.ShapeDtypeStruct(shape, dtype, sharding=pf.cache_format(placed))
     scales = None
     if dtype == jnp.int8:
-        placed = NamedSharding(mesh, PartitionSpec(*split.spec[:3]))
-        scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=pf.cache_format(placed, 3))
+        scale_format = pf.cache_format(scales_sharding(placed), 3)
+        scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=scale_format)
         scales = (scale,) * config.layers
     replicated = NamedSharding(mesh, PartitionSpec())
     lengths = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
-    return KVCache((layer,) * config.layers, (layer,) * config.layers, lengths, scales, scales)
+    layers = (layer,) * config.layers
+    return KVCache(layers, layers, lengths, scales, scales, split=split)
 
 
 def prompts(size: int, prompt_len: int, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ...]:

@@ -5,9 +5,11 @@ name, or let the registry choose. Under a mesh a Pallas kernel cannot be partiti
 so self-attention runs inside ``shard_map``: each device attends over its own batch rows
 (``data`` x ``fsdp``) and heads (``tensor``); GQA keeps K/V unrepeated, each device holding
 the kv heads of its query heads. Decoding writes the new token into a contiguous or paged,
-float or int8 cache (`kv_cache`) and hands the mesh to ``pf.decode``, whose multi-device
-backends (``splitkv``) follow the cache's split over all of it: a contiguous cache's sequence
-axis, or a paged one's pages.
+float or int8 cache (`kv_cache`) and attends through ``pf.decode``; over a mesh, as the cache
+is split (`kv_cache.CacheSplit`): a cache split over batch and kv heads is written and read
+inside ``shard_map``, each device on its own sequences and heads, nothing exchanged; a cache
+split along its sequence (a paged one: its pages) goes to ``pf.decode`` with the mesh, whose
+multi-device backends (``splitkv``) merge the devices' partials.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash.cache_write import write_kv, write_rows
-from pallas_flash_llama.kv_cache import write_split
+from pallas_flash_llama.kv_cache import CacheSplit, write_split
 from pallas_flash_llama.sharding import BATCH_AXES
 
 
@@ -62,6 +64,7 @@ def cached_attention(
     *,
     backend: str | None,
     mesh: Mesh | None,
+    split: CacheSplit = "heads",
 ) -> tuple[jax.Array, pf.DecodeCache]:
     """One decode step of one layer: the new token's K/V written into the cache in place
     (quantized when it is int8), then its query attends to each sequence's ``lengths[b]``
@@ -71,7 +74,7 @@ def cached_attention(
       q: ``[batch, q_heads, 1, head_dim]``.
       k, v: ``[batch, kv_heads, 1, head_dim]``.
       cache: the layer's cache (donated by the caller), contiguous or paged, float or int8;
-        with ``mesh``, its sequence axis (paged: its pages) split over all of it.
+        with ``mesh``, split over it as ``split`` says (`kv_cache.cache_sharding`).
       blocks: ``[batch]`` int32, where sequence ``b``'s token goes: its row of a contiguous
         cache, or its page of a paged one; a negative block: nowhere.
       positions: ``[batch]`` int32, the token's position in its block.
@@ -80,6 +83,31 @@ def cached_attention(
     Returns:
       The output ``[batch, q_heads, 1, head_dim]`` and the updated cache.
     """
+    args = (q, k, v, cache, blocks, positions, lengths)
+    if mesh is None or split == "sequence":
+        return _write_and_decode(*args, backend=backend, mesh=mesh)
+
+    def on_device(q, k, v, cache, blocks, positions, lengths):
+        first = jax.lax.axis_index(BATCH_AXES) * q.shape[0]  # the device's first sequence
+        return _write_and_decode(q, k, v, cache, blocks - first, positions, lengths,
+                                 backend=backend, mesh=None)  # fmt: skip
+
+    heads = PartitionSpec(BATCH_AXES, "tensor", None, None)
+    rows = PartitionSpec(BATCH_AXES)
+    scales = None if cache.k_scales is None else PartitionSpec(BATCH_AXES, "tensor", None)
+    layer = pf.DecodeCache(heads, heads, None, scales, scales)
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, layer, rows, rows, rows),
+        out_specs=(heads, layer),
+        check_vma=False,
+    )(*args)
+
+
+def _write_and_decode(q, k, v, cache, blocks, positions, lengths, *, backend, mesh):
+    """`cached_attention` on one device, or with the cache's sequence axis (paged: its pages)
+    split over ``mesh``."""
     axis = 0 if cache.paged else 2  # the axis the mesh splits: pages, or positions
 
     def write(array: jax.Array, rows: jax.Array) -> jax.Array:

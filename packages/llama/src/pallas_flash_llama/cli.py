@@ -28,6 +28,7 @@ import pallas_flash as pf
 from pallas_flash_llama import data, sharding, tiny
 from pallas_flash_llama.config import REMAT_POLICIES, get_config
 from pallas_flash_llama.generation import KV_CACHES, PAGE_SIZE, generate
+from pallas_flash_llama.kv_cache import CACHE_SPLITS
 from pallas_flash_llama.model import init_params
 from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.tokenizer import TOKENIZER_FILE, encode, load_tokenizer
@@ -87,6 +88,7 @@ def _generate(args: argparse.Namespace) -> None:
         kv_cache=args.kv_cache,
         kv_dtype=args.kv_dtype,
         page_size=args.page_size,
+        kv_split=args.kv_split,
     )
     generated: list[list[int]] = [[] for _ in prompts]
     start = time.perf_counter()
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)
-    gen.add_argument("--decode-backend", help="pf.decode backend (splitkv splits over --mesh)")
+    gen.add_argument("--decode-backend", help="pf.decode backend (splitkv: the Split-KV kernel)")
     gen.add_argument(
         "--kv-cache",
         choices=KV_CACHES,
@@ -230,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--page-size", type=int, default=PAGE_SIZE, help="positions per page of a paged cache"
+    )
+    gen.add_argument(
+        "--kv-split",
+        choices=CACHE_SPLITS,
+        help="how --mesh splits the cache: over batch and kv heads (contiguous default, no "
+        "exchange between devices) or along the sequence (paged default; splitkv merges the "
+        "devices' partials)",
     )
     common(gen)
     gen.set_defaults(run=_generate)

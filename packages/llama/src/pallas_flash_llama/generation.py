@@ -28,13 +28,22 @@ import pallas_flash as pf
 from pallas_flash_llama import sharding
 from pallas_flash_llama.attention import cached_attention, self_attention
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.kv_cache import KVCache, allocate_prompts, fill, init_cache, next_slots
+from pallas_flash_llama.kv_cache import (
+    CacheSplit,
+    KVCache,
+    allocate_prompts,
+    check_split,
+    fill,
+    init_cache,
+    next_slots,
+)
 from pallas_flash_llama.layers import decoder_layer
 from pallas_flash_llama.model import Params, compute_params, embed, unembed
 from pallas_flash_llama.sampling import Sampling, sample
 
 CACHE_ALIGN = 128
-"""Cache lengths are rounded up to a multiple of this (times the mesh's devices)."""
+"""Cache lengths are rounded up to a multiple of this (times the mesh's devices when they
+split the sequence)."""
 PROMPT_BUCKET = 16
 """Prompts are padded to a power of two of at least this, so few lengths compile."""
 PAGE_SIZE = 128
@@ -132,6 +141,7 @@ def _decode_step(params, cache, tokens, config, backend, mesh):
             lengths=lengths,
             backend=backend,
             mesh=mesh,
+            split=cache.split,
         )
         x, layer_cache = decoder_layer(x, layer, positions, attend, config)
         layers.append(layer_cache)
@@ -154,21 +164,27 @@ def jitted(
     (`pf.cache_format`), so input and output alias and every step writes them in place.
     ``cache`` may hold ``jax.ShapeDtypeStruct``s, to compile ahead of time (``.trace(...)``);
     traced, it is left to the enclosing jit.
+
+    Raises:
+      pf.InvalidInputError: an unknown step, or a cache whose split its layout does not take
+        (`kv_cache.check_split`).
     """
     if step not in _STEPS:
         raise pf.InvalidInputError(f"step: expected one of {sorted(_STEPS)}, got {step!r}")
+    check_split(cache.split, cache.paged)
     scales = None if cache.k_scales is None else pf.kept_format(cache.k_scales[0])
-    return _jit(_STEPS[step], config, backend, mesh, pf.kept_format(cache.k[0]), scales)
+    kept = pf.kept_format(cache.k[0])
+    return _jit(_STEPS[step], config, backend, mesh, kept, scales, cache.split)
 
 
 @functools.cache
-def _jit(step, config, backend, mesh, kept, kept_scales) -> jax.stages.Wrapped:
+def _jit(step, config, backend, mesh, kept, kept_scales, split) -> jax.stages.Wrapped:
     layers = (kept,) * config.layers
     scales = None if kept_scales is None else (kept_scales,) * config.layers
     return jax.jit(
         functools.partial(step, config=config, backend=backend, mesh=mesh),
         donate_argnames="cache",
-        out_shardings=(None, KVCache(layers, layers, None, scales, scales, None)),
+        out_shardings=(None, KVCache(layers, layers, None, scales, scales, None, split)),
     )
 
 
@@ -209,6 +225,7 @@ def generate(
     kv_cache: Literal["contiguous", "paged"] = "contiguous",
     kv_dtype: str | jnp.dtype | None = None,
     page_size: int = PAGE_SIZE,
+    kv_split: CacheSplit | None = None,
 ) -> Iterator[np.ndarray]:
     """Generates from a batch of prompts, yielding each step's tokens as they come.
 
@@ -223,8 +240,8 @@ def generate(
       backend: the ``pf.attention`` backend of the prefill; decode_backend: ``pf.decode``'s
         (``splitkv`` to split the cache over ``mesh``); default: the registry's choice.
       mesh: a ``(data, fsdp, tensor)`` mesh (`sharding.make_mesh`): weights sharded by
-        `sharding.RULES`, the prompts' batch over data x fsdp, the cache's sequence axis (a
-        paged cache's pages) over every device.
+        `sharding.RULES`, the prompts' batch over data x fsdp, the cache as ``kv_split``
+        says.
       kv_cache: ``"contiguous"``, ``max_len`` positions per sequence, or ``"paged"``, a pool
         of pages per layer with a page table shared by the layers, pages allocated as the
         sequences grow (`kv_cache`; over a mesh, each sequence's pages go round the
@@ -233,6 +250,11 @@ def generate(
         ``"int8"``): K and V quantized as they are written, a float32 scale per token and kv
         head.
       page_size: positions per page of a paged cache.
+      kv_split: how a mesh splits the cache (`kv_cache.CacheSplit`): a contiguous one by
+        default over batch and kv heads (``"heads"``, no exchange between devices), or along
+        its sequence (``"sequence"``: each device holds a share of every sequence, for
+        caches longer than one device holds; the ``splitkv`` decode merges the shares); a
+        paged one's pages go round the devices (``"sequence"``, the only split it takes).
 
     Yields:
       ``[batch]`` int32 numpy arrays, one per step: each sequence's new token, or -1 once
@@ -241,7 +263,8 @@ def generate(
     Raises:
       pf.InvalidInputError: an empty or out-of-vocabulary prompt, a prompt that does not fit
         in ``max_len``, a missing key for sampling, a mesh that does not divide the model
-        or the batch, an unknown ``kv_cache``, or a bad ``kv_dtype`` or ``page_size``.
+        or the batch, an unknown ``kv_cache``, or a bad ``kv_dtype``, ``page_size`` or
+        ``kv_split``.
     """
     prompts = _check_prompts(prompts, config)
     if max_new_tokens < 1:
@@ -251,10 +274,13 @@ def generate(
     key = jax.random.key(0) if key is None else key
     stop = np.asarray(config.eos_ids if stop_tokens is None else stop_tokens, np.int32)
     longest = max(len(p) for p in prompts)
-    devices = 1 if mesh is None else mesh.size
     if kv_cache not in KV_CACHES:
         raise pf.InvalidInputError(f"kv_cache: expected one of {KV_CACHES}, got {kv_cache!r}")
     paged = kv_cache == "paged"
+    if kv_split is None:
+        kv_split = "sequence" if paged else "heads"
+    check_split(kv_split, paged)
+    devices = 1 if mesh is None or kv_split == "heads" else mesh.size
     if mesh is not None:
         sharding.check_mesh(config, mesh, batch=len(prompts))
     if max_len is None:
@@ -280,6 +306,7 @@ def generate(
         mesh,
         kv_dtype=kv_dtype,
         page_size=page_size if paged else None,
+        split=kv_split,
     )
     logits, cache = prefill(p, cache, tokens, lengths, config, backend, mesh)
     done = np.zeros(len(prompts), bool)

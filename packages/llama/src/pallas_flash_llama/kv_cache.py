@@ -3,8 +3,13 @@ compute dtype or int8, and each sequence's length.
 
 Layouts (`pf.DecodeCache`), per layer:
 
-- contiguous: ``[batch, kv_heads, max_len, head_dim]``, the sequence axis split over all of a
-  mesh when one is given, as ``pf.decode`` expects;
+- contiguous: ``[batch, kv_heads, max_len, head_dim]``. Over a mesh it is split one of two
+  ways (`CacheSplit`): ``"heads"`` as the model splits attention, the batch over ``data`` x
+  ``fsdp`` and the kv heads over ``tensor``, so each device decodes its own sequences and
+  heads and nothing crosses devices (the serving layout); or ``"sequence"``, the sequence
+  axis over every device, each decoding its share of every sequence and the partials merged
+  across devices (Split-KV across chips, ``pf.decode``'s mesh layout: for a cache one chip
+  cannot hold);
 - paged: a pool ``[num_pages, kv_heads, page_size, head_dim]`` per layer; all layers share
   one page table, one allocator and the lengths (`pf.PageAllocator`), since a sequence's
   position ``p`` is in the same page of every layer's pool. With a mesh the pool's pages are
@@ -27,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +42,14 @@ import pallas_flash as pf
 from pallas_flash import page_allocator
 from pallas_flash.cache_write import write_kv, write_pages
 from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.sharding import BATCH_AXES
 
 Layers = tuple[jax.Array, ...]
+
+CacheSplit = Literal["heads", "sequence"]
+"""How a mesh splits a contiguous cache (module doc); a paged cache's pages are split over
+every device, as ``"sequence"`` splits positions."""
+CACHE_SPLITS: tuple[CacheSplit, ...] = ("heads", "sequence")
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +68,7 @@ class KVCache:
       v_scales: the same for ``v``.
       pages: the page table and free pages shared by every layer of a paged cache, else
         None.
+      split: how a mesh splits it (`CacheSplit`; a paged cache: ``"sequence"``); static.
     """
 
     k: Layers
@@ -64,6 +77,7 @@ class KVCache:
     k_scales: Layers | None = None
     v_scales: Layers | None = None
     pages: pf.PageAllocator | None = None
+    split: CacheSplit = dataclasses.field(default="heads", metadata={"static": True})
 
     @property
     def paged(self) -> bool:
@@ -115,11 +129,16 @@ class KVCache:
             field("k_scales"),
             field("v_scales"),
             self.pages if pages is None else pages,
+            self.split,
         )
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """The placement of each layer's buffer: sequence axis split over every mesh axis."""
+def cache_sharding(mesh: Mesh, split: CacheSplit = "heads") -> NamedSharding:
+    """The placement of each layer's contiguous buffer ``[batch, kv_heads, max_len,
+    head_dim]``: batch and kv heads split as the model's (``"heads"``), or the sequence axis
+    over every mesh axis (``"sequence"``)."""
+    if split == "heads":
+        return NamedSharding(mesh, PartitionSpec(BATCH_AXES, "tensor", None, None))
     return NamedSharding(mesh, PartitionSpec(None, None, tuple(mesh.axis_names), None))
 
 
@@ -129,12 +148,28 @@ def pool_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def write_split(mesh: Mesh | None) -> tuple[Mesh, tuple[str, ...]] | None:
-    """The mesh axes that split a cache's sequence axis (contiguous) or pages (paged), as
-    `pallas_flash.cache_write` takes them; None without a mesh."""
+    """The mesh axes that split a cache's sequence axis (contiguous, ``"sequence"``) or pages
+    (paged), as `pallas_flash.cache_write` takes them; None without a mesh."""
     return None if mesh is None else (mesh, tuple(mesh.axis_names))
 
 
-def _scales_sharding(sharding: NamedSharding | None) -> NamedSharding | None:
+def check_split(split: str, paged: bool) -> CacheSplit:
+    """``split``, checked to be a `CacheSplit` that the layout takes (paged: ``"sequence"``).
+
+    Raises:
+      pf.InvalidInputError: an unknown split, or ``"heads"`` for a paged cache.
+    """
+    if split not in CACHE_SPLITS:
+        raise pf.InvalidInputError(f"split: expected one of {CACHE_SPLITS}, got {split!r}")
+    if paged and split != "sequence":
+        raise pf.InvalidInputError(
+            "split: a paged cache's pages are split over every device; expected 'sequence', "
+            f"got {split!r} (use a contiguous cache to split over kv heads)"
+        )
+    return split
+
+
+def scales_sharding(sharding: NamedSharding | None) -> NamedSharding | None:
     """The placement of an int8 buffer's scales: the values' without ``head_dim``."""
     if sharding is None:
         return None
@@ -150,6 +185,7 @@ def init_cache(
     kv_dtype: str | jnp.dtype | None = None,
     page_size: int | None = None,
     num_pages: int | None = None,
+    split: CacheSplit | None = None,
 ) -> KVCache:
     """An empty cache on the first device, or split over ``mesh`` (`cache_sharding`, or
     `pool_sharding` for a paged one).
@@ -158,22 +194,27 @@ def init_cache(
       config: the model (layers, kv heads, head_dim, compute dtype).
       batch: sequences.
       max_len: positions per sequence (paged: rounded up to whole pages).
-      mesh: split each layer's sequence axis (paged: its pages) over all of it.
+      mesh: split each layer's buffer over it as ``split`` says.
       kv_dtype: of K and V: None for the compute dtype, or ``jnp.int8`` (then with scales).
       page_size: positions per page, for a paged cache; None: contiguous.
       num_pages: pages per layer's pool (a multiple of the mesh's devices); default: enough
         for every sequence to reach ``max_len`` whichever device each page comes from,
         ``devices * batch * ceil(ceil(max_len / page_size) / devices)``.
+      split: a `CacheSplit`; default ``"heads"`` for a contiguous cache, ``"sequence"`` (the
+        only one it takes) for a paged one.
 
     Raises:
       pf.InvalidInputError: ``kv_dtype`` is neither a float dtype nor int8, ``page_size`` or
-        ``num_pages`` is below 1, or ``num_pages`` is not a multiple of the mesh's devices.
+        ``num_pages`` is below 1, ``num_pages`` is not a multiple of the mesh's devices, or
+        ``split`` is unknown or ``"heads"`` for a paged cache.
     """
     dtype = _cache_dtype(config.dtype if kv_dtype is None else kv_dtype)
+    paged = page_size is not None
+    split = check_split(("sequence" if paged else "heads") if split is None else split, paged)
     pages = None
-    if page_size is None:
+    if not paged:
         shape = (batch, config.kv_heads, max_len, config.head_dim)
-        sharding = None if mesh is None else cache_sharding(mesh)
+        sharding = None if mesh is None else cache_sharding(mesh, split)
     else:
         if page_size < 1:
             raise pf.InvalidInputError(f"page_size: expected at least 1, got {page_size}")
@@ -192,7 +233,7 @@ def init_cache(
 
     scales = None
     if dtype == jnp.int8:
-        scales = (shape[:3], jnp.float32, _scales_sharding(sharding))
+        scales = (shape[:3], jnp.float32, scales_sharding(sharding))
     return KVCache(
         zeros(shape, dtype, sharding),
         zeros(shape, dtype, sharding),
@@ -200,6 +241,7 @@ def init_cache(
         None if scales is None else zeros(*scales),
         None if scales is None else zeros(*scales),
         pages,
+        split,
     )
 
 
