@@ -47,6 +47,43 @@ def test_packed_loss_is_the_token_weighted_loss_of_each_document() -> None:
     np.testing.assert_allclose(float(packed_loss), total / count, rtol=1e-5)
 
 
+@pytest.mark.parametrize("loss_chunk", [None, 8])
+def test_the_loss_is_the_mean_log_likelihood_of_each_successor(loss_chunk) -> None:
+    """Against the forward's whole logits; made 8 positions at a time the loss and its
+    gradients are the same."""
+    config = get_config("tiny").replace(dtype="float32")
+    params = model.init_params(config, jax.random.key(0))
+    batch = data.pack([list(range(3, 30)), list(range(40, 75))], seq_len=32)
+    logits = model.forward(params, batch["tokens"], config, segment_ids=batch["segment_ids"],
+                           backend="xla")  # fmt: skip
+    x = np.asarray(logits, np.float64)[:, :-1]  # float64 log-softmax in numpy
+    top = x.max(axis=-1, keepdims=True)
+    logp = x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+    tokens, segments = batch["tokens"], batch["segment_ids"]
+    picked = np.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+    want = -picked[counted].mean()
+    chunked = config.replace(loss_chunk=loss_chunk)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, batch, chunked, "xla"
+    )
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    assert int(metrics["tokens"]) == counted.sum()
+    _, whole = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, config, "xla")
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_loss_chunk_that_does_not_divide_the_sequence_is_named() -> None:
+    config = get_config("tiny").replace(dtype="float32", loss_chunk=5)
+    params = model.init_params(config, jax.random.key(0))
+    batch = data.pack([list(range(3, 30))], seq_len=32)
+    with pytest.raises(pf.InvalidInputError, match="loss_chunk: expected a divisor"):
+        loss_fn(params, batch, config, "xla")
+    with pytest.raises(pf.InvalidInputError, match="loss_chunk: expected None or a positive"):
+        config.replace(loss_chunk=0)
+
+
 LOSS_STEPS = 8
 """Enough for the tiny model's loss to fall by more than 30 % (6.8 to 3.7 with xla)."""
 

@@ -125,7 +125,8 @@ def _train(args: argparse.Namespace) -> None:
         config = get_config(args.config)
         params = init_params(config, jax.random.key(args.seed), mesh)
         tokenizer_dir = args.tokenizer
-    config = config.replace(remat=args.remat, **({"dtype": args.dtype} if args.dtype else {}))
+    config = config.replace(remat=args.remat, loss_chunk=args.loss_chunk,
+                            **({"dtype": args.dtype} if args.dtype else {}))  # fmt: skip
     tokenizer = load_tokenizer(tokenizer_dir)
     documents = [
         encode(tokenizer, text, config) + list(config.eos_ids[:1])
@@ -257,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--weight-decay", type=float, default=0.1)
     tr.add_argument("--clip-norm", type=float, default=1.0)
     tr.add_argument("--remat", choices=REMAT_POLICIES, default="none")
+    tr.add_argument(
+        "--loss-chunk",
+        type=int,
+        help="make the loss's logits this many positions at a time (divides --seq-len): a "
+        "large vocabulary's logits need not exist whole",
+    )
     tr.add_argument("--save", help="write the trained model here (safetensors)")
     tr.add_argument("--save-every", type=int, help="also save every N steps")
     tr.add_argument(

@@ -56,6 +56,9 @@ class LlamaConfig:
       scan_layers: layers run under ``lax.scan`` over the stacked axis (one layer compiled);
         when False, as a Python loop that slices each layer's parameters out of the stacked
         arrays (every layer compiled separately: slower to compile, for comparison).
+      loss_chunk: the training loss's float32 logits are made this many positions of the
+        sequence at a time (`loss.next_token_loss`), and remade in the backward, so the whole
+        ``[batch, seq, vocab]`` logits never exist; None: all at once.
     """
 
     vocab: int
@@ -76,6 +79,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
     remat: RematPolicy = "none"
     scan_layers: bool = True
+    loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "layers", "q_heads", "kv_heads", "head_dim", "mlp"):
@@ -92,6 +96,11 @@ class LlamaConfig:
             )
         if not isinstance(self.scan_layers, bool):
             raise pf.InvalidInputError(f"scan_layers: expected a bool, got {self.scan_layers!r}")
+        chunk = self.loss_chunk
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise pf.InvalidInputError(
+                f"loss_chunk: expected None or a positive int, got {chunk!r}"
+            )
 
     def replace(self, **changes: Any) -> LlamaConfig:
         """A copy with some fields changed (``config.replace(dtype="float32")``)."""

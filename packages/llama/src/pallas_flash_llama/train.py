@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.model import Params, forward
+from pallas_flash_llama.loss import next_token_loss
+from pallas_flash_llama.model import Params, hidden_states
 from pallas_flash_llama.sharding import BATCH_AXES, batch_parts
 
 Batch = dict[str, jax.Array]
@@ -103,15 +104,10 @@ def loss_fn(
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross-entropy over the tokens whose successor is in the same
-    document; returns it and ``{"loss", "tokens"}``."""
+    document (`loss.next_token_loss`); returns it and ``{"loss", "tokens"}``."""
     tokens, segments = batch["tokens"], batch["segment_ids"]
-    logits = forward(params, tokens, config, segment_ids=segments, backend=backend, mesh=mesh)
-    targets = tokens[:, 1:]
-    counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    count = counted.sum()
-    loss = jnp.where(counted, nll, 0.0).sum() / jnp.maximum(count, 1)
+    x, _ = hidden_states(params, tokens, config, segment_ids=segments, backend=backend, mesh=mesh)
+    loss, count = next_token_loss(params, x, tokens, segments, config, mesh)
     return loss, {"loss": loss, "tokens": count}
 
 
