@@ -47,6 +47,7 @@ def _program(name: str, compute: float, collectives: float, peak: int) -> dict:
         "collective_seconds": collectives,
         "step_seconds_overlapped": max(compute, collectives),
         "step_seconds_exposed": compute + collectives,
+        "step_seconds_scheduled": compute + collectives / 2,
         "ops": 10,
         "loop_trips": {"while.1": 32},
         "undetermined_loops": [],
@@ -73,7 +74,7 @@ def test_train_figures_at_both_ends_against_maxtext() -> None:
     result = {"workload": w.to_json(), "programs": [_program("train", 3.0, 1.0, 10 << 30)]}
     f = model_figures.derive(result, TARGETS["v5e-256"], 1.2)
     flops = model_flops.train_step_flops(w.config, w.batch, w.seq_len)
-    assert f["step_seconds"] == {"overlapped": 3.0, "exposed": 4.0}
+    assert f["step_seconds"] == {"overlapped": 3.0, "scheduled": 3.5, "exposed": 4.0}
     assert f["mfu"]["overlapped"] == pytest.approx(flops / 3.0 / (256 * 197e12))
     assert f["tokens_per_chip_second"]["exposed"] == pytest.approx(w.batch * 2048 / 4.0 / 256)
     ratio = model_figures.against_reference(f)
@@ -88,6 +89,8 @@ def test_serving_figures_charge_prefill_and_every_decode_step() -> None:
     assert w.prefill_calls == 12  # 96 prompts, 8 a step
     total = 12 * 0.8 + 1024 * 0.012
     assert f["step_seconds"]["exposed"] == pytest.approx(total)
+    scheduled = 12 * 0.8 + 1024 * 0.011
+    assert f["tokens_per_second"]["scheduled"] == pytest.approx(96 * 1024 / scheduled)
     assert f["tokens_per_second"]["exposed"] == pytest.approx(96 * 1024 / total)
     assert f["tokens_per_dollar"]["exposed"] == pytest.approx(96 * 1024 / total / (8 * 1.2 / 3600))
     assert f["peak_hbm"] == 2 << 30
@@ -119,6 +122,7 @@ def test_report_sections_show_ours_beside_the_reference() -> None:
     assert "61.1 % (MaxText README (v5e-256, measured))" in text
     assert "## Serving against JetStream (v5e)" in text and "3663 tok/s" in text
     assert "## What the model estimates are made of" in text
+    assert "3.5 s (3 s .. 4 s)" in text  # scheduled (hidden .. exposed)
     assert model_report.model_sections({"models": []}) == []
 
 

@@ -84,8 +84,49 @@ def test_a_known_trip_count_wins() -> None:
 def test_an_asynchronous_collective_counts_once_per_channel() -> None:
     comps = hlo.parse_computations(SCANNED)
     program = program_loops.program_runs(SCANNED, comps)
-    found = [(op.name, runs) for op, runs in program_loops.collective_groups(comps, program)]
-    assert found == [("all-gather.7", 10), ("sum", 1)]
+    groups = program_loops.collective_groups(comps, program)
+    found = {key: (op.name, runs) for key, (op, runs) in groups.items()}
+    assert found == {"5": ("all-gather.7", 10), "sum": ("sum", 1)}
+
+
+def test_collective_ops_that_share_a_channel_id_are_two_collectives() -> None:
+    # shard_map's reductions may all carry channel_id=1: each op is its own collective
+    twice = SCANNED.replace(
+        "  ROOT %sum = f32[8]{0} all-reduce(%out)",
+        "  %max = f32[8]{0} all-reduce(%out), channel_id=9, replica_groups={{0,1,2,3}}, "
+        "to_apply=%cond\n  ROOT %sum = f32[8]{0} all-reduce(%max)",
+    )
+    comps = hlo.parse_computations(twice)
+    groups = program_loops.collective_groups(comps, program_loops.program_runs(twice, comps))
+    assert sorted(groups) == ["5", "max", "sum"]
+
+
+def test_an_all_reduce_sliced_to_each_chip_is_a_reduce_scatter() -> None:
+    # XLA's all-reduce-scatter fusion: FSDP's gradient reduction
+    scatter = SCANNED.replace(
+        "  ROOT %sum = f32[8]{0} all-reduce(%out), channel_id=9, replica_groups={{0,1,2,3}}, "
+        "to_apply=%cond",
+        "  ROOT %sum = f32[2]{0} fusion(%out), kind=kCustom, calls=%all-reduce-scatter",
+    ).replace(
+        "ENTRY %main",
+        """%all-reduce-scatter (param_1: f32[8]) -> f32[2] {
+  %param_1 = f32[8]{0} parameter(0)
+  %reduced = f32[8]{0} all-reduce(%param_1), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%cond
+  %id = u32[] partition-id()
+  %two = u32[] constant(2)
+  %offset = u32[] multiply(%id, %two)
+  ROOT %slice.1 = f32[2]{0} dynamic-slice(%reduced, %offset), dynamic_slice_sizes={2}
+}
+
+ENTRY %main""",
+    )
+    comps = hlo.parse_computations(scatter)
+    groups = program_loops.collective_groups(comps, program_loops.program_runs(scatter, comps))
+    op, runs = groups["9"]
+    assert (op.opcode, op.bytes, runs) == ("all-reduce-scatter", 32, 1)
+    (entry,) = ici.program_collectives([(op, runs)], 4, TARGETS["v5e-4"])
+    reduce_scatter = ici.collective_seconds("reduce-scatter", 8, 4, TARGETS["v5e-4"])
+    assert entry["seconds"] == pytest.approx(reduce_scatter)  # not the all-reduce's twice
 
 
 def test_group_sizes_in_each_replica_group_format() -> None:

@@ -7,7 +7,9 @@ so their time is modelled from what the compiled HLO says each one moves
 - **Traffic.** Each chip of a group of ``g`` sends, for a result of ``R`` bytes: all-gather
   ``R (g-1)/g``; reduce-scatter ``R (g-1)`` (its operand is ``g R``); all-reduce
   ``2 R (g-1)/g`` (a reduce-scatter then an all-gather); all-to-all ``R (g-1)/g``;
-  collective-permute ``R``. These are the bandwidth-optimal ring algorithms' figures.
+  collective-permute ``R``. These are the bandwidth-optimal ring algorithms' figures. XLA's
+  all-reduce-scatter fusion (an all-reduce of ``R`` bytes of which each chip keeps its slice:
+  FSDP's gradient reduction) runs as a reduce-scatter: ``R (g-1)/g``.
 - **Bandwidth.** A group of up to the longer torus side lies along one dimension, a larger
   one along two. A ring along a dimension runs both ways round it when the dimension wraps
   around (two links' bandwidth in each direction), else one; the group's bandwidth is the sum
@@ -17,8 +19,9 @@ so their time is modelled from what the compiled HLO says each one moves
   launch) plus ``ici_hop_latency`` per ring step: ``g - 1`` steps along one dimension, the
   sides' ``(a - 1) + (b - 1)`` for a group over two.
 
-How the collectives overlap the compute is not known statically: a program's step time is
-reported at both ends, all of it hidden under the compute and none of it (`step_bounds`).
+A program's step time is reported at both ends of the collectives' overlap with the compute,
+all of it hidden and none of it (`step_bounds`), and as the compiled schedule overlaps them
+(`overlap`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ TRAFFIC = {
     "all-gather": lambda g: (g - 1) / g,
     "reduce-scatter": lambda g: g - 1.0,
     "all-reduce": lambda g: 2 * (g - 1) / g,
+    "all-reduce-scatter": lambda g: (g - 1) / g,  # per byte of the all-reduce, before slicing
     "all-to-all": lambda g: (g - 1) / g,
     "collective-permute": lambda g: 1.0,
 }
@@ -87,9 +91,9 @@ def collective_seconds(opcode: str, result_bytes: int, group: int, target: Targe
 def program_collectives(
     collectives: Iterable[tuple[HloOp, int]], chips: int, target: Target
 ) -> list[dict]:
-    """One entry per collective of a program, ``(op, runs)`` each (`program_loops.
-    collective_groups`): its opcode, result bytes, group size, runs and modelled seconds
-    over all its runs."""
+    """One entry per collective of a program, ``(op, runs)`` each (the values of
+    `program_loops.collective_groups`): its opcode, result bytes, group size, runs and
+    modelled seconds over all its runs."""
     out = []
     for op, runs in collectives:
         opcode = op.opcode.removesuffix("-start")

@@ -1,11 +1,13 @@
 """A model workload's figures from its programs' analyses (`model_steps.analyse_model`).
 
-Every time is a static estimate (`whole_program`) at two ends: collectives wholly hidden
-under the compute (``overlapped``) and not at all (``exposed``). A train step gives MFU
-(`model_flops`, as MaxText counts it) and tokens/s per chip; a serving run gives its tokens/s
-(all generated tokens over the prefill plus every decode step, each decode step charged with
-the cache full; the prefill steps of ``prefill_batch`` prompts that take the whole batch)
-and tokens per dollar; both give the peak HBM of their largest program.
+Every time is a static estimate (`whole_program`) three ways: collectives wholly hidden under
+the compute (``overlapped``), hidden as far as the compiled schedule places compute between
+their starts and dones (``scheduled``, `overlap`), and not at all (``exposed``). A train step
+gives MFU (`model_flops`, as MaxText counts it) and tokens/s per chip; a serving run gives its
+tokens/s (all generated tokens over the prefill plus every decode step, each charged as the
+step at the run's mean cache length, `ModelWorkload.mean_length`; the prefill steps of
+``prefill_batch`` prompts that take the whole batch) and tokens per dollar; both give the peak
+HBM of their largest program.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 from pallas_flash_bench import model_flops
 from pallas_flash_bench.targets import Target
 
-ENDS = ("overlapped", "exposed")
+ENDS = ("overlapped", "scheduled", "exposed")
+"""The collectives' overlap with the compute each figure assumes (module doc)."""
 
 
 def _seconds(program: Mapping[str, Any], end: str) -> float | None:
     estimate = program.get("estimate")
-    return None if estimate is None else estimate[f"step_seconds_{end}"]
+    return None if estimate is None else estimate.get(f"step_seconds_{end}")
 
 
 def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float) -> dict:
@@ -67,7 +70,7 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
             step = prefill + w.generate_len * decode
             out["prefill_seconds"][end], out["decode_step_seconds"][end] = prefill, decode
             out["step_seconds"][end] = step
-            flops = model_flops.decode_step_flops(config, w.batch, w.prompt_len + w.generate_len)
+            flops = model_flops.decode_step_flops(config, w.batch, w.mean_length)
             out["mfu"][end] = flops / decode / peak_flops
         out["tokens_per_second"][end] = w.tokens / step
         out["tokens_per_chip_second"][end] = w.tokens / step / w.chips

@@ -28,8 +28,11 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
     """The attention one chip's Pallas kernels run in ``program``: causal over the local
-    sequences and heads for training and prefill; a decode over the whole cache, every block
-    charged (the cache full: an upper bound on the step)."""
+    sequences and heads for training and prefill. A decode over a cache split over kv heads:
+    the chip's sequences, each at the run's `ModelWorkload.mean_length` (the kernel's time is
+    linear in the positions it reads, so the step at the mean length is the run's average);
+    split along the sequence: every block charged (the first chips' shares are full from the
+    first step)."""
     c = w.config
     data, fsdp, tensor = w.mesh
     heads = dict(q_heads=max(c.q_heads // tensor, 1), kv_heads=max(c.kv_heads // tensor, 1),
@@ -39,7 +42,11 @@ def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
     if program == "prefill":
         return Workload("forward", w.prompt_len, True, batch=min(w.prefill_batch, w.batch),
                         **heads)  # fmt: skip
-    return Workload("decode", w.prompt_len + w.generate_len, batch=w.batch, **heads)
+    max_len = w.prompt_len + w.generate_len
+    if w.cache_split == "sequence":
+        return Workload("decode", max_len, batch=w.batch, **heads)
+    mean = (w.mean_length, w.mean_length)
+    return Workload("decode", max_len, batch=w.batch // (data * fsdp), lengths=mean, **heads)
 
 
 def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
@@ -57,9 +64,10 @@ def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
         return {"train": (step, args)}
     params = abstract.inference_params(config, mesh)
     max_len = w.prompt_len + w.generate_len
-    cache = abstract.contiguous_cache(config, w.batch, max_len, mesh, w.kv_dtype)
+    cache = abstract.contiguous_cache(config, w.batch, max_len, mesh, w.kv_dtype, w.cache_split)
     prefill_batch = min(w.prefill_batch, w.batch)
-    prefill_cache = abstract.contiguous_cache(config, prefill_batch, max_len, mesh, w.kv_dtype)
+    prefill_cache = abstract.contiguous_cache(config, prefill_batch, max_len, mesh, w.kv_dtype,
+                                              w.cache_split)  # fmt: skip
     tokens, lengths = abstract.prompts(prefill_batch, w.prompt_len, mesh)
     new_tokens = jax.ShapeDtypeStruct((w.batch,), jnp.int32, sharding=lengths.sharding)
     return {

@@ -56,10 +56,13 @@ class ModelWorkload:
     at a time (as JetStream's engine prefills requests and inserts them into the decode
     batch), then ``generate_len`` decode steps of the whole batch against a contiguous cache
     of ``prompt_len + generate_len`` positions (``kv_dtype``: None for the compute dtype, or
-    ``int8``).
+    ``int8``), split over the mesh as ``cache_split`` says (`pallas_flash_llama.kv_cache`:
+    ``heads``, each chip its kv heads of every sequence; ``sequence``, each chip a share of
+    every sequence's positions, the partials merged across chips).
 
     The ablation's switches: ``dtype`` (compute), ``scan_layers``, ``backend``, ``remat``,
-    ``donate``.
+    ``donate``. ``loss_chunk``: the training loss's logits made this many positions at a
+    time (`pallas_flash_llama.loss`).
     """
 
     name: str
@@ -79,6 +82,8 @@ class ModelWorkload:
     kv_dtype: str | None = None
     decode_backend: str = "splitkv"
     prefill_batch: int = 8
+    cache_split: str = "heads"
+    loss_chunk: int | None = None
 
     @property
     def prefill_calls(self) -> int:
@@ -89,9 +94,17 @@ class ModelWorkload:
         object.__setattr__(self, "mesh", tuple(self.mesh))  # from JSON: a list
 
     @property
+    def mean_length(self) -> int:
+        """Serving: the cached positions a decode step attends to on average over the run,
+        ``prompt_len + (generate_len + 1) / 2`` rounded down (step ``t`` attends to
+        ``prompt_len + t``, for ``t`` from 1 to ``generate_len``)."""
+        return self.prompt_len + (self.generate_len + 1) // 2
+
+    @property
     def config(self) -> LlamaConfig:
         base = model_config(self.model)
-        return base.replace(remat=self.remat, dtype=self.dtype, scan_layers=self.scan_layers)
+        return base.replace(remat=self.remat, dtype=self.dtype, scan_layers=self.scan_layers,
+                            loss_chunk=self.loss_chunk)  # fmt: skip
 
     @property
     def chips(self) -> int:
@@ -120,7 +133,7 @@ def _serve(name: str, model: str, batch: int, **kw) -> ModelWorkload:
 TRAINING = [
     _train("train maxtext-16b", "maxtext-16b", "v5e-256", 256, 6, "full"),
     _train("train llama-2-7b", "llama-2-7b", "v5e-256", 256, 4, "save_qkv"),
-    _train("train llama-3.2-1b", "llama-3.2-1b", "v5e-4", 4, 2, "save_qkv"),
+    _train("train llama-3.2-1b", "llama-3.2-1b", "v5e-4", 4, 4, "save_qkv", loss_chunk=256),
 ]
 SERVING = [
     _serve("serve llama-2-7b bf16", "llama-2-7b", 96),
@@ -163,15 +176,18 @@ def ablation() -> list[tuple[str, ModelWorkload]]:
 
 
 ABLATION_DECODE = [
-    ("serving, bfloat16 cache", SERVING[0]),
+    ("serving, bfloat16 cache split along the sequence (Split-KV across chips)",
+     dataclasses.replace(SERVING[0], name="ablation decode 0", cache_split="sequence")),
+    ("cache split over kv heads (no merge across chips)", SERVING[0]),
     ("int8 KV cache", SERVING[1]),
-]
-"""The serving end of the ablation: the decode step before and after the int8 cache."""
+]  # fmt: skip
+"""The serving end of the ablation: the decode step with the cache split along the sequence,
+then over kv heads, then in int8."""
 
 
 def default_models() -> list[ModelWorkload]:
     """Every model workload: the training and serving rows, then the ablation's."""
-    rows = [*TRAINING, *SERVING, *(w for _, w in ablation())]
+    rows = [*TRAINING, *SERVING, *(w for _, w in ablation()), *(w for _, w in ABLATION_DECODE)]
     return list({w.name: w for w in rows}.values())
 
 

@@ -18,12 +18,20 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from pallas_flash_bench.hlo import BRANCHES_RE, COLLECTIVES, Computation, HloOp, parse_computations
+from pallas_flash_bench.hlo import (
+    BRANCHES_RE,
+    COLLECTIVES,
+    Computation,
+    HloOp,
+    fused_computation,
+    parse_computations,
+)
 
 _CONSTANT_RE = re.compile(
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*[su]\d+\[\]\S*\s+constant\((?P<value>-?\d+)\)",
     re.M,
 )
+_CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
 _INDEX_RE = re.compile(r"\bindex=(?P<index>\d+)")
 _DIRECTION_RE = re.compile(r"\bdirection=(?P<direction>\w+)")
 _LOOP_PARTS_RE = re.compile(r"\b(?P<part>condition|body)=%(?P<name>[\w.\-]+)")
@@ -158,7 +166,7 @@ def trip_count(loop: HloOp, comps: dict[str, Computation], values: dict[str, int
     return max(end - start, 0)
 
 
-def _callees(op: HloOp) -> list[tuple[str, str]]:
+def callees(op: HloOp) -> list[tuple[str, str]]:
     """(called computation, how: ``body``, ``condition``, ``branch`` or ``called``) of an op."""
     out: list[tuple[str, str]] = []
     if op.opcode == "while":
@@ -190,7 +198,7 @@ def program_runs(text: str, comps: dict[str, Computation] | None = None) -> Prog
         for op in comp.ops:
             if op.opcode == "while" and op.name not in trips:
                 trips[op.name] = trip_count(op, comps, values)
-            for callee, how in _callees(op):
+            for callee, how in callees(op):
                 n = trips.get(op.name) if how == "body" else 1
                 if how != "called" and name in sequential:
                     sequential.add(callee)
@@ -200,25 +208,57 @@ def program_runs(text: str, comps: dict[str, Computation] | None = None) -> Prog
     return ProgramRuns(runs, trips, ops, frozenset(sequential))
 
 
+def collective_key(op: HloOp, comps: dict[str, Computation]) -> str | None:
+    """Which collective an op of a sequential computation takes part in: a collective op
+    (synchronous, or the ``-start`` of a pair) is one of its own, named by the op; a fusion
+    holding one (XLA's asynchronous collective fusions: a start, continuations and a done,
+    each fusing an op of the same collective) by that op's ``channel_id`` (its name when it
+    has none); None for an op that is not part of a collective."""
+    if op.opcode.removesuffix("-start") in COLLECTIVES:
+        return op.name
+    inner = _fused_collective(op, comps)
+    if inner is None:
+        return None
+    channel = _CHANNEL_RE.search(inner.attributes)
+    return channel[1] if channel else inner.name
+
+
+def _fused_collective(op: HloOp, comps: dict[str, Computation]) -> HloOp | None:
+    """The collective op fused into ``op``, if any. An all-reduce whose result the fusion
+    slices at its own partition's offset is XLA's all-reduce-scatter fusion, which runs as a
+    reduce-scatter: it comes back with the opcode ``all-reduce-scatter`` (`ici` charges it
+    the reduce-scatter's traffic)."""
+    fused = fused_computation(op, comps)
+    if fused is None:
+        return None
+    inner = next((o for o in fused.ops if o.opcode.removesuffix("-start") in COLLECTIVES), None)
+    opcodes = {o.opcode for o in fused.ops}
+    if (
+        inner is not None
+        and inner.opcode == "all-reduce"
+        and {"dynamic-slice", "partition-id"} <= opcodes
+    ):
+        return dataclasses.replace(inner, opcode="all-reduce-scatter")
+    return inner
+
+
 def collective_groups(
     comps: dict[str, Computation], program: ProgramRuns
-) -> list[tuple[HloOp, int]]:
-    """Each collective of the program once, with how often it runs.
-
-    XLA's asynchronous collective fusions split one collective over several computations
-    (its start, continuations and done), each holding an op with the same ``channel_id``: a
-    channel is counted once, at its first op. Ops without a channel id count one by one.
-    """
-    seen: set[str] = set()
-    out = []
-    for comp in comps.values():
-        for op in comp.ops:
-            if op.opcode.removesuffix("-start") not in COLLECTIVES:
+) -> dict[str, tuple[HloOp, int]]:
+    """Each collective the program runs, by `collective_key`: the collective op (the one a
+    fusion holds) and how often it runs. A collective split over several fusions counts
+    once; two collective ops are two even when they share a channel id."""
+    out: dict[str, tuple[HloOp, int]] = {}
+    for name in sorted(program.sequential):
+        comp = comps.get(name)
+        for op in comp.ops if comp is not None else ():
+            key = collective_key(op, comps)
+            if key is None or key in out:
                 continue
-            channel = re.search(r"\bchannel_id=(\d+)", op.attributes)
-            if channel is not None:
-                if channel[1] in seen:
-                    continue
-                seen.add(channel[1])
-            out.append((op, program.computations.get(comp.name, 1)))
+            inner = (
+                op
+                if op.opcode.removesuffix("-start") in COLLECTIVES
+                else _fused_collective(op, comps)
+            )
+            out[key] = (inner, program.computations.get(name, 1))
     return out

@@ -14,11 +14,15 @@ Every op the program runs (a Pallas kernel, an XLA fusion, a copy) is charged
   layer's ops, the first layer's);
 - HBM seconds: the bytes it moves through HBM (`op_bytes`) over the bandwidth, a floor for
   the ops a bundle count misses: elementwise fusions and the optimiser update wait on
-  memory, not on issue slots.
+  memory, not on issue slots. A decode kernel over ragged lengths reads only the blocks
+  that hold cached tokens (it copies none past a sequence's end): its operands' bytes are
+  charged on that share of its grid, as its static cycles are.
 
-Collectives are left out here and modelled by `ici` (their schedules only wait). Ops of a
-loop whose trip count the HLO does not give are counted once and listed (``undetermined``);
-ops no listing matches are charged their HBM time only and listed too.
+Collectives are left out here and modelled by `ici` (their schedules only wait); the step is
+given at both ends of their overlap with the compute, and as the compiled schedule places
+them (`overlap`). Ops of a loop whose trip count the HLO does not give are counted once and
+listed (``undetermined``); ops no listing matches are charged their HBM time only and listed
+too.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 
-from pallas_flash_bench import hlo, ici, llo, op_bytes, program_loops, spread
+from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, program_loops, spread
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
 
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 6
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
 
 TOP_OPS = 12
@@ -102,7 +106,7 @@ def op_times(
     for op in ops:
         if op.name in schedules:
             by_signature.setdefault(signature(op, comps, shapes), schedules[op.name])
-    cycles_of: dict[str, tuple[int, str]] = {}
+    cycles_of: dict[str, tuple[int, str, float]] = {}
     out, unmatched = [], []
     for op in filter(_charged, ops):
         schedule = schedules.get(op.name) or by_signature.get(signature(op, comps, shapes))
@@ -114,24 +118,28 @@ def op_times(
         if schedule.name not in cycles_of:
             kernel = hlo.is_kernel_call(op)
             cycles_of[schedule.name] = _cycles(schedule, kernel, kernel_workload)
-        cycles, kind = cycles_of[schedule.name]
+        cycles, kind, read = cycles_of[schedule.name]
         once = kind != "kernel" and schedule.executed_bundles_max is None
-        out.append(OpTime(op.name, kind, runs.runs(op.name), cycles / target.clock_hz, memory,
-                          once))  # fmt: skip
+        out.append(OpTime(op.name, kind, runs.runs(op.name), cycles / target.clock_hz,
+                          memory * read, once))  # fmt: skip
     return out, unmatched
 
 
 def _cycles(
     schedule: llo.KernelSchedule, kernel: bool, kernel_workload: Callable[[str], Workload]
-) -> tuple[int, str]:
-    """(static cycles of one run, kind of op) of a listing."""
+) -> tuple[int, str, float]:
+    """(static cycles of one run, kind of op, share of its operands' bytes it reads) of a
+    listing: a kernel as the kernel rows charge it, reading the share of its grid a ragged
+    decode's lengths fill (`estimate.undecided_fraction`)."""
     if kernel:
-        return spread.kernel_entry(schedule, kernel_workload(schedule.name))["cycles"], "kernel"
+        workload = kernel_workload(schedule.name)
+        cycles = spread.kernel_entry(schedule, workload)["cycles"]
+        return cycles, "kernel", estimate.undecided_fraction(schedule.grid, False, workload)
     if schedule.executed_bundles_max is None:
-        return schedule.bundles, "other"
+        return schedule.bundles, "other", 1.0
     mxu = schedule.executed_mxu_cycles_max or 0
     kind = "matmul" if mxu > schedule.executed_bundles_max else "other"
-    return max(schedule.executed_bundles_max, mxu), kind
+    return max(schedule.executed_bundles_max, mxu), kind, 1.0
 
 
 def program_estimate(
@@ -142,18 +150,22 @@ def program_estimate(
     chips: int,
 ) -> dict:
     """A step's static estimate on one chip of ``chips``: compute seconds by kind of op
-    (`op_times`), the collectives (`ici`), the step at both ends of their overlap, and what
-    the estimate could not count."""
+    (`op_times`), the collectives (`ici`), the step at both ends of their overlap and as the
+    schedule overlaps them (`overlap`), and what the estimate could not count."""
     comps = hlo.parse_computations(text)
     runs = program_loops.program_runs(text, comps)
     times, unmatched = op_times(comps, runs, schedules, kernel_workload, target)
     groups = program_loops.collective_groups(comps, runs)
-    collectives = ici.program_collectives(groups, chips, target)
+    collectives = ici.program_collectives(groups.values(), chips, target)
     by_kind = {kind: sum(t.seconds for t in times if t.kind == kind)
                for kind in ("kernel", "matmul", "other")}  # fmt: skip
     compute = sum(by_kind.values())
     exchange = sum(c["seconds"] for c in collectives)
     hidden, exposed = ici.step_bounds(compute, exchange)
+    each = {key: c["seconds"] / max(c["runs"], 1)
+            for key, c in zip(groups, collectives, strict=True)}  # fmt: skip
+    one_run = {t.name: max(t.static_seconds, t.hbm_seconds) for t in times}
+    scheduled = overlap.ScheduleReplay(comps, runs, one_run, each).replay()
     memory_bound = sum(t.seconds for t in times if t.hbm_seconds > t.static_seconds)
     loops = [t.name for t in times if t.inner_loops_counted_once]
     heaviest = sorted(times, key=lambda t: -t.seconds)[:TOP_OPS]
@@ -164,6 +176,7 @@ def program_estimate(
         "collective_seconds": exchange,
         "step_seconds_overlapped": hidden,
         "step_seconds_exposed": exposed,
+        "step_seconds_scheduled": scheduled,
         "ops": len(times),
         "loop_trips": runs.trips,
         "undetermined_loops": runs.undetermined,

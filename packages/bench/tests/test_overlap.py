@@ -1,0 +1,111 @@
+# ruff: noqa: E501 - HLO lines are as long as the compiler prints them
+"""Replaying a compiled schedule: compute between a collective's start and done hides it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pallas_flash_bench import hlo, overlap, program_loops
+
+# A scanned layer in the shape libtpu leaves an FSDP all-gather: an async collective start,
+# a matmul between, its done, then an add; after the loop a synchronous all-reduce.
+LAYER = """\
+HloModule jit_step
+
+%cond (p.1: (s32[], f32[8])) -> pred[] {
+  %bound = s32[] constant(4)
+  %p.1 = (s32[], f32[8]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  ROOT %lt = pred[] compare(%i.1, %bound), direction=LT
+}
+
+%fused_start (param_0: f32[2]) -> f32[8] {
+  %param_0 = f32[2]{0} parameter(0)
+  ROOT %all-gather.1 = f32[8]{0} all-gather(%param_0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+%fused_done (param_0.1: f32[2]) -> f32[8] {
+  %param_0.1 = f32[2]{0} parameter(0)
+  ROOT %all-gather.2 = f32[8]{0} all-gather(%param_0.1), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+%fused_mm (param_0.2: f32[8]) -> f32[8] {
+  %param_0.2 = f32[8]{0} parameter(0)
+  ROOT %m = f32[8]{0} multiply(%param_0.2, %param_0.2)
+}
+
+%body (p.2: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p.2 = (s32[], f32[8]{0}) parameter(0)
+  %i.2 = s32[] get-tuple-element(%p.2), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i.2, %one)
+  %x = f32[8]{0} get-tuple-element(%p.2), index=1
+  %slice = f32[2]{0} slice(%x), slice={[0:2]}
+  %async-collective-start.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_start
+  %mm = f32[8]{0} fusion(%x), kind=kOutput, calls=%fused_mm
+  %async-collective-done.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_done
+  %add.1 = f32[8]{0} add(%async-collective-done.1, %mm)
+  ROOT %t.2 = (s32[], f32[8]{0}) tuple(%next, %add.1)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %a)
+  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  %out = f32[8]{0} get-tuple-element(%loop), index=1
+  ROOT %sum = f32[8]{0} all-reduce(%out), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%cond
+}
+"""
+
+
+def _replay(text: str, op_seconds: dict[str, float], collective_seconds: dict[str, float]) -> float:
+    comps = hlo.parse_computations(text)
+    runs = program_loops.program_runs(text, comps)
+    return overlap.ScheduleReplay(comps, runs, op_seconds, collective_seconds).replay()
+
+
+def test_a_fused_collective_is_named_by_its_channel_a_collective_op_by_itself() -> None:
+    comps = hlo.parse_computations(LAYER)
+    ops = {op.name: op for comp in comps.values() for op in comp.ops}
+    keys = {name: program_loops.collective_key(ops[name], comps)
+            for name in ("async-collective-start.1", "mm", "async-collective-done.1", "sum")}  # fmt: skip
+    assert keys == {"async-collective-start.1": "7", "mm": None,
+                    "async-collective-done.1": "7", "sum": "sum"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("gather", "iteration"),
+    [(2.0, 4.0), (5.0, 6.0)],  # hidden under the matmul (3 + 1); 2 s of it exposed (5 + 1)
+)
+def test_compute_between_start_and_done_hides_the_collective(gather, iteration) -> None:
+    op_seconds = {"mm": 3.0, "add.1": 1.0}
+    step = _replay(LAYER, op_seconds, {"7": gather, "sum": 1.5})
+    assert step == pytest.approx(4 * iteration + 1.5)  # 4 trips, then the all-reduce waits
+
+
+def test_a_collective_awaited_in_the_next_iteration_is_counted_in_steady_state() -> None:
+    # the done before the matmul, the start after it: nothing to hide it under
+    text = LAYER.replace(
+        """  %async-collective-start.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_start
+  %mm = f32[8]{0} fusion(%x), kind=kOutput, calls=%fused_mm
+  %async-collective-done.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_done
+""",
+        """  %async-collective-done.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_done
+  %mm = f32[8]{0} fusion(%x), kind=kOutput, calls=%fused_mm
+  %async-collective-start.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_start
+""",
+    )
+    step = _replay(text, {"mm": 3.0, "add.1": 1.0}, {"7": 5.0, "sum": 0.0})
+    # the first iteration waits for nothing (4 s); each later one waits for the gather the
+    # one before started after its matmul (5 s, the add hiding 1 s of it) and then runs the
+    # matmul: 8 s; the last gather ends 4 s after the loop, then the all-reduce takes the links
+    assert step == pytest.approx(4.0 + 3 * 8.0 + 4.0)
+
+
+def test_the_replay_lies_between_the_two_ends() -> None:
+    op_seconds = {"mm": 3.0, "add.1": 1.0}
+    collectives = {"7": 5.0, "sum": 1.5}
+    compute, exchange = 4 * 4.0, 4 * 5.0 + 1.5
+    hidden, exposed = max(compute, exchange), compute + exchange
+    assert hidden <= _replay(LAYER, op_seconds, collectives) <= exposed
