@@ -62,16 +62,15 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 def _replay(text: str, op_seconds: dict[str, float], collective_seconds: dict[str, float]) -> float:
     comps = hlo.parse_computations(text)
     runs = program_loops.program_runs(text, comps)
-    return overlap.ScheduleReplay(comps, runs, op_seconds, collective_seconds).replay()
+    keys = program_loops.collective_keys(comps, runs)
+    return overlap.ScheduleReplay(comps, runs, keys, op_seconds, collective_seconds).replay()
 
 
-def test_a_fused_collective_is_named_by_its_channel_a_collective_op_by_itself() -> None:
+def test_an_async_collective_is_named_by_its_start_a_collective_op_by_itself() -> None:
     comps = hlo.parse_computations(LAYER)
-    ops = {op.name: op for comp in comps.values() for op in comp.ops}
-    keys = {name: program_loops.collective_key(ops[name], comps)
-            for name in ("async-collective-start.1", "mm", "async-collective-done.1", "sum")}  # fmt: skip
-    assert keys == {"async-collective-start.1": "7", "mm": None,
-                    "async-collective-done.1": "7", "sum": "sum"}  # fmt: skip
+    keys = program_loops.collective_keys(comps, program_loops.program_runs(LAYER, comps))
+    assert keys == {"async-collective-start.1": "async-collective-start.1",
+                    "async-collective-done.1": "async-collective-start.1", "sum": "sum"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -80,7 +79,7 @@ def test_a_fused_collective_is_named_by_its_channel_a_collective_op_by_itself() 
 )
 def test_compute_between_start_and_done_hides_the_collective(gather, iteration) -> None:
     op_seconds = {"mm": 3.0, "add.1": 1.0}
-    step = _replay(LAYER, op_seconds, {"7": gather, "sum": 1.5})
+    step = _replay(LAYER, op_seconds, {"async-collective-start.1": gather, "sum": 1.5})
     assert step == pytest.approx(4 * iteration + 1.5)  # 4 trips, then the all-reduce waits
 
 
@@ -96,7 +95,7 @@ def test_a_collective_awaited_in_the_next_iteration_is_counted_in_steady_state()
   %async-collective-start.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_start
 """,
     )
-    step = _replay(text, {"mm": 3.0, "add.1": 1.0}, {"7": 5.0, "sum": 0.0})
+    step = _replay(text, {"mm": 3.0, "add.1": 1.0}, {"async-collective-start.1": 5.0, "sum": 0.0})
     # the first iteration waits for nothing (4 s); each later one waits for the gather the
     # one before started after its matmul (5 s, the add hiding 1 s of it) and then runs the
     # matmul: 8 s; the last gather ends 4 s after the loop, then the all-reduce takes the links
@@ -105,7 +104,7 @@ def test_a_collective_awaited_in_the_next_iteration_is_counted_in_steady_state()
 
 def test_the_replay_lies_between_the_two_ends() -> None:
     op_seconds = {"mm": 3.0, "add.1": 1.0}
-    collectives = {"7": 5.0, "sum": 1.5}
+    collectives = {"async-collective-start.1": 5.0, "sum": 1.5}
     compute, exchange = 4 * 4.0, 4 * 5.0 + 1.5
     hidden, exposed = max(compute, exchange), compute + exchange
     assert hidden <= _replay(LAYER, op_seconds, collectives) <= exposed

@@ -40,9 +40,9 @@ HloModule jit_step
   %next = s32[]{:T(128)} add(%i.3, %one)
   %x = f32[8]{0} get-tuple-element(%p.2), index=1
   %slice = f32[2]{0} slice(%x), slice={[0:2]}
-  %gather.start = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_gather
-  %gather.done = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_done
-  %add.1 = f32[8]{0} add(%gather.done, %x)
+  %async-collective-start.3 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_gather
+  %async-collective-done.3 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_done
+  %add.1 = f32[8]{0} add(%async-collective-done.3, %x)
   ROOT %t.2 = (s32[]{:T(128)}, f32[8]{0}) tuple(%next, %add.1)
 }
 
@@ -84,9 +84,11 @@ def test_a_known_trip_count_wins() -> None:
 def test_an_asynchronous_collective_counts_once_per_channel() -> None:
     comps = hlo.parse_computations(SCANNED)
     program = program_loops.program_runs(SCANNED, comps)
-    groups = program_loops.collective_groups(comps, program)
+    groups = program_loops.collective_groups(
+        comps, program, program_loops.collective_keys(comps, program)
+    )
     found = {key: (op.name, runs) for key, (op, runs) in groups.items()}
-    assert found == {"5": ("all-gather.7", 10), "sum": ("sum", 1)}
+    assert found == {"async-collective-start.3": ("all-gather.7", 10), "sum": ("sum", 1)}
 
 
 def test_collective_ops_that_share_a_channel_id_are_two_collectives() -> None:
@@ -97,8 +99,11 @@ def test_collective_ops_that_share_a_channel_id_are_two_collectives() -> None:
         "to_apply=%cond\n  ROOT %sum = f32[8]{0} all-reduce(%max)",
     )
     comps = hlo.parse_computations(twice)
-    groups = program_loops.collective_groups(comps, program_loops.program_runs(twice, comps))
-    assert sorted(groups) == ["5", "max", "sum"]
+    program = program_loops.program_runs(twice, comps)
+    groups = program_loops.collective_groups(
+        comps, program, program_loops.collective_keys(comps, program)
+    )
+    assert sorted(groups) == ["async-collective-start.3", "max", "sum"]
 
 
 def test_an_all_reduce_sliced_to_each_chip_is_a_reduce_scatter() -> None:
@@ -106,6 +111,7 @@ def test_an_all_reduce_sliced_to_each_chip_is_a_reduce_scatter() -> None:
     scatter = SCANNED.replace(
         "  ROOT %sum = f32[8]{0} all-reduce(%out), channel_id=9, replica_groups={{0,1,2,3}}, "
         "to_apply=%cond",
+        "  %half = f32[2]{0} fusion(%out), kind=kCustom, calls=%all-reduce-scatter\n"
         "  ROOT %sum = f32[2]{0} fusion(%out), kind=kCustom, calls=%all-reduce-scatter",
     ).replace(
         "ENTRY %main",
@@ -121,8 +127,13 @@ def test_an_all_reduce_sliced_to_each_chip_is_a_reduce_scatter() -> None:
 ENTRY %main""",
     )
     comps = hlo.parse_computations(scatter)
-    groups = program_loops.collective_groups(comps, program_loops.program_runs(scatter, comps))
-    op, runs = groups["9"]
+    program = program_loops.program_runs(scatter, comps)
+    groups = program_loops.collective_groups(
+        comps, program, program_loops.collective_keys(comps, program)
+    )
+    # two collective fusions of their own, though they share channel 9
+    assert sorted(groups) == ["async-collective-start.3", "half", "sum"]
+    op, runs = groups["sum"]
     assert (op.opcode, op.bytes, runs) == ("all-reduce-scatter", 32, 1)
     (entry,) = ici.program_collectives([(op, runs)], 4, TARGETS["v5e-4"])
     reduce_scatter = ici.collective_seconds("reduce-scatter", 8, 4, TARGETS["v5e-4"])

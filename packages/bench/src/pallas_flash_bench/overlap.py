@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from pallas_flash_bench.hlo import COLLECTIVES, Computation, HloOp
-from pallas_flash_bench.program_loops import ProgramRuns, callees, collective_key
+from pallas_flash_bench.program_loops import ProgramRuns, callees
 
 
 def _role(op: HloOp) -> str:
@@ -58,11 +58,13 @@ class _Clock:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleReplay:
-    """Replays a program (`replay`); built from its parsed computations, loop runs, each
-    op's time of one run and each collective's modelled time of one run."""
+    """Replays a program (`replay`); built from its parsed computations, loop runs, which
+    collective each op takes part in, each op's time of one run and each collective's
+    modelled time of one run."""
 
     comps: Mapping[str, Computation]
     runs: ProgramRuns
+    keys: Mapping[str, str]  # op name -> its collective (`program_loops.collective_keys`)
     op_seconds: Mapping[str, float]
     collective_seconds: Mapping[str, float]
 
@@ -74,14 +76,11 @@ class ScheduleReplay:
         return max([clock.now, *clock.in_flight.values()])
 
     def _run(self, comp: Computation, clock: _Clock) -> None:
-        ops = {op.name: op for op in comp.ops}
         for op in comp.ops:
             if op.opcode in ("while", "conditional"):
                 self._control(op, clock)
                 continue
-            key, role = collective_key(op, self.comps), _role(op)
-            if key is None and role == "done" and op.operands and op.operands[0] in ops:
-                key = collective_key(ops[op.operands[0]], self.comps)  # all-gather-done(start)
+            key, role = self.keys.get(op.name), _role(op)
             if key is not None and role == "continue" and key not in clock.in_flight:
                 role = "sync"  # a collective fusion with no start before it waits for itself
             if key is not None and role in ("start", "sync"):

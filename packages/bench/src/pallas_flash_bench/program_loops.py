@@ -208,19 +208,45 @@ def program_runs(text: str, comps: dict[str, Computation] | None = None) -> Prog
     return ProgramRuns(runs, trips, ops, frozenset(sequential))
 
 
-def collective_key(op: HloOp, comps: dict[str, Computation]) -> str | None:
-    """Which collective an op of a sequential computation takes part in: a collective op
-    (synchronous, or the ``-start`` of a pair) is one of its own, named by the op; a fusion
-    holding one (XLA's asynchronous collective fusions: a start, continuations and a done,
-    each fusing an op of the same collective) by that op's ``channel_id`` (its name when it
-    has none); None for an op that is not part of a collective."""
-    if op.opcode.removesuffix("-start") in COLLECTIVES:
-        return op.name
-    inner = _fused_collective(op, comps)
-    if inner is None:
-        return None
-    channel = _CHANNEL_RE.search(inner.attributes)
-    return channel[1] if channel else inner.name
+def _is_async_start(op: HloOp) -> bool:
+    return op.name.startswith("async-collective-start")
+
+
+def _channel(op: HloOp) -> str | None:
+    match = _CHANNEL_RE.search(op.attributes)
+    return match[1] if match else None
+
+
+def collective_keys(comps: dict[str, Computation], program: ProgramRuns) -> dict[str, str]:
+    """Which collective each op of the program's sequential computations takes part in, by
+    op name: a collective op (synchronous, or the ``-start`` of a pair, and its ``-done``) is
+    one of its own, named by the op. XLA's asynchronous collective fusions split one
+    collective over an ``async-collective-start``, continuation fusions and an
+    ``async-collective-done``, each fusing an op with the start's ``channel_id``: they are
+    named by the start. Any other fusion holding a collective is one of its own. Ops that
+    take part in none are absent. (Distinct collectives may share a channel id: shard_map's
+    reductions may all carry 1.)"""
+    ops = [op for name in sorted(program.sequential) if name in comps for op in comps[name].ops]
+    starts: dict[str, str] = {}
+    for op in filter(_is_async_start, ops):
+        inner = _fused_collective(op, comps)
+        channel = None if inner is None else _channel(inner)
+        if channel is not None:
+            starts.setdefault(channel, op.name)
+    keys: dict[str, str] = {}
+    by_name = {op.name: op for op in ops}
+    for op in ops:
+        if op.opcode.removesuffix("-start") in COLLECTIVES:
+            keys[op.name] = op.name
+        elif op.opcode.endswith("-done") and op.operands and op.operands[0] in by_name:
+            start = by_name[op.operands[0]]
+            if start.opcode.removesuffix("-start") in COLLECTIVES:
+                keys[op.name] = start.name  # all-gather-done(all-gather-start)
+        else:
+            inner = _fused_collective(op, comps)
+            if inner is not None:
+                keys[op.name] = starts.get(_channel(inner) or "", op.name)
+    return keys
 
 
 def _fused_collective(op: HloOp, comps: dict[str, Computation]) -> HloOp | None:
@@ -243,22 +269,18 @@ def _fused_collective(op: HloOp, comps: dict[str, Computation]) -> HloOp | None:
 
 
 def collective_groups(
-    comps: dict[str, Computation], program: ProgramRuns
+    comps: dict[str, Computation], program: ProgramRuns, keys: dict[str, str]
 ) -> dict[str, tuple[HloOp, int]]:
-    """Each collective the program runs, by `collective_key`: the collective op (the one a
-    fusion holds) and how often it runs. A collective split over several fusions counts
-    once; two collective ops are two even when they share a channel id."""
+    """Each collective the program runs, by its key (`collective_keys`): the collective op
+    (the one a fusion holds, at its first op) and how often it runs."""
     out: dict[str, tuple[HloOp, int]] = {}
     for name in sorted(program.sequential):
-        comp = comps.get(name)
-        for op in comp.ops if comp is not None else ():
-            key = collective_key(op, comps)
+        for op in comps[name].ops if name in comps else ():
+            key = keys.get(op.name)
             if key is None or key in out:
                 continue
-            inner = (
-                op
-                if op.opcode.removesuffix("-start") in COLLECTIVES
-                else _fused_collective(op, comps)
-            )
-            out[key] = (inner, program.computations.get(name, 1))
+            direct = op.opcode.removesuffix("-start") in COLLECTIVES
+            inner = op if direct else _fused_collective(op, comps)
+            if inner is not None:
+                out[key] = (inner, program.computations.get(name, 1))
     return out

@@ -35,7 +35,7 @@ from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, progr
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
 
-ANALYSIS_VERSION = 6
+ANALYSIS_VERSION = 7
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
 
 TOP_OPS = 12
@@ -155,7 +155,8 @@ def program_estimate(
     comps = hlo.parse_computations(text)
     runs = program_loops.program_runs(text, comps)
     times, unmatched = op_times(comps, runs, schedules, kernel_workload, target)
-    groups = program_loops.collective_groups(comps, runs)
+    keys = program_loops.collective_keys(comps, runs)
+    groups = program_loops.collective_groups(comps, runs, keys)
     collectives = ici.program_collectives(groups.values(), chips, target)
     by_kind = {kind: sum(t.seconds for t in times if t.kind == kind)
                for kind in ("kernel", "matmul", "other")}  # fmt: skip
@@ -165,7 +166,7 @@ def program_estimate(
     each = {key: c["seconds"] / max(c["runs"], 1)
             for key, c in zip(groups, collectives, strict=True)}  # fmt: skip
     one_run = {t.name: max(t.static_seconds, t.hbm_seconds) for t in times}
-    scheduled = overlap.ScheduleReplay(comps, runs, one_run, each).replay()
+    scheduled = overlap.ScheduleReplay(comps, runs, keys, one_run, each).replay()
     memory_bound = sum(t.seconds for t in times if t.hbm_seconds > t.static_seconds)
     loops = [t.name for t in times if t.inner_loops_counted_once]
     heaviest = sorted(times, key=lambda t: -t.seconds)[:TOP_OPS]
