@@ -108,3 +108,42 @@ def test_the_replay_lies_between_the_two_ends() -> None:
     compute, exchange = 4 * 4.0, 4 * 5.0 + 1.5
     hidden, exposed = max(compute, exchange), compute + exchange
     assert hidden <= _replay(LAYER, op_seconds, collectives) <= exposed
+
+
+def test_a_collective_in_flight_across_a_loop_keeps_its_own_end() -> None:
+    # a gather started before the loop and awaited after it: the loop's 4 x 4 s hide it
+    text = LAYER.replace(
+        "ENTRY %main",
+        """%fused_start.2 (param_0.3: f32[2]) -> f32[8] {
+  %param_0.3 = f32[2]{0} parameter(0)
+  ROOT %all-gather.3 = f32[8]{0} all-gather(%param_0.3), channel_id=11, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+%fused_done.2 (param_0.4: f32[2]) -> f32[8] {
+  %param_0.4 = f32[2]{0} parameter(0)
+  ROOT %all-gather.4 = f32[8]{0} all-gather(%param_0.4), channel_id=11, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+ENTRY %main""",
+    ).replace(
+        "  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body\n",
+        "  %head = f32[2]{0} slice(%a), slice={[0:2]}\n"
+        "  %async-collective-start.2 = f32[8]{0} fusion(%head), kind=kCustom, calls=%fused_start.2\n"
+        "  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body\n"
+        "  %async-collective-done.2 = f32[8]{0} fusion(%head), kind=kCustom, calls=%fused_done.2\n",
+    )
+    # the body without its own gather, so nothing else queues for the links
+    text = (
+        text.replace(
+            "  %async-collective-start.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_start\n",
+            "",
+        )
+        .replace(
+            "  %async-collective-done.1 = f32[8]{0} fusion(%slice), kind=kCustom, calls=%fused_done\n",
+            "  %gathered = f32[8]{0} multiply(%x, %x)\n",
+        )
+        .replace("add(%async-collective-done.1, %mm)", "add(%gathered, %mm)")
+    )
+    op_seconds = {"mm": 3.0, "add.1": 1.0}
+    for gather, step in ((10.0, 16.0), (20.0, 20.0)):  # hidden by the loop; 4 s exposed
+        assert _replay(text, op_seconds, {"async-collective-start.2": gather, "sum": 0.0}) == step

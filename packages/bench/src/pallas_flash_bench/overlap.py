@@ -49,11 +49,17 @@ class _Clock:
     links_free: float = 0.0
     in_flight: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    def shift(self, seconds: float) -> None:
-        """Moves everything on by ``seconds`` (the iterations of a loop not replayed)."""
+    def shift(self, seconds: float, before: _Clock) -> None:
+        """Moves on by ``seconds`` (the iterations of a loop not replayed) the clock and what
+        the loop launched; a collective in flight since ``before`` (the clock on entering
+        the loop) keeps its end, and the links their time if the loop launched nothing."""
         self.now += seconds
-        self.links_free += seconds
-        self.in_flight = {key: end + seconds for key, end in self.in_flight.items()}
+        if self.links_free != before.links_free:
+            self.links_free += seconds
+        self.in_flight = {
+            key: end if before.in_flight.get(key) == end else end + seconds
+            for key, end in self.in_flight.items()
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +110,10 @@ class ScheduleReplay:
             return
         trips = self.runs.trips.get(op.name)
         trips = 1 if trips is None else trips  # undetermined: once, as whole_program counts it
+        before = dataclasses.replace(clock, in_flight=dict(clock.in_flight))
         for _ in range(min(trips, 2)):
             first = clock.now
             for comp in iteration:
                 self._run(comp, clock)
         if trips > 2:
-            clock.shift((trips - 2) * (clock.now - first))
+            clock.shift((trips - 2) * (clock.now - first), before)
