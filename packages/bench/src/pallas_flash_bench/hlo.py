@@ -566,14 +566,16 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 """Opcodes of the ops that move data between devices (asynchronous ones end in ``-start``)."""
 
 
+def is_collective(op: HloOp) -> bool:
+    """Whether ``op`` is a collective op itself (synchronous, or the ``-start`` of a pair)."""
+    return op.opcode.removesuffix("-start") in COLLECTIVES
+
+
 def collectives(text: str) -> list[HloOp]:
     """The ops of every computation that move data between devices, in program order; an
     asynchronous pair counts once, as its ``-start`` op."""
     return [
-        op
-        for comp in parse_computations(text).values()
-        for op in comp.ops
-        if op.opcode.removesuffix("-start") in COLLECTIVES
+        op for comp in parse_computations(text).values() for op in comp.ops if is_collective(op)
     ]
 
 

@@ -27,13 +27,13 @@ import dataclasses
 from collections.abc import Mapping
 
 from pallas_flash_bench.hlo import COLLECTIVES, Computation, HloOp
-from pallas_flash_bench.program_loops import ProgramRuns, callees
+from pallas_flash_bench.program_loops import ProgramRuns, callees, is_async_start
 
 
 def _role(op: HloOp) -> str:
     """``start``, ``done``, ``sync`` (a collective op that waits for itself) or ``continue``
     (a fusion that carries a collective's data between its start and its done)."""
-    if op.opcode.endswith("-start") or op.name.startswith("async-collective-start"):
+    if op.opcode.endswith("-start") or is_async_start(op):
         return "start"
     if op.opcode.endswith("-done") or op.name.startswith("async-collective-done"):
         return "done"

@@ -20,10 +20,10 @@ import re
 
 from pallas_flash_bench.hlo import (
     BRANCHES_RE,
-    COLLECTIVES,
     Computation,
     HloOp,
     fused_computation,
+    is_collective,
     parse_computations,
 )
 
@@ -208,7 +208,8 @@ def program_runs(text: str, comps: dict[str, Computation] | None = None) -> Prog
     return ProgramRuns(runs, trips, ops, frozenset(sequential))
 
 
-def _is_async_start(op: HloOp) -> bool:
+def is_async_start(op: HloOp) -> bool:
+    """Whether ``op`` starts one of XLA's asynchronous collective fusions."""
     return op.name.startswith("async-collective-start")
 
 
@@ -228,7 +229,7 @@ def collective_keys(comps: dict[str, Computation], program: ProgramRuns) -> dict
     reductions may all carry 1.)"""
     ops = [op for name in sorted(program.sequential) if name in comps for op in comps[name].ops]
     starts: dict[str, str] = {}
-    for op in filter(_is_async_start, ops):
+    for op in filter(is_async_start, ops):
         inner = _fused_collective(op, comps)
         channel = None if inner is None else _channel(inner)
         if channel is not None:
@@ -236,11 +237,11 @@ def collective_keys(comps: dict[str, Computation], program: ProgramRuns) -> dict
     keys: dict[str, str] = {}
     by_name = {op.name: op for op in ops}
     for op in ops:
-        if op.opcode.removesuffix("-start") in COLLECTIVES:
+        if is_collective(op):
             keys[op.name] = op.name
         elif op.opcode.endswith("-done") and op.operands and op.operands[0] in by_name:
             start = by_name[op.operands[0]]
-            if start.opcode.removesuffix("-start") in COLLECTIVES:
+            if is_collective(start):
                 keys[op.name] = start.name  # all-gather-done(all-gather-start)
         else:
             inner = _fused_collective(op, comps)
@@ -257,7 +258,7 @@ def _fused_collective(op: HloOp, comps: dict[str, Computation]) -> HloOp | None:
     fused = fused_computation(op, comps)
     if fused is None:
         return None
-    inner = next((o for o in fused.ops if o.opcode.removesuffix("-start") in COLLECTIVES), None)
+    inner = next(filter(is_collective, fused.ops), None)
     opcodes = {o.opcode for o in fused.ops}
     if (
         inner is not None
@@ -279,8 +280,7 @@ def collective_groups(
             key = keys.get(op.name)
             if key is None or key in out:
                 continue
-            direct = op.opcode.removesuffix("-start") in COLLECTIVES
-            inner = op if direct else _fused_collective(op, comps)
+            inner = op if is_collective(op) else _fused_collective(op, comps)
             if inner is not None:
                 out[key] = (inner, program.computations.get(name, 1))
     return out
