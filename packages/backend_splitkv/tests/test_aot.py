@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash.interpret import INTERPRET_ENV_VAR
 from pallas_flash_bench import hlo
-from pallas_flash_splitkv import KVCache
+from pallas_flash_splitkv import KVCache, paged_kernel
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
@@ -87,9 +87,8 @@ def test_one_chip(v5e_devices: list[jax.Device]) -> None:
     mesh = Mesh(np.array(v5e_devices[:1]), ("kv",))
     compiled = _compile(mesh, PartitionSpec(), use_mesh=False)
     text = compiled.as_text()
-    assert [op.name.split(".")[0] for op in hlo.kernel_calls(text)] == [
-        "pallas_flash_split_kv_decode"
-    ]
+    names = [op.name.split(".")[0] for op in hlo.kernel_calls(text)]
+    assert names == [paged_kernel.CONTIGUOUS_KERNEL_NAME]
     assert not _large_relayouts(text)
     assert not _collective_bytes(text)
     cache_bytes = BATCH * KV_HEADS * MAX_LEN * HEAD_DIM * 2

@@ -111,6 +111,45 @@ def test_paged_steps_of_several_pages_prefetch_across_sequences(per_step, dtype:
     assert (np.asarray(out, np.float32)[[0, 3, 6]] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_contiguous_cache_read_in_pages_copies_only_what_lengths_reach(dtype: str) -> None:
+    """A contiguous cache of 7 pages of 128 positions, 3 per step (a last step of one page),
+    read by the page-copying kernel: sequences empty first, between others and last, ending
+    inside a page, on a step's edge or filling the cache, with NaN in every slot past a
+    length (in pages never copied and in the rest of a copied one)."""
+    batch, q_heads, kv_heads, head_dim = 7, 4, 2, 64
+    max_len = 7 * paged_kernel.CONTIGUOUS_PAGE
+    lengths = np.array([0, 5, 384, 0, max_len, 385, 0], np.int32)
+    blocks = DecodeBlocks(block_kv=3 * paged_kernel.CONTIGUOUS_PAGE)
+    valid = np.arange(max_len)[None, None, :] < lengths[:, None, None]
+    shape = (batch, kv_heads, max_len, head_dim)
+    k, v = (np.array(inputs.normal(s, shape)) for s in (1, 2))
+    q = inputs.normal(0, (batch, q_heads, head_dim), dtype)
+    stale = [jnp.asarray(np.where(valid[..., None], x, np.nan), dtype) for x in (k, v)]
+    cache = pf.DecodeCache(*stale)
+    assert paged_kernel.contiguous_pages_per_step(blocks, cache.k) == 3
+    scale = 1 / math.sqrt(head_dim)
+    expected = reference.decode(q, np.asarray(k, np.float32), np.asarray(v, np.float32),
+                                lengths, sm_scale=scale)  # fmt: skip
+    out = split_kv_decode(
+        q, cache, jnp.asarray(lengths), spec=pf.DecodeSpec(sm_scale=scale), blocks=blocks,
+        mesh=None,
+    )  # fmt: skip
+    assert_close(out, expected, FORWARD_TOLERANCE[dtype])
+    assert (np.asarray(out, np.float32)[[0, 3, 6]] == 0).all()
+
+
+def test_contiguous_cache_read_by_block_specs_where_pages_do_not_pay() -> None:
+    """The block-spec kernel keeps a contiguous cache that is not a multiple of 128
+    positions, a block of one page, several splits, and an int8 cache."""
+    k = jnp.zeros((2, 2, 1024, 64), jnp.bfloat16)
+    assert paged_kernel.contiguous_pages_per_step(DecodeBlocks(), k) == 8
+    assert paged_kernel.contiguous_pages_per_step(DecodeBlocks(), k[:, :, :1000]) is None
+    assert paged_kernel.contiguous_pages_per_step(DecodeBlocks(128), k) is None
+    assert paged_kernel.contiguous_pages_per_step(DecodeBlocks(256, 2), k) is None
+    assert paged_kernel.contiguous_pages_per_step(DecodeBlocks(), k.astype(jnp.int8)) is None
+
+
 def test_paged_batch_with_no_token_copies_nothing() -> None:
     """Every sequence empty: no step holds a position, so none starts or waits for a copy
     (a wait nobody started would never end), and the output is 0."""

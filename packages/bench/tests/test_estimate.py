@@ -214,3 +214,28 @@ def test_ragged_decode_runs_its_undecided_regions_on_the_blocks_holding_tokens()
     # without executed bundles: the full-grid figure on the active steps only
     cycles, how = estimate.kernel_cycles(None, None, 8000, (2, 1, 4), False, workload=w)
     assert cycles == math.ceil(8000 * fraction) and "counted free" in how
+
+
+def test_page_copying_kernels_read_the_pages_holding_tokens_block_specs_whole_blocks() -> None:
+    """Lengths 1 and 1025 of a 2048-position cache in blocks of 1024: a block-spec kernel
+    reads 1 + 2 blocks of 4, the kernel that copies 128-position pages 1 + 9 pages of 32."""
+    w = Workload("decode", 2048, batch=2, lengths=(1, 1025), even_lengths=True)
+    assert w.sequence_lengths.tolist() == [1, 1025]
+    grid = (2, 2)
+    assert estimate.copied_fraction("pallas_flash_split_kv_decode.3", grid, w) == 3 / 4
+    contiguous = "pallas_flash_split_kv_decode_contiguous_pages.7"
+    assert estimate.copied_fraction(contiguous, grid, w) == 10 / 32
+    full = Workload("decode", 2048, batch=2)  # no lengths: every position, every block
+    assert estimate.copied_fraction(contiguous, grid, full) == 1.0
+
+
+def test_paged_kernel_reads_the_pages_the_lengths_use() -> None:
+    w = Workload("decode", 2048, batch=2, lengths=(1, 1025), even_lengths=True,
+                 cache="paged", page_size=256)  # fmt: skip
+    assert w.copied_fraction(999) == (1 + 5) / 16  # a paged cache's own pages
+    assert estimate.copied_fraction("pallas_flash_split_kv_decode_paged", (2, 2), w) == 6 / 16
+
+
+def test_even_lengths_are_every_length_of_the_range_once() -> None:
+    w = Workload("decode", 2048, batch=1024, lengths=(1025, 2048), even_lengths=True)
+    assert sorted(w.sequence_lengths.tolist()) == list(range(1025, 2049))

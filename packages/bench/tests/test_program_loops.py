@@ -233,3 +233,25 @@ def test_ops_of_one_program_share_its_listing() -> None:
         whole_program.signature(ops[n], comps, shapes) for n in ("write", "write.1", "read")
     )
     assert first == second and first != read
+
+
+IN_PLACE_KERNEL = """HloModule m, entry_computation_layout={()->bf16[8,2,256,128]{3,2,1,0}}
+
+ENTRY %main (cache: bf16[8,2,256,128], rows: bf16[8,2,128], blocks: s32[8], at: s32[8]) -> bf16[8,2,256,128] {
+  %cache = bf16[8,2,256,128]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %rows = bf16[8,2,128]{2,1,0:T(2,128)(2,1)} parameter(1)
+  %blocks = s32[8]{0:T(128)} parameter(2)
+  %at = s32[8]{0:T(128)} parameter(3)
+  %read = bf16[8,2,256,128]{3,2,1,0:T(8,128)(2,1)} custom-call(%blocks, %at, %rows, %cache), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "x", "cost_estimate": {"flops": "0", "transcendentals": "0", "bytes_accessed": "69632"}}}
+  ROOT %write = bf16[8,2,256,128]{3,2,1,0:T(8,128)(2,1)} custom-call(%blocks, %at, %rows, %read), custom_call_target="tpu_custom_call", output_to_operand_aliasing={{}: (3, {})}, backend_config={"custom_call_config": {"body": "x", "cost_estimate": {"flops": "0", "transcendentals": "0", "bytes_accessed": "69632"}}}
+}
+"""
+
+
+def test_a_kernel_updating_an_operand_in_place_moves_what_it_declares() -> None:
+    comps = hlo.parse_computations(IN_PLACE_KERNEL)
+    ops = {op.name: op for comp in comps.values() for op in comp.ops}
+    shapes = {name: op.shape for name, op in ops.items()}
+    assert op_bytes.op_hbm_bytes(ops["write"], comps, shapes) == 69632
+    cache, rows, indices = 8 * 2 * 256 * 128 * 2, 8 * 2 * 128 * 2, 2 * 8 * 4
+    assert op_bytes.op_hbm_bytes(ops["read"], comps, shapes) == 2 * cache + rows + indices

@@ -20,7 +20,9 @@ of every kv head, one DMA of ``[kv_heads, block_kv, head_dim]`` per step for K a
 once for all ``group`` query heads of each kv head (GQA/MQA read each cache byte once), folded
 as `fold` says; a paged cache's block is a page, its index maps reading the table. Where
 pages are small (`DecodeBlocks.for_paged` gives several per step), a paged cache is read by
-`paged_kernel` instead, whose steps copy several pages themselves.
+`paged_kernel` instead, whose steps copy several pages themselves; so is a contiguous cache
+whose block spans several pages of 128 positions (`paged_kernel.contiguous_pages_per_step`),
+so that a ragged batch's last blocks are copied only as far as each sequence reaches.
 
 ``lengths`` (and the page table) are prefetched into SMEM. ``lengths`` is clipped to ``[0,
 max_len]`` where it is read, and page indices to ``[0, num_pages)``: traced values cannot be
@@ -44,7 +46,11 @@ from pallas_flash import interpret
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import fold
 from pallas_flash_splitkv.blocks import LANES, DecodeBlocks
-from pallas_flash_splitkv.paged_kernel import paged_partials_kernel, pages_per_step
+from pallas_flash_splitkv.paged_kernel import (
+    contiguous_pages_per_step,
+    paged_partials_kernel,
+    pages_per_step,
+)
 
 _F32 = jnp.float32
 
@@ -118,7 +124,9 @@ def split_partials(
       ValueError: ``blocks`` is illegal for this cache.
     """
     if page_table is None:
-        return _block_spec_partials(
+        by_pages = contiguous_pages_per_step(blocks, k_cache) is not None
+        kernel = _paged_split_partials if by_pages else _block_spec_partials
+        return kernel(
             q, k_cache, v_cache, lengths, None, k_scales, v_scales,
             spec=spec, blocks=blocks, devices=devices,
         )  # fmt: skip

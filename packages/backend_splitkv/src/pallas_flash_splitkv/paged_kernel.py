@@ -1,27 +1,32 @@
-"""The Split-KV decode kernel of a paged cache: several pages per grid step, copied through
-the page table by the kernel itself, the next step's pages while this step computes.
+"""The Split-KV decode kernel that copies its blocks itself, a page at a time: several pages
+per grid step, the next step's pages while this step computes. It reads a paged cache through
+its page table, and a contiguous cache as pages of `CONTIGUOUS_PAGE` positions (page ``j`` of
+sequence ``b`` is ``cache[b, :, j x 128 : (j + 1) x 128]``), so that a sequence's last block
+is copied only as far as its length reaches.
 
 Layouts as `kernel`'s: q ``[batch, kv_heads, group, head_dim]``; pages ``[num_pages, kv_heads,
-page_size, head_dim]`` (int8 with float32 scales ``[num_pages, kv_heads, page_size]``);
-``page_table [batch, pages_per_sequence]``; outputs ``[batch, 1, kv_heads, group, head_dim]``
-and ``[batch, 1, kv_heads, group]`` (one split), float32.
+page_size, head_dim]`` (int8 with float32 scales ``[num_pages, kv_heads, page_size]``) with
+``page_table [batch, pages_per_sequence]``, or a contiguous cache ``[batch, kv_heads, max_len,
+head_dim]`` (scales ``[batch, kv_heads, max_len]``); outputs ``[batch, 1, kv_heads, group,
+head_dim]`` and ``[batch, 1, kv_heads, group]`` (one split), float32.
 
 Grid ``(batch, steps)``, run in order: step ``(b, i)`` folds pages ``[i, i + 1) x
 pages_per_step`` of sequence ``b``. A page of 128 positions is a small step (a few hundred
 cycles of pipeline bookkeeping against 512 KiB of bf16 K/V, 256 KiB in int8); a block spec
-can only fetch one page per step, so the kernel copies its pages itself: each page of the
-block is one DMA of ``[kv_heads, page_size, head_dim]`` from the pool (pages in ``pl.ANY``)
-into its rows of a double-buffered VMEM block ``[kv_heads, pages_per_step x page_size,
-head_dim]``. A step waits for its own copies and starts those of the next step that holds a
-position: the next block of its sequence, or the first of the next sequence that is not
-empty (``first_from [batch + 1]``, scalar-prefetched: the first non-empty sequence at or after
-each one, computed before the kernel), so they land while it computes; the grid's first step
-starts the copies of the first step that holds a position. Every step's copies are thus
-started by a region whose predicate the step decides alone: none is left for the rare case
-of a sequence after an empty one (a static schedule charges such a region to every step
-that might run it). An SMEM counter of the steps that held a position carries the buffer
-parity from step to step. Pages past a sequence's length are never copied; their rows of the
-block keep older data, which `fold.fold_block` masks (K) and zeroes (V) like any stale slot.
+can only fetch one page per step, and copies the whole of a block however little of it a
+sequence fills. So the kernel copies its pages itself: each page of the block is one DMA of
+``[kv_heads, page_size, head_dim]`` from the cache (in ``pl.ANY``) into its rows of a
+double-buffered VMEM block ``[kv_heads, pages_per_step x page_size, head_dim]``. A step waits
+for its own copies and starts those of the next step that holds a position: the next block of
+its sequence, or the first of the next sequence that is not empty (``first_from [batch +
+1]``, scalar-prefetched: the first non-empty sequence at or after each one, computed before
+the kernel), so they land while it computes; the grid's first step starts the copies of the
+first step that holds a position. Every step's copies are thus started by a region whose
+predicate the step decides alone: none is left for the rare case of a sequence after an
+empty one (a static schedule charges such a region to every step that might run it). An SMEM
+counter of the steps that held a position carries the buffer parity from step to step. Pages
+past a sequence's length are never copied; their rows of the block keep older data, which
+`fold.fold_block` masks (K) and zeroes (V) like any stale slot.
 """
 
 from __future__ import annotations
@@ -35,18 +40,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_flash import tpu
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import fold
 from pallas_flash_splitkv.blocks import LANES, DecodeBlocks
 
 _F32 = jnp.float32
 
+CONTIGUOUS_PAGE = LANES
+"""Positions of a page of a contiguous cache: lane-aligned (a page of int8 scales is a slice
+of their last axis), and at most 127 positions copied past a sequence's length."""
+
+CONTIGUOUS_KERNEL_NAME = "pallas_flash_split_kv_decode_contiguous_pages"
+"""The kernel's name where it reads a contiguous cache (``..._paged`` a paged one)."""
+
 
 def _kernel(
     lengths_ref: jax.Ref,
-    table_ref: jax.Ref,
-    first_from_ref: jax.Ref,
-    q_ref: jax.Ref,
     *refs: jax.Ref,
     tiling: fold.Tiling,
     pages_per_step: int,
@@ -54,13 +64,16 @@ def _kernel(
     num_pages: int,
     batch: int,
 ) -> None:
-    """One grid step ``(b, i)`` (module doc). Refs after q: the pool's arrays in HBM (k, v
-    and, when quantized, their scales); the outputs; scratch: running max, sum and
-    accumulator (as `kernel`), one double-buffered block per pool array, DMA semaphores
-    ``[2, arrays]`` and the SMEM count of steps that held a position.
+    """One grid step ``(b, i)`` (module doc). Refs: the flat page table when paged (SMEM);
+    ``first_from`` (SMEM); q; the cache's arrays in HBM (k, v and, when quantized, their
+    scales); the outputs; scratch: running max, sum and accumulator (as `kernel`), one
+    double-buffered block per cache array, DMA semaphores ``[2, arrays]`` and the SMEM count
+    of steps that held a position.
     """
+    table_ref, refs = (refs[0], refs[1:]) if tiling.paged else (None, refs)
+    first_from_ref, q_ref, *refs = refs
     arrays = 4 if tiling.quantized else 2
-    pool, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[:arrays], refs[arrays : arrays + 5]
+    cache, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[:arrays], refs[arrays : arrays + 5]
     blocks, (sems, folded) = refs[arrays + 5 : 2 * arrays + 5], refs[2 * arrays + 5 :]
     page_size = tiling.block_kv // pages_per_step
     b, i = pl.program_id(0), pl.program_id(1)
@@ -70,12 +83,15 @@ def _kernel(
         used = pl.cdiv(fold.clipped_length(lengths_ref, seq, tiling.max_len), page_size)
 
         def copy_page(k: int) -> None:
-            j = step * pages_per_step + k
-            entry = seq * pages_per_sequence + jnp.minimum(j, pages_per_sequence - 1)
-            page = jnp.clip(table_ref[entry], 0, num_pages - 1)
+            j = jnp.minimum(step * pages_per_step + k, pages_per_sequence - 1)
+            if tiling.paged:
+                page = jnp.clip(table_ref[seq * pages_per_sequence + j], 0, num_pages - 1)
+                index = (page,)
+            else:
+                index = (seq, slice(None), pl.ds(j * page_size, page_size))
             rows = pl.ds(k * page_size, page_size)
-            for a, (src, dst) in enumerate(zip(pool, blocks, strict=True)):
-                act(pltpu.make_async_copy(src.at[page], dst.at[slot, :, rows], sems.at[slot, a]))
+            for a, (src, dst) in enumerate(zip(cache, blocks, strict=True)):
+                act(pltpu.make_async_copy(src.at[index], dst.at[slot, :, rows], sems.at[slot, a]))
 
         for k in range(pages_per_step):
             pl.when(step * pages_per_step + k < used)(functools.partial(copy_page, k))
@@ -126,12 +142,32 @@ def pages_per_step(blocks: DecodeBlocks, k_pages: jax.Array, page_table: jax.Arr
     return blocks.for_paged(page_table.shape[1], k_pages.shape[2], page_bytes)
 
 
+def contiguous_pages_per_step(blocks: DecodeBlocks, k_cache: jax.Array) -> int | None:
+    """Pages of `CONTIGUOUS_PAGE` positions a step copies of the contiguous cache ``k_cache
+    [batch, kv_heads, max_len, head_dim]`` (its `DecodeBlocks.for_cache` block), or None where
+    the block-spec kernel of `kernel` reads it instead: a cache not a multiple of 128
+    positions, a block of one page, several splits (this kernel runs one), a chip with two
+    TensorCores, which share out the block-spec kernel's parallel batch axis, or an int8
+    cache: four arrays copied a page at a time (the values and scales of K and V) cost a step
+    more issue cycles than its dequantising leaves spare (v5e's static schedule, Llama-2-7B
+    serving: 266 us a layer, against the block-spec kernel's 246 us of HBM time)."""
+    _, kv_heads, max_len, head_dim = k_cache.shape
+    position_bytes = 2 * kv_heads * head_dim * k_cache.dtype.itemsize  # K and V
+    block_kv, splits, _ = blocks.for_cache(max_len, position_bytes)
+    one_core = tpu.current_generation().tensorcores == 1
+    aligned = max_len % CONTIGUOUS_PAGE == 0 and block_kv % CONTIGUOUS_PAGE == 0
+    if not aligned or splits > 1 or not one_core or k_cache.dtype == jnp.int8:
+        return None
+    per_step = block_kv // CONTIGUOUS_PAGE
+    return per_step if per_step > 1 else None
+
+
 def paged_partials_kernel(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
     lengths: jax.Array,
-    page_table: jax.Array,
+    page_table: jax.Array | None,
     k_scales: jax.Array | None,
     v_scales: jax.Array | None,
     *,
@@ -139,26 +175,36 @@ def paged_partials_kernel(
     blocks: DecodeBlocks,
     interpret: pltpu.InterpretParams | bool | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """`kernel.split_partials` of a paged cache (one split), with the interpreter's settings
+    """`kernel.split_partials` of a paged cache, or of a contiguous one (``page_table`` None,
+    where `contiguous_pages_per_step` is not None), one split, with the interpreter's settings
     (True: the generic interpreter), or None for Mosaic."""
     batch, kv_heads, group, head_dim = q.shape
-    num_pages, _, page_size, _ = k_pages.shape
-    pages_per_sequence = page_table.shape[1]
+    paged = page_table is not None
     quantized = k_scales is not None
-    per_step = pages_per_step(blocks, k_pages, page_table)
+    if paged:
+        num_pages, _, page_size, _ = k_cache.shape
+        pages_per_sequence = page_table.shape[1]
+        per_step = pages_per_step(blocks, k_cache, page_table)
+        prefetch = [lengths, page_table.reshape(-1)]  # flat: SMEM pads a 2-D table's rows
+    else:
+        num_pages, page_size = batch, CONTIGUOUS_PAGE
+        pages_per_sequence = k_cache.shape[2] // page_size
+        per_step = contiguous_pages_per_step(blocks, k_cache)
+        prefetch = [lengths]
     steps = pl.cdiv(pages_per_sequence, per_step)
     block = per_step * page_size
     tiling = fold.tiling_for(
         q, spec, max_len=pages_per_sequence * page_size, block_kv=block,
-        blocks_per_split=steps, paged=True, quantized=quantized,
+        blocks_per_split=steps, paged=paged, quantized=quantized,
     )  # fmt: skip
-    pool = [k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
+    prefetch.append(first_non_empty(lengths, tiling.max_len))
+    cache = [k_cache, v_cache] + ([k_scales, v_scales] if quantized else [])
     scratch = [
         pltpu.VMEM((kv_heads, group, LANES), _F32),
         pltpu.VMEM((kv_heads, group, LANES), _F32),
         pltpu.VMEM((kv_heads, group, head_dim), _F32),
-        *(pltpu.VMEM((2, kv_heads, block, *x.shape[3:]), x.dtype) for x in pool),
-        pltpu.SemaphoreType.DMA((2, len(pool))),
+        *(pltpu.VMEM((2, kv_heads, block, *x.shape[3:]), x.dtype) for x in cache),
+        pltpu.SemaphoreType.DMA((2, len(cache))),
         pltpu.SMEM((1,), jnp.int32),
     ]
 
@@ -179,11 +225,11 @@ def paged_partials_kernel(
             jax.ShapeDtypeStruct((batch, 1, kv_heads, group, LANES), _F32),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=len(prefetch),
             grid=(batch, steps),
             in_specs=[
                 pl.BlockSpec((None, kv_heads, group, head_dim), lambda b, i, *refs: (b, 0, 0, 0)),
-                *[pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
+                *[pl.BlockSpec(memory_space=pl.ANY)] * len(cache),
             ],
             out_specs=(
                 pl.BlockSpec((None, None, kv_heads, group, head_dim), out_map),
@@ -194,8 +240,8 @@ def paged_partials_kernel(
         # in order: each step starts the copies of the next one
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=False if interpret is None else interpret,
-        name="pallas_flash_split_kv_decode_paged",
-    )(lengths, page_table.reshape(-1), first_non_empty(lengths, tiling.max_len), q, *pool)
+        name="pallas_flash_split_kv_decode_paged" if paged else CONTIGUOUS_KERNEL_NAME,
+    )(*prefetch, q, *cache)
     return out, lse[..., 0]
 
 

@@ -45,6 +45,27 @@ def undecided_fraction(
     return 1.0
 
 
+PAGE_COPYING_KERNELS = {
+    "pallas_flash_split_kv_decode_paged": None,
+    "pallas_flash_split_kv_decode_contiguous_pages": 128,
+}
+"""Decode kernels (splitkv's ``paged_kernel``) that copy each block a page at a time, only the
+pages that hold a token, by name: the positions of a contiguous cache's page (None: a paged
+cache's own pages)."""
+
+
+def copied_fraction(name: str, grid: tuple[int, ...] | None, workload: Workload | None) -> float:
+    """Fraction of its operands' bytes the kernel ``name`` reads: a page-copying decode kernel
+    (`PAGE_COPYING_KERNELS`) of ragged lengths, the pages that hold a token
+    (`Workload.copied_fraction`); any other, the whole blocks a ragged decode's lengths fill
+    (`undecided_fraction`, no causal skipping), else all."""
+    stem = name.split(".")[0]
+    ragged = workload is not None and workload.op == "decode" and workload.lengths is not None
+    if ragged and stem in PAGE_COPYING_KERNELS:
+        return workload.copied_fraction(PAGE_COPYING_KERNELS[stem] or workload.page_size)
+    return undecided_fraction(grid, False, workload)
+
+
 def between(bounds: tuple[int, int] | None, fraction: float) -> int | None:
     """``min + fraction x (max - min)`` of a (regions skipped, regions run) pair, rounded up."""
     if bounds is None:

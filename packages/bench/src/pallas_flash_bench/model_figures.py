@@ -5,8 +5,9 @@ the compute (``overlapped``), hidden as far as the compiled schedule places comp
 their starts and dones (``scheduled``, `overlap`), and not at all (``exposed``). A train step
 gives MFU (`model_flops`, as MaxText counts it) and tokens/s per chip; a serving run gives its
 tokens/s (all generated tokens over the prefill plus every decode step, each charged as the
-step at the run's mean cache length, `ModelWorkload.mean_length`; the prefill steps of
-``prefill_batch`` prompts that take the whole batch) and tokens per dollar; both give the peak
+run's average step: its kernels reading what a batch of every length the run reaches reads
+(`model_steps`), its flops at the mean length, `ModelWorkload.mean_length`; the prefill steps
+of ``prefill_batch`` prompts that take the whole batch) and tokens per dollar; both give the peak
 HBM of their largest program.
 """
 

@@ -29,10 +29,11 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
     """The attention one chip's Pallas kernels run in ``program``: causal over the local
     sequences and heads for training and prefill. A decode over a cache split over kv heads:
-    the chip's sequences, each at the run's `ModelWorkload.mean_length` (the kernel's time is
-    linear in the positions it reads, so the step at the mean length is the run's average);
-    split along the sequence: every block charged (the first chips' shares are full from the
-    first step)."""
+    the chip's sequences at lengths spread evenly over those a run's decode steps attend to,
+    ``prompt_len + 1`` to ``prompt_len + generate_len`` (the kernel reads whole blocks or
+    pages, not positions: the batch of every length once is charged what the run's steps
+    read on average); split along the sequence: every block charged (the first chips' shares
+    are full from the first step)."""
     c = w.config
     data, fsdp, tensor = w.mesh
     heads = dict(q_heads=max(c.q_heads // tensor, 1), kv_heads=max(c.kv_heads // tensor, 1),
@@ -45,8 +46,9 @@ def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
     max_len = w.prompt_len + w.generate_len
     if w.cache_split == "sequence":
         return Workload("decode", max_len, batch=w.batch, **heads)
-    mean = (w.mean_length, w.mean_length)
-    return Workload("decode", max_len, batch=w.batch // (data * fsdp), lengths=mean, **heads)
+    run = (w.prompt_len + 1, max_len)
+    return Workload("decode", max_len, batch=w.batch // (data * fsdp), lengths=run,
+                    even_lengths=True, **heads)  # fmt: skip
 
 
 def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:

@@ -6,7 +6,9 @@ read or written once, except where the op touches only part of them:
 - a fusion parameter used only by ``slice``, ``dynamic-slice`` or ``gather`` ops reads their
   results' bytes, not the whole array (a decode step reads one token's row of the cache);
 - a buffer updated in place, the first operand of a ``dynamic-update-slice`` (a fusion's root
-  or the op itself), is neither read nor rewritten: only the update's bytes are written;
+  or the op itself), is neither read nor rewritten: only the update's bytes are written; a
+  Pallas kernel that updates an operand in place (its output aliases it) moves what its
+  ``cost_estimate`` declares, the only count of what its own copies touch;
 - a top-level ``slice`` or ``dynamic-slice`` reads and writes its result's bytes;
 - an asynchronous copy or slice (``copy-start``, ``slice-start``: a prefetch into VMEM or a
   write back) moves its destination's bytes once, HBM being one side of it.
@@ -22,8 +24,10 @@ from collections.abc import Mapping
 from pallas_flash_bench.hlo import (
     Computation,
     HloOp,
+    cost_estimate,
     fused_computation,
     hbm_bytes,
+    is_kernel_call,
     shape_bytes,
     tuple_elements,
 )
@@ -32,6 +36,7 @@ _PARAMETER_INDEX_RE = re.compile(r"^param_(?P<index>\d+)")
 _PARTIAL_READS = ("slice", "dynamic-slice", "gather")
 _UPDATE = "dynamic-update-slice"
 _ASYNC_MOVES = ("copy-start", "slice-start")
+_ALIASED = "output_to_operand_aliasing"
 
 
 def _users(comp: Computation) -> dict[str, list[HloOp]]:
@@ -96,4 +101,7 @@ def op_hbm_bytes(op: HloOp, comps: Mapping[str, Computation], shapes: Mapping[st
     if op.opcode in _ASYNC_MOVES:
         parts = tuple_elements(op.shape)
         return shape_bytes(parts[1]) if len(parts) > 1 else shape_bytes(op.shape)
+    declared = cost_estimate(op) if is_kernel_call(op) else None
+    if declared and "bytes_accessed" in declared and _ALIASED in op.attributes:
+        return declared["bytes_accessed"]
     return sum(hbm_bytes(s) for s in (op.shape, *(shapes.get(n, "") for n in op.operands)))

@@ -35,7 +35,7 @@ from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, progr
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
 
-ANALYSIS_VERSION = 7
+ANALYSIS_VERSION = 9
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
 
 TOP_OPS = 12
@@ -129,12 +129,12 @@ def _cycles(
     schedule: llo.KernelSchedule, kernel: bool, kernel_workload: Callable[[str], Workload]
 ) -> tuple[int, str, float]:
     """(static cycles of one run, kind of op, share of its operands' bytes it reads) of a
-    listing: a kernel as the kernel rows charge it, reading the share of its grid a ragged
-    decode's lengths fill (`estimate.undecided_fraction`)."""
+    listing: a kernel as the kernel rows charge it, reading the share of its cache a ragged
+    decode's lengths fill, by the block or by the page as it copies (`estimate.copied_fraction`)."""
     if kernel:
         workload = kernel_workload(schedule.name)
         cycles = spread.kernel_entry(schedule, workload)["cycles"]
-        return cycles, "kernel", estimate.undecided_fraction(schedule.grid, False, workload)
+        return cycles, "kernel", estimate.copied_fraction(schedule.name, schedule.grid, workload)
     if schedule.executed_bundles_max is None:
         return schedule.bundles, "other", 1.0
     mxu = schedule.executed_mxu_cycles_max or 0

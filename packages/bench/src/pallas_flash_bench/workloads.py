@@ -25,7 +25,9 @@ class Workload:
 
     Decode only (serving): ``lengths=(lo, hi)`` gives each of the ``batch`` sequences its own
     length, drawn uniformly from ``[lo, hi]`` with `LENGTHS_SEED` (``seq_len``, the cache's
-    capacity per sequence, at least ``hi``); ``cache="paged"`` keeps the cache in pages of
+    capacity per sequence, at least ``hi``), or with ``even_lengths`` spread evenly over it
+    (a batch whose step stands for the average step of a run that generates from ``lo`` to
+    ``hi``); ``cache="paged"`` keeps the cache in pages of
     ``page_size`` positions, a pool of the pages the lengths use (rounded up to a multiple of
     ``chips``), page ``j`` of sequence ``b`` on chip ``(j + b) % chips`` as `PagedKVCache`
     allocates them; ``cache_dtype="int8"`` stores it in int8 with a float32 scale per token
@@ -42,6 +44,7 @@ class Workload:
     dtype: str = "bfloat16"
     chips: int = 1
     lengths: tuple[int, int] | None = None
+    even_lengths: bool = False
     cache: Literal["contiguous", "paged"] = "contiguous"
     page_size: int = 128
     cache_dtype: str | None = None
@@ -77,6 +80,8 @@ class Workload:
         if self.lengths is None:
             return np.full(self.batch, self.seq_len, np.int64)
         lo, hi = self.lengths
+        if self.even_lengths:
+            return np.linspace(lo, hi, self.batch).round().astype(np.int64)
         return np.random.default_rng(LENGTHS_SEED).integers(lo, hi + 1, self.batch)
 
     @property
@@ -166,6 +171,16 @@ class Workload:
             block = math.ceil(self.seq_len // self.chips / blocks_per_sequence)
             active = sum(math.ceil(n / block) for n in self.chip_tokens()[chip])
         return active / (self.batch * blocks_per_sequence)
+
+    def copied_fraction(self, page: int) -> float:
+        """Decode, by a kernel that copies only the pages holding a token: the fraction of the
+        busiest chip's cache (``batch x`` its share of each sequence's positions) in those
+        pages, of ``page`` positions of a contiguous cache, a paged cache's own pages."""
+        chip = self.busiest_chip
+        if self.cache == "paged":
+            return float(self.chip_pages()[chip].sum()) / (self.batch * self.table_share)
+        pages = np.ceil(self.chip_tokens()[chip] / page).sum() * page
+        return float(pages) / (self.batch * (self.seq_len // self.chips))
 
     @property
     def itemsize(self) -> int:

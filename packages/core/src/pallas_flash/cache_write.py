@@ -1,14 +1,15 @@
 """In-place writes of one token's keys or values into a preallocated decode cache.
 
 A decode loop that rebuilds its cache with ``jnp.concatenate`` copies the whole cache every
-token. `write_token` instead writes each sequence's row with ``dynamic_update_slice``: inside
-a jit that donates the cache, XLA updates the buffer in place. A cache split over a mesh (a
-contiguous cache's sequence axis, a paged cache's pages) is written inside ``shard_map``:
-each device writes a row only if it falls in its own slice, so a write moves no cache data
-between devices (left to XLA's partitioner, a dynamic index on a partitioned axis gathers
-the cache). `write_pages` writes whole pages of a paged pool (a prompt's K/V), and `write_kv`
-writes a layer's keys and values with any of these, quantized to int8 with their scales when
-the cache is int8.
+token. `write_token` instead writes each sequence's row in place, inside a jit that donates
+the cache: on TPU by one Pallas kernel per array (`pallas_flash.row_write_kernel`), elsewhere
+(or where the kernel does not fit) by one ``dynamic_update_slice`` per row. A cache split
+over a mesh (a contiguous cache's sequence axis, a paged cache's pages) is written inside
+``shard_map``: each device writes a row only if it falls in its own slice, so a write moves
+no cache data between devices (left to XLA's partitioner, a dynamic index on a partitioned
+axis gathers the cache). `write_pages` writes whole pages of a paged pool (a prompt's K/V),
+and `write_kv` writes a layer's keys and values with any of these, quantized to int8 with
+their scales when the cache is int8.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from pallas_flash import interpret, row_write_kernel
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.quantization import quantize_int8
 
@@ -35,21 +37,27 @@ def write_rows(
     *,
     split: Split | None = None,
     split_axis: int = 2,
+    distinct_blocks: bool = False,
 ) -> jax.Array:
     """``cache [blocks, kv_heads, length, ...]`` with ``rows[i] [kv_heads, ...]`` written at
     ``[blocks[i], :, positions[i]]`` for every ``i`` whose block and position are in range;
     the others write nothing. A block is a sequence of a contiguous cache, or a page of a
     paged one; ``...`` is ``head_dim`` for values and nothing for int8 scales.
 
-    One ``dynamic_update_slice`` per row, unrolled: a ``vmap`` of them becomes a scatter,
-    which XLA on TPU runs on a re-laid-out copy of the whole cache.
+    With ``distinct_blocks`` (every row in range has a block of its own, as a contiguous
+    cache's sequences do) the rows are written by one Pallas kernel when it compiles for a
+    TPU (`pallas_flash.row_write_kernel`, where it fits); otherwise by one
+    ``dynamic_update_slice`` per row, unrolled (a ``vmap`` of them becomes a scatter, which
+    XLA on TPU runs on a re-laid-out copy of the whole cache). Both write the same values.
 
     Args:
       split: the mesh axes that split the cache's ``split_axis`` (2, positions, for a
         contiguous cache; 0, pages, for a paged one): each device writes only the rows that
         fall in its own contiguous slice, inside ``shard_map``.
+      distinct_blocks: no two rows in range share a block.
     """
-    return _write_split(_write_rows, cache, rows, blocks, positions, split, split_axis)
+    write = _write_distinct_rows if distinct_blocks else _write_rows
+    return _write_split(write, cache, rows, blocks, positions, split, split_axis)
 
 
 def _write_split(
@@ -90,6 +98,17 @@ def _write_rows(
 ) -> jax.Array:
     """`write_rows` on one device."""
     return _write_blocks(cache, rows[:, :, None], blocks, positions)
+
+
+def _write_distinct_rows(
+    cache: jax.Array, rows: jax.Array, blocks: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """`write_rows` on one device of rows whose blocks are distinct: by the Pallas kernel
+    where Mosaic compiles it and it fits this device's cache, else as `_write_rows`."""
+    mosaic = interpret.interpret_params() is None
+    if mosaic and row_write_kernel.fits(cache, rows.shape[0]):
+        return row_write_kernel.write_rows_kernel(cache, rows, blocks, positions)
+    return _write_rows(cache, rows, blocks, positions)
 
 
 def _write_blocks(
@@ -180,4 +199,4 @@ def write_token(
         own contiguous slice (``max_len / devices`` positions), inside ``shard_map``.
     """
     batch = jnp.arange(cache.shape[0])
-    return write_rows(cache, row, batch, positions, split=split, split_axis=2)
+    return write_rows(cache, row, batch, positions, split=split, split_axis=2, distinct_blocks=True)

@@ -111,7 +111,10 @@ def _write_and_decode(q, k, v, cache, blocks, positions, lengths, *, backend, me
     axis = 0 if cache.paged else 2  # the axis the mesh splits: pages, or positions
 
     def write(array: jax.Array, rows: jax.Array) -> jax.Array:
-        return write_rows(array, rows, blocks, positions, split=write_split(mesh), split_axis=axis)
+        return write_rows(
+            array, rows, blocks, positions, split=write_split(mesh), split_axis=axis,
+            distinct_blocks=not cache.paged,  # a contiguous cache's blocks are its sequences
+        )  # fmt: skip
 
     cache = write_kv(cache, k[:, :, 0], v[:, :, 0], write)
     out = pf.decode(
