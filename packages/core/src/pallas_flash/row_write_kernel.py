@@ -67,6 +67,9 @@ def _kernel(blocks_ref, positions_ref, rows_ref, _, cache_ref, chunks, sems, sta
             return pltpu.make_async_copy(span, chunks.at[i], sems.at[0, i])
         return pltpu.make_async_copy(chunks.at[i], span, sems.at[1, i])
 
+    def fetch(i: int) -> None:
+        copy(i, True).start()
+
     def patch(i: int) -> None:
         copy(i, True).wait()
         old = chunks[i]
@@ -76,16 +79,19 @@ def _kernel(blocks_ref, positions_ref, rows_ref, _, cache_ref, chunks, sems, sta
         chunks[i] = jnp.where(here, new, old.astype(wide)).astype(old.dtype)
         copy(i, False).start()
 
+    def drain(i: int) -> None:
+        copy(i, False).wait()
+
     for i in range(n):
         block, position = blocks_ref[i], positions_ref[i]
         owns = (block >= 0) & (block < num_blocks) & (position >= 0) & (position < length)
         # lax.div: floor division would lower through sign, which needs the chip at trace time
         starts[i] = jnp.where(owns, jax.lax.div(position, chunk) * chunk, -1)
-        pl.when(owns)(functools.partial(lambda i: copy(i, True).start(), i))
+        pl.when(owns)(functools.partial(fetch, i))
     for i in range(n):
         pl.when(starts[i] >= 0)(functools.partial(patch, i))
     for i in range(n):
-        pl.when(starts[i] >= 0)(functools.partial(lambda i: copy(i, False).wait(), i))
+        pl.when(starts[i] >= 0)(functools.partial(drain, i))
 
 
 def write_rows_kernel(
