@@ -116,10 +116,11 @@ def test_contiguous_cache_read_in_pages_copies_only_what_lengths_reach(dtype: st
     """A contiguous cache of 7 pages of 128 positions, 3 per step (a last step of one page),
     read by the page-copying kernel: sequences empty first, between others and last, ending
     inside a page, on a step's edge or filling the cache, with NaN in every slot past a
-    length (in pages never copied and in the rest of a copied one)."""
-    batch, q_heads, kv_heads, head_dim = 7, 4, 2, 64
+    length (in pages never copied and in the rest of a copied one). A step copies its pages
+    in chunks of 2 and 1 (`binary_chunks`): steps holding 1, 2 and 3 pages."""
+    batch, q_heads, kv_heads, head_dim = 8, 4, 2, 64
     max_len = 7 * paged_kernel.CONTIGUOUS_PAGE
-    lengths = np.array([0, 5, 384, 0, max_len, 385, 0], np.int32)
+    lengths = np.array([0, 5, 384, 0, max_len, 385, 0, 600], np.int32)
     blocks = DecodeBlocks(block_kv=3 * paged_kernel.CONTIGUOUS_PAGE)
     valid = np.arange(max_len)[None, None, :] < lengths[:, None, None]
     shape = (batch, kv_heads, max_len, head_dim)
@@ -137,6 +138,13 @@ def test_contiguous_cache_read_in_pages_copies_only_what_lengths_reach(dtype: st
     )  # fmt: skip
     assert_close(out, expected, FORWARD_TOLERANCE[dtype])
     assert (np.asarray(out, np.float32)[[0, 3, 6]] == 0).all()
+
+
+def test_a_step_copies_one_chunk_per_bit_of_its_page_count() -> None:
+    assert paged_kernel.binary_chunks(8) == [8, 4, 2, 1]
+    assert paged_kernel.binary_chunks(12) == [8, 4, 2, 1]
+    assert paged_kernel.binary_chunks(3) == [2, 1]
+    assert paged_kernel.binary_chunks(1) == [1]
 
 
 def test_contiguous_cache_read_by_block_specs_where_pages_do_not_pay() -> None:

@@ -184,6 +184,11 @@ def test_model_workloads_compile_and_are_estimated_as_whole_programs(tmp_path) -
     assert sorted(estimate["loop_trips"].values()) == [2, 2]  # forward and backward scans
     assert estimate["seconds_by_kind"]["kernel"] > 0  # the pallas kernels
     assert estimate["collectives"] and estimate["collective_seconds"] > 0
+    # copies hidden as scheduled never make the compute shorter than its ops other than them
+    copies, compute = estimate["async_copy_seconds"], estimate["compute_seconds"]
+    assert compute - copies <= estimate["compute_seconds_copies_overlapped"] <= compute
+    ends = [estimate[f"step_seconds_{end}"] for end in ("overlapped", "scheduled", "exposed")]
+    assert ends == sorted(ends)
     f = trained["figures"]
     assert 0 < f["mfu"]["exposed"] < f["mfu"]["overlapped"] < 1
     served = rows["serve tiny"]

@@ -42,6 +42,8 @@ def test_decode_flops_per_token() -> None:
 def _program(name: str, compute: float, collectives: float, peak: int) -> dict:
     estimate = {
         "compute_seconds": compute,
+        "compute_seconds_copies_overlapped": compute,
+        "async_copy_seconds": 0.0,
         "seconds_by_kind": {"kernel": compute / 4, "matmul": compute / 2, "other": compute / 4},
         "memory_bound_seconds": compute / 8,
         "collective_seconds": collectives,

@@ -147,3 +147,70 @@ ENTRY %main""",
     op_seconds = {"mm": 3.0, "add.1": 1.0}
     for gather, step in ((10.0, 16.0), (20.0, 20.0)):  # hidden by the loop; 4 s exposed
         assert _replay(text, op_seconds, {"async-collective-start.2": gather, "sum": 0.0}) == step
+
+
+# A weight prefetched into VMEM while a matmul runs, awaited before the op that uses it; a
+# second copy started after the matmul and awaited at once; then a synchronous all-reduce.
+PREFETCH = """\
+HloModule jit_decode
+
+%fused_mm (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %m = f32[8]{0} multiply(%param_0, %param_0)
+}
+
+ENTRY %main (a: f32[8], w: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %w = f32[8]{0} parameter(1)
+  %slice-start.1 = ((f32[8]{0}), f32[4]{0:S(1)}, s32[]) slice-start(%w), slice={[0:4]}
+  %mm = f32[8]{0} fusion(%a), kind=kOutput, calls=%fused_mm
+  %slice-done.1 = f32[4]{0:S(1)} slice-done(%slice-start.1)
+  %slice-start.2 = ((f32[8]{0}), f32[4]{0:S(1)}, s32[]) slice-start(%w), slice={[4:8]}
+  %slice-done.2 = f32[4]{0:S(1)} slice-done(%slice-start.2)
+  %use = f32[8]{0} fusion(%mm), kind=kOutput, calls=%fused_mm
+  ROOT %sum = f32[8]{0} all-reduce(%use), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%fused_mm
+}
+"""
+
+
+UNAWAITED = PREFETCH.replace("  %slice-done.1 = f32[4]{0:S(1)} slice-done(%slice-start.1)\n", "")
+"""The first copy without its done."""
+
+
+def _replay_copies(text: str, hbm: dict[str, float], copies: dict[str, float],
+                   collective: float) -> float:  # fmt: skip
+    comps = hlo.parse_computations(text)
+    runs = program_loops.program_runs(text, comps)
+    keys = program_loops.collective_keys(comps, runs)
+    return overlap.ScheduleReplay(comps, runs, keys, {"mm": 3.0, "use": 1.0},
+                                  {"sum": collective}, copies, hbm).replay()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mm_hbm", "step"),
+    [
+        (0.5, 3.0 + 1.0 + 1.0),  # 2.5 s of HBM left under the matmul: the 2 s copy hidden
+        (2.0, 3.0 + 1.0 + 1.0 + 1.0),  # 1 s left: the done waits 1 s
+        (3.0, 3.0 + 2.0 + 1.0 + 1.0),  # a memory-bound matmul leaves none: the copy is serial
+    ],
+)
+def test_a_copy_drains_on_the_hbm_time_the_ops_leave(mm_hbm, step) -> None:
+    # the second copy (1 s) has nothing between its start and done: it waits in full
+    copies = {"slice-start.1": 2.0, "slice-start.2": 1.0}
+    assert _replay_copies(PREFETCH, {"mm": mm_hbm, "use": 1.0}, copies, 0.0) == step
+
+
+def test_a_copy_never_awaited_drains_under_a_wait() -> None:
+    # memory-bound ops leave it no HBM time; the 4 s all-reduce, all of it
+    hbm, copies = {"mm": 3.0, "use": 1.0}, {"slice-start.1": 2.0}
+    assert _replay_copies(PREFETCH, hbm, copies, 4.0) == pytest.approx(3 + 2 + 1 + 4)
+    assert _replay_copies(UNAWAITED, hbm, copies, 4.0) == pytest.approx(3 + 1 + 4)
+    assert _replay_copies(UNAWAITED, hbm, copies, 0.0) == pytest.approx(3 + 1 + 2)  # at the end
+
+
+def test_awaiting_a_copy_waits_for_those_queued_before_it() -> None:
+    # first in, first out: the second copy's done (nothing hides it) also finishes the first,
+    # which a memory-bound matmul left untouched
+    copies = {"slice-start.1": 2.0, "slice-start.2": 1.0}
+    step = _replay_copies(UNAWAITED, {"mm": 3.0, "use": 1.0}, copies, 0.0)
+    assert step == pytest.approx(3 + (2 + 1) + 1)

@@ -1,5 +1,5 @@
-"""The Split-KV decode kernel that copies its blocks itself, a page at a time: several pages
-per grid step, the next step's pages while this step computes. It reads a paged cache through
+"""The Split-KV decode kernel that copies its blocks itself, by the page: several pages per
+grid step, the next step's pages while this step computes. It reads a paged cache through
 its page table, and a contiguous cache as pages of `CONTIGUOUS_PAGE` positions (page ``j`` of
 sequence ``b`` is ``cache[b, :, j x 128 : (j + 1) x 128]``), so that a sequence's last block
 is copied only as far as its length reaches.
@@ -14,9 +14,13 @@ Grid ``(batch, steps)``, run in order: step ``(b, i)`` folds pages ``[i, i + 1) 
 pages_per_step`` of sequence ``b``. A page of 128 positions is a small step (a few hundred
 cycles of pipeline bookkeeping against 512 KiB of bf16 K/V, 256 KiB in int8); a block spec
 can only fetch one page per step, and copies the whole of a block however little of it a
-sequence fills. So the kernel copies its pages itself: each page of the block is one DMA of
-``[kv_heads, page_size, head_dim]`` from the cache (in ``pl.ANY``) into its rows of a
-double-buffered VMEM block ``[kv_heads, pages_per_step x page_size, head_dim]``. A step waits
+sequence fills. So the kernel copies its pages itself from the cache (in ``pl.ANY``) into
+their rows of a double-buffered VMEM block ``[kv_heads, pages_per_step x page_size,
+head_dim]``: a paged cache one DMA of ``[kv_heads, page_size, head_dim]`` per page; a
+contiguous one, whose pages of a step lie side by side, one DMA per set bit of the number of
+pages the step holds (`binary_chunks`: 7 pages as 4 + 2 + 1), since each DMA costs issue
+cycles (v5e, Llama-3-8B serving shape, 16 pages a step: 156 us a layer copied by the page,
+105 us in chunks, against 128 us of HBM time). A step waits
 for its own copies and starts those of the next step that holds a position: the next block of
 its sequence, or the first of the next sequence that is not empty (``first_from [batch +
 1]``, scalar-prefetched: the first non-empty sequence at or after each one, computed before
@@ -79,22 +83,34 @@ def _kernel(
     b, i = pl.program_id(0), pl.program_id(1)
 
     def copies(seq: jax.Array, step: jax.Array, slot: jax.Array, act: Callable) -> None:
-        """``act`` on the copy of every page of step ``(seq, step)`` that holds a position."""
+        """``act`` on the copies of the pages of step ``(seq, step)`` that hold a position:
+        one per page of a paged cache; a contiguous cache's ``n`` pages as one copy per bit
+        of ``n`` (`binary_chunks`)."""
         used = pl.cdiv(fold.clipped_length(lengths_ref, seq, tiling.max_len), page_size)
 
-        def copy_page(k: int) -> None:
-            j = jnp.minimum(step * pages_per_step + k, pages_per_sequence - 1)
-            if tiling.paged:
-                page = jnp.clip(table_ref[seq * pages_per_sequence + j], 0, num_pages - 1)
-                index = (page,)
-            else:
-                index = (seq, slice(None), pl.ds(j * page_size, page_size))
-            rows = pl.ds(k * page_size, page_size)
+        def copy_rows(index: tuple, rows: pl.Slice) -> None:
             for a, (src, dst) in enumerate(zip(cache, blocks, strict=True)):
                 act(pltpu.make_async_copy(src.at[index], dst.at[slot, :, rows], sems.at[slot, a]))
 
-        for k in range(pages_per_step):
-            pl.when(step * pages_per_step + k < used)(functools.partial(copy_page, k))
+        def copy_page(k: int) -> None:
+            j = jnp.minimum(step * pages_per_step + k, pages_per_sequence - 1)
+            page = jnp.clip(table_ref[seq * pages_per_sequence + j], 0, num_pages - 1)
+            copy_rows((page,), pl.ds(k * page_size, page_size))
+
+        def copy_chunk(first: jax.Array, size: int) -> None:
+            start = (step * pages_per_step + first) * page_size
+            rows = pl.ds(pl.multiple_of(first * page_size, page_size), size * page_size)
+            copy_rows((seq, slice(None), pl.ds(pl.multiple_of(start, page_size),
+                                               size * page_size)), rows)  # fmt: skip
+
+        if tiling.paged:
+            for k in range(pages_per_step):
+                pl.when(step * pages_per_step + k < used)(functools.partial(copy_page, k))
+            return
+        held = jnp.clip(used - step * pages_per_step, 0, pages_per_step)
+        for size in binary_chunks(pages_per_step):
+            first = held // (2 * size) * (2 * size)  # the pages of the larger chunks
+            pl.when(held & size != 0)(functools.partial(copy_chunk, first, size))
 
     @pl.when((b == 0) & (i == 0))
     def _first_step() -> None:
@@ -135,6 +151,13 @@ def _kernel(
         fold.finish(running, o_ref, lse_ref)
 
 
+def binary_chunks(pages_per_step: int) -> list[int]:
+    """Page counts of a contiguous step's copies, largest first: the powers of two up to
+    ``pages_per_step``. A step holding ``n`` pages copies one chunk per set bit of ``n`` (at
+    most log2 + 1 copies, not ``n``), each after the larger ones: 7 pages are 4 + 2 + 1."""
+    return [1 << k for k in reversed(range(pages_per_step.bit_length()))]
+
+
 def pages_per_step(blocks: DecodeBlocks, k_pages: jax.Array, page_table: jax.Array) -> int:
     """Pages a step reads of the pool ``k_pages`` (`DecodeBlocks.for_paged`; 1: the block-spec
     kernel of `kernel` reads it instead)."""
@@ -148,9 +171,9 @@ def contiguous_pages_per_step(blocks: DecodeBlocks, k_cache: jax.Array) -> int |
     the block-spec kernel of `kernel` reads it instead: a cache not a multiple of 128
     positions, a block of one page, several splits (this kernel runs one), a chip with two
     TensorCores, which share out the block-spec kernel's parallel batch axis, or an int8
-    cache: four arrays copied a page at a time (the values and scales of K and V) cost a step
-    more issue cycles than its dequantising leaves spare (v5e's static schedule, Llama-2-7B
-    serving: 266 us a layer, against the block-spec kernel's 246 us of HBM time)."""
+    cache, whose steps copying four arrays by the page take longer than the block-spec
+    kernel's (v5e's static schedule, Llama-2-7B serving: 267 us a layer, against its 246 us
+    of HBM time)."""
     _, kv_heads, max_len, head_dim = k_cache.shape
     position_bytes = 2 * kv_heads * head_dim * k_cache.dtype.itemsize  # K and V
     block_kv, splits, _ = blocks.for_cache(max_len, position_bytes)

@@ -49,7 +49,7 @@ PAGE_COPYING_KERNELS = {
     "pallas_flash_split_kv_decode_paged": None,
     "pallas_flash_split_kv_decode_contiguous_pages": 128,
 }
-"""Decode kernels (splitkv's ``paged_kernel``) that copy each block a page at a time, only the
+"""Decode kernels (splitkv's ``paged_kernel``) that copy each block by the page, only the
 pages that hold a token, by name: the positions of a contiguous cache's page (None: a paged
 cache's own pages)."""
 
