@@ -66,8 +66,8 @@ def _compile(
     sharding = SingleDeviceSharding(device)
     if row_major:
         sharding = Format(Layout(major_to_minor=(0, 1, 2, 3)), sharding)
-    if grad:
-        shapes = [*shapes, shapes[0]]
+    if grad:  # d_out: q's rows, v's head_dim
+        shapes = [*shapes, (*shapes[0][:-1], shapes[2][-1])]
     structs = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes]
 
     def attention(q, k, v):
@@ -129,6 +129,14 @@ def test_compiles_to_its_kernels_without_copies(v5e: jax.Device, name: str, grad
     _check(compiled, jax.ShapeDtypeStruct(q_shape, dtype) if grad else None)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
+def test_mla_head_dims_compile_to_their_kernels(v5e: jax.Device, grad: bool) -> None:
+    """DeepSeek's MLA shape: q and k with head_dim 192, v with 128, causal, 8k tokens."""
+    q_shape, v_shape = (1, 16, 8192, 192), (1, 16, 8192, 128)
+    compiled = _compile(v5e, [q_shape, q_shape, v_shape], jnp.bfloat16, grad=grad, causal=True)
+    _check(compiled, jax.ShapeDtypeStruct(q_shape, jnp.bfloat16) if grad else None)
+
+
 def test_default_layouts_need_no_copy(v5e: jax.Device) -> None:
     """With head_dim 128 and aligned lengths XLA's default layouts are already row-major."""
     shape = (1, 16, 4096, 128)
@@ -152,6 +160,44 @@ def test_segment_ids_need_no_copy(v5e: jax.Device, grad: bool) -> None:
     args = (qkv, qkv, qkv, ids, ids, qkv) if grad else (qkv, qkv, qkv, ids, ids)
     lowered = jax.jit(gradients if grad else attention).trace(*args)
     _check(lowered.lower(lowering_platforms=("tpu",)).compile(), qkv if grad else None)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
+def test_sinks_and_their_gradient_need_no_copy(v5e: jax.Device, grad: bool) -> None:
+    """Sinks reach the forward kernel as a lane row per head; their gradient is a reduction
+    of the output, its cotangent and the log-sum-exp beside the backward kernel."""
+    sharding = SingleDeviceSharding(v5e)
+    qkv = jax.ShapeDtypeStruct((1, 8, 2048, 128), jnp.bfloat16, sharding=sharding)
+    sinks = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)
+
+    def attention(q, k, v, sinks):
+        return pf.attention(q, k, v, causal=True, sinks=sinks, backend="pallas")
+
+    def gradients(q, k, v, sinks, d_out):
+        _, vjp = jax.vjp(attention, q, k, v, sinks)
+        return vjp(d_out)
+
+    args = (qkv, qkv, qkv, sinks, qkv) if grad else (qkv, qkv, qkv, sinks)
+    lowered = jax.jit(gradients if grad else attention).trace(*args)
+    _check(lowered.lower(lowering_platforms=("tpu",)).compile(), qkv if grad else None)
+
+
+def test_480k_tokens_train_on_one_v5e_chip(v5e: jax.Device) -> None:
+    """Forward and backward of 491,520 causal tokens (B=1, 16 heads of 128, bfloat16): the
+    backward splits into a dk/dv pass and a dq pass, so HBM holds the arrays themselves (q, k,
+    v, dout, the output, dq, dk, dv: 15 GiB) and the per-row statistics, within 16 GiB."""
+    shape = (1, 16, 491_520, 128)
+    compiled = _compile(v5e, [shape] * 3, jnp.bfloat16, grad=True, causal=True)
+    kernels = [call.name.split(".")[0] for call in hlo.kernel_calls(compiled.as_text())]
+    assert kernels == [
+        "pallas_flash_forward",
+        "pallas_flash_backward_dkdv",
+        "pallas_flash_backward_dq",
+    ]
+    memory = compiled.memory_analysis()
+    total = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+    array = math.prod(shape) * 2
+    assert total <= 8 * array + (100 << 20) <= TARGETS["v5e-1"].hbm_bytes, memory
 
 
 def test_long_gqa_gradients_fit_in_chunks(v5e: jax.Device) -> None:

@@ -18,12 +18,14 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
+from pallas_flash import tpu
 from pallas_flash.masking import positional_mask
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_gradient_close
 from pallas_flash_pallas import (
     BlockSizes,
     PallasBackend,
+    backward,
     flash_attention,
     flash_forward,
     flash_output,
@@ -41,6 +43,7 @@ SMALL = BlockSizes(
 # Blocks below the causal diagonal folded in 2 x 2 tiles of 128 rows by 128 keys.
 DIAGONAL = BlockSizes(256, 256, 128, 256, 256, 128, full_block_compute=128)
 CHUNKED = dataclasses.replace(SMALL, backward_chunk_blocks=1)
+SPLIT = dataclasses.replace(CHUNKED, backward_split=True)
 # Unmasked blocks of 1024 rows by 128 keys folded in tiles of 512 rows, the last cut 384 + 128.
 CUT_TILES = dataclasses.replace(SMALL, block_q=1024, full_block_compute=512)
 
@@ -153,6 +156,12 @@ CALLS = {
     "chunked-mqa-window-segments": Call(
         1, 4, 1, 330, 260, 64, window=(60, 30), segments=2, blocks=CHUNKED
     ),
+    # The backward split into a dk/dv pass and a dq pass (`split_backward`).
+    "split-causal-partial-blocks": Call(1, 2, 2, 600, 600, 64, causal=True, blocks=SPLIT),
+    "split-gqa-window-segments-bf16": Call(
+        1, 4, 2, 520, 520, 64, dtype="bfloat16", window=(100, 30), segments=2, blocks=SPLIT
+    ),
+    "split-mqa-softcap-q-long": Call(1, 4, 1, 400, 260, 64, softcap=5.0, blocks=SPLIT),
 }
 
 
@@ -185,11 +194,34 @@ def test_gradients_match_reference(name: str) -> None:
     call = CALLS[name]
     q, k, v, ids = call.inputs()
     d_out = inputs.normal(3, q.shape, call.dtype)
-    _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, call.spec, call.blocks), q, k, v)
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, ids, None, call.spec, call.blocks)
+
+    _, vjp = jax.vjp(attend, q, k, v)
     expected = reference.attention_vjp(q, k, v, d_out, **call.reference_options(ids))
     for grad_name, got, want, x in zip("qkv", vjp(d_out), expected, (q, k, v), strict=True):
         assert got.dtype == x.dtype and got.shape == x.shape
         assert_gradient_close(got, want, call.dtype, name=f"d{grad_name}")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "kv_heads", "chunks", "split"),
+    [
+        (131_072, 16, 2, False),  # 2 chunks of 64k rows: partials 4 GiB, a quarter of v5e's
+        (131_200, 16, 3, True),  # one more chunk: 6 GiB
+        (196_608, 16, 3, True),  # the old cap: partials 9 GiB beside 6 GiB of arrays
+        (131_072, 4, 8, False),  # GQA 16/4: chunks of 16k rows, partials a quarter as wide
+        (524_288, 4, 32, True),
+    ],
+)
+def test_the_backward_splits_when_partials_would_take_a_quarter_of_hbm(
+    tokens: int, kv_heads: int, chunks: int, split: bool
+) -> None:
+    kv = jax.ShapeDtypeStruct((1, kv_heads, tokens, 128), jnp.bfloat16)
+    v5e = tpu.GENERATIONS["v5e"]
+    assert backward.split_backward(chunks, kv, kv, v5e) is split
+    assert not backward.split_backward(1, kv, kv, v5e)
 
 
 def test_runs_inside_jit() -> None:
@@ -214,6 +246,8 @@ def test_registered_as_the_tpu_backend() -> None:
         "segment_ids",
         "sliding_window",
         "softcap",
+        "sinks",
+        "value_head_dim",
     }
     (backend,) = plugin.pallas_flash_backends()
     assert isinstance(backend, PallasBackend)

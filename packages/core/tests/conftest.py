@@ -80,9 +80,11 @@ class ToyBackend(pf.Backend):
     def __repr__(self) -> str:
         return f"ToyBackend({self.name!r})"
 
-    def attention(self, q, k, v, spec, *, segment_ids=None, bias=None, mask=None):
+    def attention(self, q, k, v, spec, *, segment_ids=None, bias=None, mask=None, sinks=None):
         self.calls.append(
-            dict(q=q, k=k, v=v, spec=spec, segment_ids=segment_ids, bias=bias, mask=mask)
+            dict(
+                q=q, k=k, v=v, spec=spec, segment_ids=segment_ids, bias=bias, mask=mask, sinks=sinks
+            )
         )
         return self.fn(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask)
 

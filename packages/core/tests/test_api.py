@@ -108,6 +108,23 @@ def test_attention_passes_segment_ids_as_int32(toy):
     np.testing.assert_array_equal(seen.kv, kv_ids)
 
 
+def test_attention_passes_sinks_only_to_calls_that_use_them(toy, make_backend, install):
+    q, k, v = _qkv(batch=1, q_heads=2, kv_heads=2, q_len=3, kv_len=3)
+    pf.attention(q, k, v, sinks=np.array([0.5, -1.0], np.float32))
+    np.testing.assert_array_equal(toy.calls[-1]["sinks"], [0.5, -1.0])
+
+    class WithoutSinks(pf.Backend):  # a backend written before sinks: no such keyword
+        name, capabilities, platforms = "old", {"attention"}, {jax.default_backend()}
+
+        def attention(self, q, k, v, spec, *, segment_ids=None, bias=None, mask=None):
+            return q
+
+    install(WithoutSinks())
+    assert pf.attention(q, k, v, backend="old") is not None
+    with pytest.raises(pf.UnsupportedFeatureError, match="sinks"):
+        pf.attention(q, k, v, sinks=np.zeros(2, np.float32), backend="old")
+
+
 def test_invalid_input_is_reported_before_any_backend_is_looked_up(registry):
     q, k, v = _qkv()
 
@@ -321,9 +338,11 @@ def test_decode_accepts_traced_lengths_under_jit(toy):
 # --- the features of a call ----------------------------------------------------------------
 
 
-def _attention_call(kv_heads=2, **kwargs):
+def _attention_call(kv_heads=2, v_head_dim=None, **kwargs):
     def call(backend):
         q, k, v = _qkv(batch=1, q_heads=2, kv_heads=kv_heads, q_len=3, kv_len=3)
+        if v_head_dim is not None:
+            v = v[..., :v_head_dim]
         return pf.attention(q, k, v, backend=backend, **kwargs)
 
     return call
@@ -353,9 +372,11 @@ FEATURE_CALLS = {
     "softcap": (CAPS.SOFTCAP, _attention_call(softcap=5.0)),
     "bias": (CAPS.BIAS, _dpa_call(bias=jnp.zeros((1, 1, 3, 3)))),
     "mask": (CAPS.MASK, _dpa_call(mask=jnp.ones((1, 2, 3, 3), bool))),
+    "sinks": (CAPS.SINKS, _attention_call(sinks=jnp.zeros((2,)))),
+    "value_head_dim": (CAPS.VALUE_HEAD_DIM, _attention_call(v_head_dim=4)),
 }
 CALL_FEATURES = [CAPS.CAUSAL, CAPS.GQA, CAPS.SEGMENT_IDS, CAPS.SLIDING_WINDOW, CAPS.SOFTCAP]
-CALL_FEATURES += [CAPS.BIAS, CAPS.MASK]
+CALL_FEATURES += [CAPS.BIAS, CAPS.MASK, CAPS.SINKS, CAPS.VALUE_HEAD_DIM]
 
 
 @pytest.mark.parametrize("call_name", list(FEATURE_CALLS))
@@ -384,7 +405,9 @@ def test_every_call_needs_the_attention_capability(make_backend, install, call_n
 
 
 def test_attention_features_directly():
-    dims = AttentionDims(batch=1, q_heads=4, q_len=3, kv_heads=4, kv_len=5, head_dim=8)
+    dims = AttentionDims(
+        batch=1, q_heads=4, q_len=3, kv_heads=4, kv_len=5, head_dim=8, v_head_dim=8
+    )
     spec = pf.AttentionSpec(sm_scale=1.0, q_offset=2)
     features = api.attention_features
 
@@ -399,12 +422,15 @@ def test_attention_features_directly():
     assert features(spec, dims, segment_ids=_IDS) == {CAPS.ATTENTION, CAPS.SEGMENT_IDS}
     assert features(spec, dims, bias=0.0) == {CAPS.ATTENTION, CAPS.BIAS}
     assert features(spec, dims, mask=False) == {CAPS.ATTENTION, CAPS.MASK}
+    assert features(spec, dims, sinks=0.0) == {CAPS.ATTENTION, CAPS.SINKS}
+    assert features(spec, dims._replace(v_head_dim=4)) == {CAPS.ATTENTION, CAPS.VALUE_HEAD_DIM}
     everything = features(
         pf.AttentionSpec(sm_scale=1.0, causal=True, window=(1, 0), softcap=2.0),
-        dims._replace(kv_heads=2),
+        dims._replace(kv_heads=2, v_head_dim=4),
         segment_ids=_IDS,
         bias=0.0,
         mask=True,
+        sinks=0.0,
     )
     decode_only = {CAPS.DECODE, CAPS.PAGED_CACHE, CAPS.INT8_CACHE, CAPS.MULTI_DEVICE}
     assert everything == EVERY - decode_only - {CAPS.GRAD}

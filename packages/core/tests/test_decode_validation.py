@@ -23,12 +23,16 @@ def _cache(k=CACHE, v=None, page_table=None, k_scales=None, v_scales=None) -> pf
 
 def test_returns_the_sizes():
     dims = check_decode(DQ, _cache(), jnp.array([0, 6]))
-    assert dims == AttentionDims(batch=2, q_heads=4, q_len=1, kv_heads=2, kv_len=6, head_dim=8)
+    assert dims == AttentionDims(
+        batch=2, q_heads=4, q_len=1, kv_heads=2, kv_len=6, head_dim=8, v_head_dim=8
+    )
 
 
 def test_paged_sizes_count_the_table_s_positions():
     dims = check_decode(DQ, _cache(PAGES, page_table=TABLE), jnp.array([0, 8]))
-    assert dims == AttentionDims(batch=2, q_heads=4, q_len=1, kv_heads=2, kv_len=8, head_dim=8)
+    assert dims == AttentionDims(
+        batch=2, q_heads=4, q_len=1, kv_heads=2, kv_len=8, head_dim=8, v_head_dim=8
+    )
 
 
 def test_int8_with_scales_is_accepted():

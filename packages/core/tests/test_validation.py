@@ -38,7 +38,15 @@ def test_layout_describe_names_the_axes_in_order():
 def test_check_qkv_returns_the_sizes():
     dims = validation.check_qkv(_zeros(2, 6, 3, 8), _zeros(2, 2, 5, 8), _zeros(2, 2, 5, 8))
 
-    assert dims == AttentionDims(batch=2, q_heads=6, q_len=3, kv_heads=2, kv_len=5, head_dim=8)
+    assert dims == AttentionDims(
+        batch=2, q_heads=6, q_len=3, kv_heads=2, kv_len=5, head_dim=8, v_head_dim=8
+    )
+
+
+def test_check_qkv_takes_a_value_head_dim_of_its_own():
+    dims = validation.check_qkv(_zeros(1, 4, 3, 192), _zeros(1, 2, 5, 192), _zeros(1, 2, 5, 128))
+
+    assert (dims.head_dim, dims.v_head_dim) == (192, 128)
 
 
 def test_check_qkv_reads_the_sizes_of_the_seq_major_layout():
@@ -46,7 +54,9 @@ def test_check_qkv_reads_the_sizes_of_the_seq_major_layout():
         _zeros(2, 3, 6, 8), _zeros(2, 5, 2, 8), _zeros(2, 5, 2, 8), layout=SEQ_MAJOR
     )
 
-    assert dims == AttentionDims(batch=2, q_heads=6, q_len=3, kv_heads=2, kv_len=5, head_dim=8)
+    assert dims == AttentionDims(
+        batch=2, q_heads=6, q_len=3, kv_heads=2, kv_len=5, head_dim=8, v_head_dim=8
+    )
 
 
 Q, KV = _zeros(2, 4, 3, 8), _zeros(2, 2, 5, 8)
@@ -59,7 +69,7 @@ Q, KV = _zeros(2, 4, 3, 8), _zeros(2, 2, 5, 8)
         (Q, KV[..., None], KV, "k", "got shape (2, 2, 5, 8, 1)"),
         (Q, KV, KV[0], "v", "got shape (2, 5, 8)"),
         (Q[:, :, :0], KV, KV, "q", "every size >= 1, got shape (2, 4, 0, 8)"),
-        (Q, KV, KV[:, :, :4], "v", "the shape of k, (2, 2, 5, 8), got shape (2, 2, 4, 8)"),
+        (Q, KV, KV[:, :, :4], "v", "shape of k but head_dim, (2, 2, 5, 8), got shape (2, 2, 4, 8)"),
         (Q, KV[:1], KV[:1], "k", "batch 2 (from q), got shape (1, 2, 5, 8)"),
         (Q, KV[..., :4], KV[..., :4], "k", "head_dim 8 (from q), got shape (2, 2, 5, 4)"),
         (Q, _zeros(2, 3, 5, 8), _zeros(2, 3, 5, 8), "k", "got 3 kv heads for 4 query heads"),
@@ -90,7 +100,7 @@ def test_check_qkv_rank_error_describes_the_layout(raises_invalid):
 
 # --- check_segment_ids ---------------------------------------------------------------------
 
-DIMS = AttentionDims(batch=2, q_heads=4, q_len=3, kv_heads=2, kv_len=5, head_dim=8)
+DIMS = AttentionDims(batch=2, q_heads=4, q_len=3, kv_heads=2, kv_len=5, head_dim=8, v_head_dim=8)
 
 
 def test_check_segment_ids_returns_int32_ids():
@@ -117,6 +127,19 @@ def test_check_segment_ids_returns_int32_ids():
 def test_check_segment_ids_errors(ids, name, got, raises_invalid):
     with raises_invalid(name, got):
         validation.check_segment_ids(ids, DIMS)
+
+
+@pytest.mark.parametrize(
+    ("sinks", "got"),
+    [(np.zeros(3), "shape (3,)"), (np.zeros((1, 4)), "shape (1, 4)"), (np.zeros(4, int), "int")],
+)
+def test_check_sinks_errors(sinks, got, raises_invalid):
+    with raises_invalid("sinks", got):
+        validation.check_sinks(sinks, DIMS)
+
+
+def test_check_sinks_takes_one_float_per_query_head():
+    np.testing.assert_array_equal(validation.check_sinks(np.arange(4.0), DIMS), np.arange(4.0))
 
 
 # --- check_window --------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class PallasBackend(pf.Backend):
             pf.Capability.SEGMENT_IDS,
             pf.Capability.SLIDING_WINDOW,
             pf.Capability.SOFTCAP,
+            pf.Capability.SINKS,
+            pf.Capability.VALUE_HEAD_DIM,
         }
     )
     platforms = frozenset({"tpu"})
@@ -59,5 +61,6 @@ class PallasBackend(pf.Backend):
         segment_ids: pf.SegmentIds | None = None,
         bias: jax.Array | None = None,
         mask: jax.Array | None = None,
+        sinks: jax.Array | None = None,
     ) -> jax.Array:
-        return flash_attention(q, k, v, segment_ids, spec, self.block_sizes)
+        return flash_attention(q, k, v, segment_ids, sinks, spec, self.block_sizes)

@@ -1,9 +1,11 @@
 """The FlashAttention-2 backward kernel: dq, dk and dv in one pass, from the saved
 log-sum-exp.
 
-Layouts: q, the output gradient ``dout`` and dq ``[batch, q_heads, q_len, head_dim]``; k, v,
-dk and dv ``[batch, kv_heads, kv_len, head_dim]``; the forward's log-sum-exp and the row sums
-``di = rowsum(dout * out)``, float32 rows of lanes ``[batch, q_heads, 1, q_len]``.
+Layouts: q and dq ``[batch, q_heads, q_len, head_dim]``; the output gradient ``dout``
+``[batch, q_heads, q_len, v_head_dim]``; k and dk ``[batch, kv_heads, kv_len, head_dim]``; v
+and dv ``[batch, kv_heads, kv_len, v_head_dim]`` (``v_head_dim`` may differ from
+``head_dim``: MLA); the forward's log-sum-exp and the row sums ``di = rowsum(dout * out)``,
+float32 rows of lanes ``[batch, q_heads, 1, q_len]``.
 
 Grid ``(batch, kv_heads, chunks, kv blocks, group * steps)``. One ``[block_kv, head_dim]``
 K/V block stays in VMEM with its float32 dk and dv accumulators while the query blocks of
@@ -44,6 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_flash import interpret, tpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
+from pallas_flash_pallas.backward_dq import query_gradient
 from pallas_flash_pallas.block_sizes import (
     LANES,
     BlockSizes,
@@ -52,7 +55,13 @@ from pallas_flash_pallas.block_sizes import (
     dq_vmem_bytes,
     vmem_limit_bytes,
 )
-from pallas_flash_pallas.kernel_helpers import both, lanes, mask_diagonal_tile, when
+from pallas_flash_pallas.kernel_helpers import (
+    both,
+    lanes,
+    mask_diagonal_tile,
+    when,
+    zero_rows_from,
+)
 from pallas_flash_pallas.schedule import BlockKind, QSchedule
 
 _F32 = jnp.float32
@@ -67,12 +76,6 @@ def _head_and_step(t: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
     return lax.div(t, jnp.int32(steps)), lax.rem(t, jnp.int32(steps))
 
 
-def _zero_rows_from(x: jax.Array, first: jax.Array, end: int) -> jax.Array:
-    """``x [rows, cols]`` with rows at positions ``>= end`` zeroed, row 0 at ``first``."""
-    pos = first + lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.where(pos < end, x, jnp.zeros_like(x))
-
-
 def _kernel(
     *refs: jax.Ref,
     spec: AttentionSpec,
@@ -81,6 +84,7 @@ def _kernel(
     block_kv_compute: int,
     dq_rows: int,
     segment_ids: bool,
+    with_dq: bool,
     precision: lax.Precision | None,
 ) -> None:
     """One grid step ``(b, kv head, c, j, t)``: folds query block
@@ -88,16 +92,22 @@ def _kernel(
     gradients of kv block ``j``; writes dk, dv after the block's last step and dq after the
     chunk's last step.
 
-    Refs: inputs q and dout ``[block_q, head_dim]``, k and v ``[block_kv, head_dim]``,
-    log-sum-exp and row sums ``[1, block_q]``, with segment ids those of the queries
-    ``[1, block_q]`` and of the keys ``[1, block_kv]``; outputs dq ``[group, rows, head_dim]``
-    (the chunk's rows of the group's heads), dk and dv ``[block_kv, head_dim]``; scratch: the
-    query gradient ``[group * dq_rows, head_dim]`` and dk, dv ``[block_kv, head_dim]``, all
-    float32, and with segment ids the keys' ids as equal-lane columns ``[block_kv, 128]``.
+    Refs: inputs q ``[block_q, head_dim]``, k ``[block_kv, head_dim]``, v ``[block_kv,
+    v_head_dim]``, dout ``[block_q, v_head_dim]``, log-sum-exp and row sums ``[1, block_q]``,
+    with segment ids those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``;
+    outputs dq ``[group, rows, head_dim]`` (the chunk's rows of the group's heads), dk
+    ``[block_kv, head_dim]`` and dv ``[block_kv, v_head_dim]``; scratch: the query gradient
+    ``[group * dq_rows, head_dim]``, dk and dv, all float32, and with segment ids the keys'
+    ids as equal-lane columns ``[block_kv, 128]``. Without ``with_dq`` (`backward_dq` computes
+    dq) there is neither dq output nor its scratch.
     """
     num_inputs = 8 if segment_ids else 6
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *id_refs = refs[:num_inputs]
-    dq_out, dk_out, dv_out, dq_acc, dk_acc, dv_acc, *id_scratch = refs[num_inputs:]
+    refs = list(refs[num_inputs:])
+    dq_out = refs.pop(0) if with_dq else None
+    dk_out, dv_out = refs.pop(0), refs.pop(0)
+    dq_acc = refs.pop(0) if with_dq else None
+    dk_acc, dv_acc, *id_scratch = refs
     q_ids_ref, kv_ids_ref = id_refs or (None, None)
     ids_ref = id_scratch[0] if id_scratch else None
     c, j, t = pl.program_id(2), pl.program_id(3), pl.program_id(4)
@@ -108,9 +118,11 @@ def _kernel(
     local_block = q_block - c * schedule.blocks_per_chunk
     dq_base = pl.multiple_of(g * dq_rows + local_block * block_q, 8)
 
-    @pl.when((j == 0) & (t == 0))
-    def _start_chunk() -> None:
-        dq_acc[...] = jnp.zeros(dq_acc.shape, _F32)
+    if with_dq:
+
+        @pl.when((j == 0) & (t == 0))
+        def _start_chunk() -> None:
+            dq_acc[...] = jnp.zeros(dq_acc.shape, _F32)
 
     @pl.when(t == 0)
     def _start_kv_block() -> None:
@@ -133,10 +145,10 @@ def _kernel(
         key_pos = j * block_kv + first_key
         row_pos = q_block * block_q + first_row
         if masked and partial_kv:  # dq sums over keys: garbage keys must be zeros
-            k = _zero_rows_from(k, key_pos, schedule.kv_len)
+            k = zero_rows_from(k, key_pos, schedule.kv_len)
         if masked and partial_q:  # dk and dv sum over rows: garbage rows must be zeros
-            q = _zero_rows_from(q, row_pos, schedule.q_len)
-            do = _zero_rows_from(do, row_pos, schedule.q_len)
+            q = zero_rows_from(q, row_pos, schedule.q_len)
+            do = zero_rows_from(do, row_pos, schedule.q_len)
         s_t = lax.dot_general(k, q, _NT, preferred_element_type=_F32, precision=precision)
         s_t = apply_softcap(s_t * spec.sm_scale, spec.softcap)  # [num_keys, num_rows]
         visible = None
@@ -169,10 +181,11 @@ def _kernel(
         dk_acc[keys, :] += lax.dot_general(
             ds_t, q, _NN, preferred_element_type=_F32, precision=precision
         )
-        dq_slice = pl.ds(dq_base + first_row, block_q - first_row)
-        dq_acc[dq_slice, :] += lax.dot_general(
-            ds_t, k, _TN, preferred_element_type=_F32, precision=precision
-        )
+        if with_dq:
+            dq_slice = pl.ds(dq_base + first_row, block_q - first_row)
+            dq_acc[dq_slice, :] += lax.dot_general(
+                ds_t, k, _TN, preferred_element_type=_F32, precision=precision
+            )
 
     def fold(kind: BlockKind) -> None:
         """Folds the query block in, one key sub-block after another (unrolled)."""
@@ -196,12 +209,14 @@ def _kernel(
         dk_out[...] = (dk_acc[...] * spec.sm_scale).astype(dk_out.dtype)
         dv_out[...] = dv_acc[...].astype(dv_out.dtype)
 
-    @pl.when((j == schedule.num_kv_blocks - 1) & (t == group * steps - 1))
-    def _finish_chunk() -> None:
-        rows = dq_out.shape[1]
-        for head in range(group):
-            chunk = dq_acc[pl.ds(head * dq_rows, rows), :]
-            dq_out[head] = (chunk * spec.sm_scale).astype(dq_out.dtype)
+    if with_dq:
+
+        @pl.when((j == schedule.num_kv_blocks - 1) & (t == group * steps - 1))
+        def _finish_chunk() -> None:
+            rows = dq_out.shape[1]
+            for head in range(group):
+                chunk = dq_acc[pl.ds(head * dq_rows, rows), :]
+                dq_out[head] = (chunk * spec.sm_scale).astype(dq_out.dtype)
 
 
 def _chunk_blocks(
@@ -224,18 +239,23 @@ def _chunk_blocks(
     return max(1, budget // dq_vmem_bytes(block_q, head_dim, dtype, group))
 
 
-def _cost(q: jax.Array, k: jax.Array, schedule: QSchedule) -> pl.CostEstimate:
-    """Flops and exponentials of the visited pairs (five matmuls each); bytes moved between
-    HBM and VMEM (k, v, dk, dv and dq once per chunk, q and dout per visited pair)."""
+def _cost(
+    q: jax.Array, k: jax.Array, v: jax.Array, schedule: QSchedule, *, with_dq: bool
+) -> pl.CostEstimate:
+    """Flops and exponentials of the visited pairs (five matmuls each: three over head_dim,
+    two over v_head_dim; without dq four); bytes moved between HBM and VMEM (k, v, dk, dv and
+    dq once per chunk, q and dout per visited pair)."""
     batch, q_heads, _, head_dim = q.shape
+    v_head_dim = v.shape[3]
     blocks = batch * q_heads * schedule.visited_blocks
     pairs = blocks * schedule.block_q * schedule.block_kv
-    q_bytes = 2 * blocks * schedule.block_q * head_dim * q.dtype.itemsize
-    kv_bytes = 4 * schedule.num_chunks * k.nbytes
+    q_bytes = blocks * schedule.block_q * (head_dim + v_head_dim) * q.dtype.itemsize
+    kv_bytes = 2 * schedule.num_chunks * (k.nbytes + v.nbytes)
+    dq_bytes = q.nbytes if with_dq else 0
     return pl.CostEstimate(
-        flops=10 * pairs * head_dim,
+        flops=2 * pairs * ((3 if with_dq else 2) * head_dim + 2 * v_head_dim),
         transcendentals=pairs,
-        bytes_accessed=q_bytes + kv_bytes + q.nbytes + 8 * blocks * schedule.block_q,
+        bytes_accessed=q_bytes + kv_bytes + dq_bytes + 8 * blocks * schedule.block_q,
     )
 
 
@@ -255,7 +275,7 @@ def flash_backward(
 
     Args:
       q, k, v, segment_ids, spec: the forward call's (see `forward.flash_forward`).
-      out: the forward's output ``[batch, q_heads, q_len, head_dim]``.
+      out: the forward's output ``[batch, q_heads, q_len, v_head_dim]``.
       lse: the forward's log-sum-exp, ``[batch, q_heads, 1, q_len]`` float32.
       dout: the gradient of the output, like ``out``.
       block_sizes: block sizes (None sizes: the defaults of the TPU generation,
@@ -300,20 +320,28 @@ def _flash_backward(
     """`flash_backward` with the row sums ``di [batch, q_heads, 1, q_len]`` float32, built for
     ``generation``, and the interpreter's settings (None for Mosaic)."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
+    wider = max(head_dim, v_head_dim)  # every block at the wider head_dim: an upper bound
     group = q_heads // kv_heads
     blocks = block_sizes.for_call(spec, q_len, kv_len, generation)
     bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
     num_q_blocks = math.ceil(q_len / bq)
     chunk_blocks = _chunk_blocks(blocks, num_q_blocks, head_dim, q.dtype, group, generation)
-    schedule = QSchedule(spec, q_len, kv_len, bq, bkv, chunk_blocks)
+    num_chunks = 1 if chunk_blocks is None else math.ceil(num_q_blocks / chunk_blocks)
+    split = num_chunks > 1 and (
+        split_backward(num_chunks, k, v, generation)
+        if blocks.backward_split is None
+        else blocks.backward_split
+    )
+    schedule = QSchedule(spec, q_len, kv_len, bq, bkv, None if split else chunk_blocks)
     chunked = schedule.num_chunks > 1
-    dq_rows = 8 * math.ceil(schedule.blocks_per_chunk * bq / 8)  # per head, in the scratch
+    dq_rows = 0 if split else 8 * math.ceil(schedule.blocks_per_chunk * bq / 8)  # per head
     has_ids = segment_ids is not None
     limit = vmem_limit_bytes(
-        backward_vmem_bytes(blocks, head_dim, q.dtype, has_ids, group=group, chunk_rows=dq_rows),
+        backward_vmem_bytes(blocks, wider, q.dtype, has_ids, group=group, chunk_rows=dq_rows),
         f"backward block sizes backward_block_q={bq}, backward_block_kv={bkv} with "
-        f"head_dim={head_dim}, {q.dtype.name} and {group} query heads per kv head",
+        f"head_dim={head_dim}, v_head_dim={v_head_dim}, {q.dtype.name} and {group} query "
+        "heads per kv head",
         generation,
     )
     steps = schedule.num_steps
@@ -344,9 +372,11 @@ def _flash_backward(
         return b, kvh, c, 0
 
     q_spec = pl.BlockSpec((None, None, bq, head_dim), q_map)
-    kv_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_map)
+    do_spec = pl.BlockSpec((None, None, bq, v_head_dim), q_map)
+    k_spec = pl.BlockSpec((None, None, bkv, head_dim), kv_map)
+    v_spec = pl.BlockSpec((None, None, bkv, v_head_dim), kv_map)
     row_spec = pl.BlockSpec((None, None, 1, bq), row_map)
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    in_specs = [q_spec, k_spec, v_spec, do_spec, row_spec, row_spec]
     args = [q, k, v, dout, lse, di]
     if has_ids:  # both as rows of lanes: free views of [batch, len]
         in_specs += [
@@ -355,17 +385,20 @@ def _flash_backward(
         ]
         args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
     dq_block_rows = schedule.blocks_per_chunk * bq if chunked else q_len
-    dq_spec = pl.BlockSpec((None, group, dq_block_rows, head_dim), dq_map)
+    dq_outs = [] if split else [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    dq_specs = [] if split else [pl.BlockSpec((None, group, dq_block_rows, head_dim), dq_map)]
     if chunked:  # float32 partials of each chunk, summed below
-        dkv_shape = jax.ShapeDtypeStruct(
-            (batch, kv_heads, schedule.num_chunks, kv_len, head_dim), _F32
-        )
-        dkv_spec = pl.BlockSpec(
-            (None, None, None, bkv, head_dim), lambda b, kvh, c, j, t: (b, kvh, c, j, 0)
-        )
+        dkv_shapes = [
+            jax.ShapeDtypeStruct((batch, kv_heads, schedule.num_chunks, kv_len, dim), _F32)
+            for dim in (head_dim, v_head_dim)
+        ]
+        dkv_specs = [
+            pl.BlockSpec((None, None, None, bkv, dim), lambda b, kvh, c, j, t: (b, kvh, c, j, 0))
+            for dim in (head_dim, v_head_dim)
+        ]
     else:
-        dkv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
-        dkv_spec = kv_spec
+        dkv_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v)]
+        dkv_specs = [k_spec, v_spec]
     precision = lax.Precision.HIGHEST if q.dtype == np.float32 else None
     kernel = functools.partial(
         _kernel,
@@ -375,31 +408,57 @@ def _flash_backward(
         block_kv_compute=blocks.backward_block_kv_compute,
         dq_rows=dq_rows,
         segment_ids=has_ids,
+        with_dq=not split,
         precision=precision,
     )
-    dq, dk, dv = pl.pallas_call(
+    *dq, dk, dv = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), dkv_shape, dkv_shape),
+        out_shape=(*dq_outs, *dkv_shapes),
         grid=(batch, kv_heads, schedule.num_chunks, schedule.num_kv_blocks, group * steps),
         in_specs=in_specs,
-        out_specs=(dq_spec, dkv_spec, dkv_spec),
+        out_specs=(*dq_specs, *dkv_specs),
         scratch_shapes=[
-            pltpu.VMEM((group * dq_rows, head_dim), _F32),
+            *([] if split else [pltpu.VMEM((group * dq_rows, head_dim), _F32)]),
             pltpu.VMEM((bkv, head_dim), _F32),
-            pltpu.VMEM((bkv, head_dim), _F32),
+            pltpu.VMEM((bkv, v_head_dim), _F32),
             *([pltpu.VMEM((bkv, LANES), jnp.int32)] if has_ids else []),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"),
             vmem_limit_bytes=limit,
         ),
-        cost_estimate=_cost(q, k, schedule),
+        cost_estimate=_cost(q, k, v, schedule, with_dq=not split),
         interpret=False if interpret is None else interpret,
-        name="pallas_flash_backward",
+        name="pallas_flash_backward_dkdv" if split else "pallas_flash_backward",
     )(*args)
     if chunked:
-        dk, dv = (x.sum(axis=2).astype(k.dtype) for x in (dk, dv))
-    return dq, dk, dv
+        dk, dv = (x.sum(axis=2).astype(k.dtype) for x in (dk, dv))  # v has k's dtype
+    if split:
+        dq = [query_gradient(q, k, v, segment_ids, lse, di, dout, spec=spec, blocks=blocks,
+                             generation=generation, interpret=interpret)]  # fmt: skip
+    return dq[0], dk, dv
+
+
+SPLIT_HBM_SHARE = 0.25
+"""`split_backward` splits once the chunked backward's partials would take more than this
+share of the chip's HBM."""
+
+
+def split_backward(
+    num_chunks: int, k: jax.Array, v: jax.Array, generation: tpu.TpuGeneration
+) -> bool:
+    """Whether the backward runs as two kernels, dk and dv (one pass over the queries, no
+    dq) then dq (`backward_dq`), rather than in ``num_chunks`` chunks of query blocks.
+
+    Chunks cost little time (float32 dk and dv partials of each chunk, summed afterwards) but
+    HBM: ``num_chunks x (k + v)`` in float32, growing with the square of the sequence; they
+    capped one v5e chip at 196,608 tokens (B=1, 16 heads, bfloat16). Two kernels need no HBM
+    beyond the arrays themselves but recompute the scores and their gradient for dq: seven
+    matmuls a pair, not five. So the backward splits only once the partials would take more
+    than `SPLIT_HBM_SHARE` of the chip's HBM (v5e, 16 query heads of 128, bfloat16, with 16
+    or 4 kv heads: past 131,072 tokens)."""
+    partials = num_chunks * (k.size + v.size) * 4
+    return num_chunks > 1 and partials > SPLIT_HBM_SHARE * generation.hbm_bytes
 
 
 _backward = interpret.jit_kernel(_flash_backward, ("spec", "block_sizes", "generation"))

@@ -66,6 +66,10 @@ class BlockSizes:
         many keys, as ``block_q_compute`` in the forward.
       backward_chunk_blocks: backward: query blocks whose gradient is accumulated in VMEM at
         once; None: all of them if they fit in `dq_vmem_budget_bytes`, else as many as fit.
+      backward_split: backward: True runs dk/dv and dq as two passes whenever the query
+        gradient takes more than one chunk, False never (float32 dk/dv partials per chunk);
+        None: as `backward.split_backward` decides (when the partials would take more than
+        a quarter of the chip's HBM).
       full_block_compute: forward: a kv block that no mask crosses (every key visible to
         every row, e.g. below the causal diagonal) is folded in tiles of this many query rows
         by as many keys (at most ``block_kv``), as ``block_q_compute`` (which then applies to
@@ -81,11 +85,17 @@ class BlockSizes:
     backward_block_kv_compute: int | None = None
     backward_chunk_blocks: int | None = None
     full_block_compute: int | None = None
+    backward_split: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.backward_split not in (None, True, False):
+            split = self.backward_split
+            raise ValueError(
+                f"BlockSizes.backward_split must be True, False or None, got {split!r}"
+            )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is None:
+            if value is None or field.name == "backward_split":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}")
@@ -378,6 +388,36 @@ def backward_vmem_bytes(
     temporaries = _temporaries(keys, bq, math.ceil(bkv / keys), 5)
     dq = dq_vmem_bytes(chunk_rows, head_dim, dtype, group)
     return 2 * pipelined + scratch + temporaries + dq
+
+
+def dq_kernel_vmem_bytes(
+    block_q: int,
+    block_kv: int,
+    rows_compute: int,
+    head_dim: int,
+    dtype: np.dtype,
+    segment_ids: bool,
+) -> int:
+    """Estimated VMEM of one query-gradient kernel instance (`backward_dq`): an upper bound.
+
+    Counts the double-buffered pipeline blocks (q, output gradient, k, v, dq, log-sum-exp and
+    row sums, segment ids), the scratch (dq ``[block_q, head_dim]`` float32, the statistics
+    and the queries' ids as ``[block_q, 128]`` columns) and the float32 temporaries (scores,
+    probabilities, their gradients, mask: ``[rows_compute, block_kv]`` each) of the row
+    sub-blocks alive at once (`LIVE_SUB_BLOCKS`).
+    """
+    pipelined = (
+        3 * _tile_bytes(block_q, head_dim, dtype)  # q, output gradient and dq
+        + 2 * _tile_bytes(block_kv, head_dim, dtype)  # k and v
+        + 2 * _tile_bytes(1, block_q, _F32)  # log-sum-exp and row sums
+    )
+    scratch = _tile_bytes(block_q, head_dim, _F32) + 2 * _tile_bytes(block_q, LANES, _F32)
+    if segment_ids:
+        pipelined += _tile_bytes(1, block_q, _I32) + _tile_bytes(1, block_kv, _I32)
+        scratch += _tile_bytes(block_q, LANES, _I32)
+    rows = min(rows_compute, block_q)
+    temporaries = _temporaries(rows, block_kv, -(-block_q // rows), 5)
+    return 2 * pipelined + scratch + temporaries
 
 
 def vmem_limit_bytes(needed: int, blocks: str, generation: TpuGeneration) -> int:

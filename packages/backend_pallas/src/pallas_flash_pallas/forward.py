@@ -1,8 +1,9 @@
 """The FlashAttention-2 forward kernel and the ``pallas_call`` around it.
 
-Layouts: q ``[batch, q_heads, q_len, head_dim]``; k and v ``[batch, kv_heads, kv_len,
-head_dim]``; the output like q; the log-sum-exp ``[batch, q_heads, q_len]`` float32 (written
-by the kernel as lane-dense rows ``[batch, q_heads, 1, q_len]``).
+Layouts: q ``[batch, q_heads, q_len, head_dim]``; k ``[batch, kv_heads, kv_len, head_dim]``;
+v ``[batch, kv_heads, kv_len, v_head_dim]`` (``v_head_dim`` may differ: MLA's 128 beside
+192); the output ``[batch, q_heads, q_len, v_head_dim]``; the log-sum-exp ``[batch, q_heads,
+q_len]`` float32 (written by the kernel as lane-dense rows ``[batch, q_heads, 1, q_len]``).
 
 Grid ``(batch, q_heads, q blocks, kv steps)``: the first three axes are parallel, the kv axis
 is sequential. One ``[block_q, head_dim]`` query block stays in VMEM while the kv blocks that
@@ -19,12 +20,15 @@ Per visited block (online softmax, in float32): ``s = softcap(q k^T * sm_scale)`
 writes ``m = rowmax(s)``, ``l = rowsum(p)``, ``acc = p v`` instead, so nothing is
 zero-initialised (except for a query block that sees no key at all). After the last step the
 output is ``acc / l`` and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros
-and a log-sum-exp of ``-inf``. The block is folded in tiles, in straight-line code, so the
-compiler overlaps the matmuls of one tile with the softmax of another: a block that no mask
-crosses in ``full_block_compute`` rows by as many keys (`block_sizes.full_block_tiles`),
-others in row sub-blocks of ``block_q_compute`` rows by all the keys. Only blocks that cross a
-mask boundary build a mask (`schedule.BlockKind`); on the causal diagonal each row sub-block
-stops at its last row's key and masks only its square tile on the diagonal.
+and a log-sum-exp of ``-inf``. With sinks, the head's sink joins the sum then: ``m* = max(m,
+sink)``, ``l* = l exp(m - m*) + exp(sink - m*)``, the output ``acc exp(m - m*) / l*`` and the
+log-sum-exp ``m* + log(l*)``, which the backward reads unchanged. The block is folded in
+tiles, in straight-line code, so the compiler overlaps the matmuls of one tile with the
+softmax of another: a block that no mask crosses in ``full_block_compute`` rows by as many
+keys (`block_sizes.full_block_tiles`), others in row sub-blocks of ``block_q_compute`` rows by
+all the keys. Only blocks that cross a mask boundary build a mask (`schedule.BlockKind`); on
+the causal diagonal each row sub-block stops at its last row's key and masks only its square
+tile on the diagonal.
 """
 
 from __future__ import annotations
@@ -63,21 +67,25 @@ def _kernel(
     block_q_compute: int,
     full_block_compute: int,
     segment_ids: bool,
+    sinks: bool,
     with_lse: bool,
     precision: lax.Precision | None,
 ) -> None:
     """One grid step ``(b, h, i, j)``: folds kv block ``schedule.kv_block(i, j)`` into the
     running max, sum and accumulator of query block ``i``; writes the output at the last step.
 
-    Refs: inputs q ``[block_q, head_dim]``, k and v ``[block_kv, head_dim]``, with segment ids
-    those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``; outputs
-    ``[block_q, head_dim]`` and, ``with_lse``, log-sum-exp ``[1, block_q]``; scratch: running
-    max and sum ``[block_q, 128]`` (equal lanes) and accumulator ``[block_q, head_dim]``, all
+    Refs: inputs q ``[block_q, head_dim]``, k ``[block_kv, head_dim]`` and v ``[block_kv,
+    v_head_dim]``, with segment ids
+    those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``, with sinks the
+    head's sink in every lane ``[1, 128]`` float32; outputs
+    ``[block_q, v_head_dim]`` and, ``with_lse``, log-sum-exp ``[1, block_q]``; scratch: running
+    max and sum ``[block_q, 128]`` (equal lanes) and accumulator ``[block_q, v_head_dim]``, all
     float32, and with segment ids the queries' ids as equal-lane columns ``[block_q, 128]``
     int32.
     """
-    num_inputs = 5 if segment_ids else 3
+    num_inputs = 3 + 2 * segment_ids + sinks
     q_ref, k_ref, v_ref, *id_refs = refs[:num_inputs]
+    sink_ref = id_refs.pop() if sinks else None
     o_ref, *refs = refs[num_inputs:]
     lse_ref = refs.pop(0) if with_lse else None
     m_ref, l_ref, acc_ref, *id_scratch = refs
@@ -85,7 +93,7 @@ def _kernel(
     ids_ref = id_scratch[0] if id_scratch else None
     i, j = pl.program_id(2), pl.program_id(3)
     block_q, block_kv = schedule.block_q, schedule.block_kv
-    head_dim = acc_ref.shape[1]
+    v_head_dim = acc_ref.shape[1]
     kv_block = schedule.kv_block(i, j)
 
     if segment_ids:
@@ -155,7 +163,7 @@ def _kernel(
         else:
             alpha = jnp.exp(m_prev - m_shift)
             l_ref[rows, :] = alpha * l_ref[rows, :] + total
-            acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, head_dim) + pv
+            acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, v_head_dim) + pv
 
     def fold(kind: BlockKind, first: bool) -> None:
         """Folds the kv block in, one tile after another (unrolled): tiles of different rows
@@ -185,27 +193,42 @@ def _kernel(
 
     @pl.when(j == schedule.num_steps - 1)
     def _finish() -> None:
-        total = l_ref[...]
-        seen = total > 0.0  # the sum is >= 1 once a row has seen a key
+        total, row_max = l_ref[...], m_ref[...]
+        rescale = None
+        if sinks:  # the sink joins the sum: rescale it and the accumulator to max(m, sink)
+            sink = sink_ref[...]  # [1, 128]
+            joint = jnp.maximum(row_max, sink)
+            joint = jnp.where(joint == -jnp.inf, 0.0, joint)
+            rescale = jnp.exp(row_max - joint)  # 0 for a row that saw no key
+            total, row_max = total * rescale + jnp.exp(sink - joint), joint
+        seen = total > 0.0  # the sum is >= 1 once a row has seen a key (or has a sink)
         inverse = jnp.where(seen, pl.reciprocal(total, full_range=False), 0.0)
-        o_ref[...] = (acc_ref[...] * lanes(inverse, head_dim)).astype(o_ref.dtype)
+        if rescale is not None:
+            inverse = inverse * rescale
+        o_ref[...] = (acc_ref[...] * lanes(inverse, v_head_dim)).astype(o_ref.dtype)
         if with_lse:  # in rows of lanes: transposing first needs 128x fewer logs
-            total_row, max_row = total.T[:1], m_ref[...].T[:1]  # [1, block_q]
+            total_row, max_row = total.T[:1], row_max.T[:1]  # [1, block_q]
             lse_ref[...] = jnp.where(total_row > 0.0, max_row + jnp.log(total_row), -jnp.inf)
 
 
-def _cost(q: jax.Array, k: jax.Array, schedule: KvSchedule, segment_ids: bool) -> pl.CostEstimate:
+def _cost(
+    q: jax.Array, k: jax.Array, v: jax.Array, schedule: KvSchedule, segment_ids: bool
+) -> pl.CostEstimate:
     """Flops and exponentials of the visited blocks; bytes moved between HBM and VMEM (q and
     the output once, a K and a V block per visited block)."""
     batch, q_heads, _, head_dim = q.shape
+    v_head_dim = v.shape[3]
     blocks = batch * q_heads * schedule.visited_blocks
     pairs = blocks * schedule.block_q * schedule.block_kv
-    kv_bytes = 2 * blocks * schedule.block_kv * head_dim * k.dtype.itemsize
-    bytes_accessed = 2 * q.nbytes + kv_bytes + 4 * batch * q_heads * schedule.q_len
+    kv_bytes = blocks * schedule.block_kv * (head_dim + v_head_dim) * k.dtype.itemsize
+    out_bytes = q.nbytes // head_dim * v_head_dim
+    bytes_accessed = q.nbytes + out_bytes + kv_bytes + 4 * batch * q_heads * schedule.q_len
     if segment_ids:
         bytes_accessed += 4 * batch * (schedule.q_len + q_heads * schedule.visited_blocks)
     return pl.CostEstimate(
-        flops=4 * pairs * head_dim, transcendentals=pairs, bytes_accessed=bytes_accessed
+        flops=2 * pairs * (head_dim + v_head_dim),
+        transcendentals=pairs,
+        bytes_accessed=bytes_accessed,
     )
 
 
@@ -214,6 +237,7 @@ def flash_forward(
     k: jax.Array,
     v: jax.Array,
     segment_ids: SegmentIds | None = None,
+    sinks: jax.Array | None = None,
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes | None = None,
@@ -226,18 +250,20 @@ def flash_forward(
     Args:
       q: ``[batch, q_heads, q_len, head_dim]``, bfloat16 or float32.
       k: ``[batch, kv_heads, kv_len, head_dim]``, dtype of q; ``q_heads % kv_heads == 0``.
-      v: ``[batch, kv_heads, kv_len, head_dim]``, dtype of q.
+      v: ``[batch, kv_heads, kv_len, v_head_dim]``, dtype of q.
       segment_ids: int32 ``q [batch, q_len]`` and ``kv [batch, kv_len]``, or None.
+      sinks: ``[q_heads]`` float, a logit per query head in every row's denominator, or None.
       spec: the call's settings.
       block_sizes: block sizes (None sizes: the defaults of the TPU generation,
         `block_sizes.default_block_sizes`), before clamping to the sequence lengths; default
         `BlockSizes()`.
 
     Returns:
-      ``(out, lse)``: ``out [batch, q_heads, q_len, head_dim]`` in q's dtype and
+      ``(out, lse)``: ``out [batch, q_heads, q_len, v_head_dim]`` in q's dtype and
       ``lse [batch, q_heads, 1, q_len]`` float32 (rows of lanes, the layout the backward
-      reads), the log of each row's softmax denominator (``max + log(sum exp(s - max))``); a
-      row that sees no key has output 0 and log-sum-exp ``-inf``.
+      reads), the log of each row's softmax denominator (``max + log(sum exp(s - max))``,
+      the sink's term included); a row that sees no key has output 0 and log-sum-exp
+      ``-inf`` (its sink's, with sinks).
 
     Raises:
       ValueError: the block sizes are illegal for these lengths or do not fit in VMEM.
@@ -248,6 +274,7 @@ def flash_forward(
         k,
         v,
         segment_ids,
+        _sink_lanes(sinks, q),
         spec=spec,
         block_sizes=block_sizes,
         with_lse=True,
@@ -260,6 +287,7 @@ def flash_output(
     k: jax.Array,
     v: jax.Array,
     segment_ids: SegmentIds | None = None,
+    sinks: jax.Array | None = None,
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes | None = None,
@@ -272,6 +300,7 @@ def flash_output(
         k,
         v,
         segment_ids,
+        _sink_lanes(sinks, q),
         spec=spec,
         block_sizes=block_sizes,
         with_lse=False,
@@ -280,11 +309,21 @@ def flash_output(
     return out
 
 
+def _sink_lanes(sinks: jax.Array | None, q: jax.Array) -> jax.Array | None:
+    """``[batch, q_heads, 1, 128]`` float32: each head's sink in every lane of a row, led by
+    the batch axis as every kernel argument is (`interpret.jit_kernel`); or None."""
+    if sinks is None:
+        return None
+    batch, q_heads = q.shape[:2]
+    return jnp.broadcast_to(sinks.astype(_F32)[None, :, None, None], (batch, q_heads, 1, LANES))
+
+
 def _flash_forward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     segment_ids: SegmentIds | None,
+    sink_lanes: jax.Array | None,
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes,
@@ -295,15 +334,15 @@ def _flash_forward(
     """``(out, lse)`` of `flash_forward`, or ``(out,)`` without ``with_lse``, built for
     ``generation``; ``interpret``: the interpreter's settings, or None for Mosaic."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     blocks = block_sizes.for_call(spec, q_len, kv_len, generation)
     schedule = KvSchedule(spec, q_len, kv_len, blocks.block_q, blocks.block_kv)
     has_ids = segment_ids is not None
-    limit = vmem_limit_bytes(
-        forward_vmem_bytes(blocks, head_dim, q.dtype, has_ids),
+    limit = vmem_limit_bytes(  # every block at the wider head_dim: an upper bound
+        forward_vmem_bytes(blocks, max(head_dim, v_head_dim), q.dtype, has_ids),
         f"forward block sizes block_q={blocks.block_q}, block_kv={blocks.block_kv} with "
-        f"head_dim={head_dim}, {q.dtype.name}",
+        f"head_dim={head_dim}, v_head_dim={v_head_dim}, {q.dtype.name}",
         generation,
     )
 
@@ -324,8 +363,10 @@ def _flash_forward(
         return b, 0, schedule.kv_block(i, j)
 
     q_spec = pl.BlockSpec((None, None, blocks.block_q, head_dim), q_map)
-    kv_spec = pl.BlockSpec((None, None, blocks.block_kv, head_dim), kv_map)
-    in_specs = [q_spec, kv_spec, kv_spec]
+    k_spec = pl.BlockSpec((None, None, blocks.block_kv, head_dim), kv_map)
+    v_spec = pl.BlockSpec((None, None, blocks.block_kv, v_head_dim), kv_map)
+    out_spec = pl.BlockSpec((None, None, blocks.block_q, v_head_dim), q_map)
+    in_specs = [q_spec, k_spec, v_spec]
     args = [q, k, v]
     if has_ids:  # both as rows of lanes: free views of [batch, len]
         in_specs += [
@@ -333,6 +374,9 @@ def _flash_forward(
             pl.BlockSpec((None, 1, blocks.block_kv), kv_ids_map),
         ]
         args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
+    if sink_lanes is not None:
+        in_specs.append(pl.BlockSpec((None, None, 1, LANES), lambda b, h, i, j: (b, h, 0, 0)))
+        args.append(sink_lanes)
     precision = lax.Precision.HIGHEST if q.dtype == np.float32 else None
     kernel = functools.partial(
         _kernel,
@@ -341,11 +385,12 @@ def _flash_forward(
         block_q_compute=blocks.block_q_compute,
         full_block_compute=blocks.full_block_compute,
         segment_ids=has_ids,
+        sinks=sink_lanes is not None,
         with_lse=with_lse,
         precision=precision,
     )
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [q_spec]
+    out_shape = [jax.ShapeDtypeStruct((batch, q_heads, q_len, v_head_dim), q.dtype)]
+    out_specs = [out_spec]
     if with_lse:  # lane-dense rows
         out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, 1, q_len), _F32))
         out_specs.append(pl.BlockSpec((None, None, 1, blocks.block_q), lse_map))
@@ -358,14 +403,14 @@ def _flash_forward(
         scratch_shapes=[
             pltpu.VMEM((blocks.block_q, LANES), _F32),
             pltpu.VMEM((blocks.block_q, LANES), _F32),
-            pltpu.VMEM((blocks.block_q, head_dim), _F32),
+            pltpu.VMEM((blocks.block_q, v_head_dim), _F32),
             *([pltpu.VMEM((blocks.block_q, LANES), jnp.int32)] if has_ids else []),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=limit,
         ),
-        cost_estimate=_cost(q, k, schedule, has_ids),
+        cost_estimate=_cost(q, k, v, schedule, has_ids),
         interpret=False if interpret is None else interpret,
         name="pallas_flash_forward",
     )(*args)

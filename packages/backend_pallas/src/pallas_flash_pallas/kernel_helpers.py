@@ -21,6 +21,12 @@ def lanes(x: jax.Array, width: int) -> jax.Array:
     return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
+def zero_rows_from(x: jax.Array, first: jax.Array, end: int) -> jax.Array:
+    """``x [rows, cols]`` with rows at positions ``>= end`` zeroed, row 0 at ``first``."""
+    pos = first + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(pos < end, x, jnp.zeros_like(x))
+
+
 def both(a: jax.Array | None, b: jax.Array) -> jax.Array:
     """``a & b``, where a None ``a`` (no mask) means all True."""
     return b if a is None else a & b

@@ -26,8 +26,9 @@ class XlaBackend(pf.Backend):
         segment_ids: pf.SegmentIds | None = None,
         bias: jax.Array | None = None,
         mask: jax.Array | None = None,
+        sinks: jax.Array | None = None,
     ) -> jax.Array:
-        return dense.attention(q, k, v, spec, segment_ids, bias, mask)
+        return dense.attention(q, k, v, spec, segment_ids, bias, mask, sinks)
 
     def decode(
         self,

@@ -42,6 +42,7 @@ def _softmax_attention(
     softcap: float | None,
     bias: jax.Array | None,
     visible: jax.Array | None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``softmax(softcap(q k^T * sm_scale) + bias, masked) @ v`` in float32.
 
@@ -54,6 +55,8 @@ def _softmax_attention(
       bias: added to the scores, broadcastable to ``[batch, kv_heads, group, q_len, kv_len]``,
         or None.
       visible: boolean, True where a key is visible, broadcastable like bias, or None.
+      sinks: ``[kv_heads, group]``: a logit per query head in each row's denominator, or
+        None.
 
     Returns:
       ``[batch, kv_heads, group, q_len, head_dim]`` in the dtype of q; rows that see no key
@@ -68,10 +71,15 @@ def _softmax_attention(
     if visible is not None:
         scores = jnp.where(visible, scores, -jnp.inf)
     # Softmax is shift-invariant, so the row max only guards exp() and carries no gradient.
-    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(_F32)[None, :, :, None, None]  # [1, kv_heads, group, 1, 1]
+        row_max = jnp.maximum(row_max, sink)
+    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     probs = jnp.exp(scores - row_max)
     row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+    if sinks is not None:
+        row_sum = row_sum + jnp.exp(sink - row_max)
     probs = probs / jnp.where(row_sum == 0.0, 1.0, row_sum)
     out = jnp.einsum(
         "bkgts,bksd->bkgtd",
@@ -92,13 +100,14 @@ def attention(
     segment_ids: pf.SegmentIds | None,
     bias: jax.Array | None,
     mask: jax.Array | None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Dense attention; arguments as ``pf.Backend.attention``.
 
-    Returns ``[batch, q_heads, q_len, head_dim]`` in the dtype of q.
+    Returns ``[batch, q_heads, q_len, v_head_dim]`` in the dtype of q.
     """
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     visible = positional_mask(
         jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :], spec
     )  # [q_len, kv_len]
@@ -115,8 +124,9 @@ def attention(
         softcap=spec.softcap,
         bias=None if bias is None else _grouped(bias, kv_heads),
         visible=visible,
+        sinks=None if sinks is None else sinks.reshape(kv_heads, q_heads // kv_heads),
     )
-    return out.reshape(batch, q_heads, q_len, head_dim)
+    return out.reshape(batch, q_heads, q_len, v_head_dim)
 
 
 def contiguous(cache: pf.DecodeCache, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:

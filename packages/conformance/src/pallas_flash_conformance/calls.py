@@ -21,7 +21,8 @@ from pallas_flash_conformance import inputs, reference
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """Shapes ``(batch, q_heads, kv_heads, q_len, kv_len, head_dim)``, a dtype and features."""
+    """Shapes ``(batch, q_heads, kv_heads, q_len, kv_len, head_dim)``, a dtype and features
+    (``v_head_dim``: v's own head_dim, as MLA's 128 beside q and k's 192)."""
 
     batch: int
     q_heads: int
@@ -36,12 +37,17 @@ class Case:
     softcap: float | None = None
     segments: int | None = None
     """Number of packed segments per row (random boundaries), or None for no segment ids."""
+    v_head_dim: int | None = None
+    """v's head_dim where it differs from q's and k's; None: the same."""
+    sinks: bool = False
+    """Attention sinks: a float32 logit per query head (`sink_logits`)."""
     q_scale: float = 1.0
     """Multiplies q, e.g. 100 for large-magnitude logits."""
     seed: int = 0
 
     def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q ``[batch, q_heads, q_len, head_dim]``; k, v ``[batch, kv_heads, kv_len, head_dim]``."""
+        """q ``[batch, q_heads, q_len, head_dim]``; k ``[batch, kv_heads, kv_len, head_dim]``;
+        v ``[batch, kv_heads, kv_len, v_head_dim]``."""
         q, k, v = inputs.qkv(
             self.batch,
             self.q_heads,
@@ -52,6 +58,9 @@ class Case:
             self.dtype,
             self.seed,
         )
+        if self.v_head_dim is not None:
+            shape = (self.batch, self.kv_heads, self.kv_len, self.v_head_dim)
+            v = inputs.normal(self.seed + 2, shape, self.dtype)
         return (q * self.q_scale).astype(q.dtype), k, v
 
     def segment_ids(self) -> pf.SegmentIds | None:
@@ -62,8 +71,17 @@ class Case:
             kv=inputs.segment_ids(self.seed, self.batch, self.kv_len, self.segments),
         )
 
-    def run(self, backend: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """``pf.attention`` on the backend under test."""
+    def sink_logits(self) -> jax.Array | None:
+        """``[q_heads]`` float32 around 4, about a row's log-sum-exp over ~100 keys (so the
+        sink takes a good share of each row), or None without sinks."""
+        if not self.sinks:
+            return None
+        return inputs.normal(self.seed + 5, (self.q_heads,), scale=2.0) + 4.0
+
+    def run(
+        self, backend: str, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None
+    ) -> jax.Array:
+        """``pf.attention`` on the backend under test (``sinks``: default `sink_logits`)."""
         return pf.attention(
             q,
             k,
@@ -73,6 +91,7 @@ class Case:
             segment_ids=self.segment_ids(),
             sliding_window=self.sliding_window,
             softcap=self.softcap,
+            sinks=self.sink_logits() if sinks is None else sinks,
             backend=backend,
         )
 
@@ -91,6 +110,7 @@ class Case:
             window=window,
             softcap=self.softcap,
             segment_ids=None if ids is None else (ids.q, ids.kv),
+            sinks=self.sink_logits(),
         )
 
     def reference(self, q: jax.Array, k: jax.Array, v: jax.Array) -> np.ndarray:
@@ -105,6 +125,8 @@ class Case:
             "sliding_window": self.sliding_window is not None,
             "softcap": self.softcap is not None,
             "segment_ids": self.segments is not None,
+            "sinks": self.sinks,
+            "value_head_dim": self.v_head_dim not in (None, self.head_dim),
         }
         return {name for name, needed in used.items() if needed}
 

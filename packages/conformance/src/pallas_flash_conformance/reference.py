@@ -18,6 +18,10 @@ given restricts which keys ``j`` the row sees, and all of them must agree:
 - ``mask``: boolean, broadcastable to ``[batch, q_heads, q_len, kv_len]``, True = visible.
 
 A query row that sees no key outputs zeros and passes back zero gradients.
+
+Sinks (``sinks [q_heads]``): one more logit per query head in every row's softmax, with no
+value: ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``, so a row's weights sum to less
+than 1 (and a row that sees no key still outputs zeros).
 """
 
 from __future__ import annotations
@@ -85,8 +89,10 @@ def _probabilities(
     segment_ids: tuple[ArrayLike, ArrayLike] | None = None,
     bias: ArrayLike | None = None,
     mask: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax over the visible keys, and the raw scores ``q @ k^T * sm_scale``.
+    """Softmax over the visible keys (and the sinks), and the raw scores
+    ``q @ k^T * sm_scale``.
 
     Both are ``[batch, q_heads, q_len, kv_len]`` float64; rows without a visible key are all
     zeros. The keyword arguments are those of `attention`.
@@ -105,9 +111,13 @@ def _probabilities(
         mask=mask,
     )
     scores = np.where(visible, scores, -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0))
-    total = weights.sum(axis=-1, keepdims=True)
+    sink = np.full((*raw.shape[:-1], 1), -np.inf)  # [batch, q_heads, q_len, 1]: none
+    if sinks is not None:
+        sink = np.broadcast_to(_f64(sinks)[None, :, None, None], sink.shape)
+    row_max = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+    shift = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.exp(scores - shift)
+    total = weights.sum(axis=-1, keepdims=True) + np.exp(sink - shift)
     probs = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
     return probs, raw
 
@@ -121,7 +131,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, **options: Any) -> np.nd
 
     Keyword arguments (those of `_probabilities`): ``sm_scale`` (required), ``causal``,
     ``q_offset`` (key position of query row 0), ``window`` ``(left, right)``, ``softcap``,
-    ``segment_ids`` ``(q_ids, kv_ids)``, ``bias``, ``mask`` (True = visible).
+    ``segment_ids`` ``(q_ids, kv_ids)``, ``bias``, ``mask`` (True = visible), ``sinks``
+    ``[q_heads]`` (module doc).
     """
     probs, _ = _probabilities(q, k, **options)
     return probs @ _expand_kv(_f64(v), np.shape(q)[1])
@@ -151,6 +162,18 @@ def attention_vjp(
     dq = ds @ k * sm_scale
     dk = ds.swapaxes(-1, -2) @ q * sm_scale
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+
+
+def sinks_vjp(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, d_out: ArrayLike, **options: Any
+) -> np.ndarray:
+    """Gradient ``[q_heads]`` of ``sum(attention(q, k, v, **options) * d_out)`` with respect
+    to ``options["sinks"]``: a sink's weight ``p = 1 - sum_j p_j`` in each row takes
+    ``-p (d_out . out)``, summed over the batch and the rows."""
+    probs, _ = _probabilities(q, k, **options)
+    out = probs @ _expand_kv(_f64(v), np.shape(q)[1])
+    sink_weight = 1.0 - probs.sum(axis=-1)  # [batch, q_heads, q_len]
+    return -np.sum(sink_weight * np.sum(_f64(d_out) * out, axis=-1), axis=(0, 2))
 
 
 def decode(

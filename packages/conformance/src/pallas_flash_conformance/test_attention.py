@@ -36,6 +36,8 @@ FEATURES = {
     "softcap": dict(softcap=1.5, q_scale=4.0),
     "segment-ids": dict(segments=3),
     "sm-scale": dict(sm_scale=0.3),
+    "sinks": dict(sinks=True),
+    "causal-sinks": dict(causal=True, sinks=True),  # q-long: rows with a sink and no key
     "all": dict(causal=True, sliding_window=17, softcap=3.0, segments=2),
 }
 ALIGNMENTS = {"square": (96, 96), "q-short": (33, 96), "q-long": (96, 40)}
@@ -49,6 +51,24 @@ def _check(backend: str, case: Case, tolerance: dict[str, float] = FORWARD_TOLER
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", [Case(*shape).param(name) for name, shape in SHAPES.items()])
 def test_shapes(backend, case: Case, dtype: str) -> None:
+    _check(backend.name, dataclasses.replace(case, dtype=dtype))
+
+
+# v's head_dim of its own: MLA's 192 / 128 (with GQA, causal q-long rows that see no key),
+# a value wider than the key, and both with partial blocks
+VALUE_HEAD_DIMS = {
+    "mla-192-128": Case(1, 4, 2, 96, 96, 192, v_head_dim=128),
+    "mla-causal-q-long": Case(2, 4, 2, 96, 40, 192, causal=True, v_head_dim=128),
+    "v-wider-len130": Case(1, 2, 2, 130, 130, 64, v_head_dim=128),
+    "mla-window-softcap-sinks": Case(
+        1, 2, 2, 64, 96, 192, sliding_window=9, softcap=3.0, sinks=True, v_head_dim=128
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [case.param(name) for name, case in VALUE_HEAD_DIMS.items()])
+def test_value_head_dim(backend, case: Case, dtype: str) -> None:
     _check(backend.name, dataclasses.replace(case, dtype=dtype))
 
 

@@ -27,6 +27,7 @@ def attention(
     segment_ids: SegmentIds | None = None,
     sliding_window: int | tuple[int, int] | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention, ``softmax(q @ k^T * sm_scale) @ v``.
@@ -35,7 +36,8 @@ def attention(
       q: ``[batch, q_heads, q_len, head_dim]``.
       k: ``[batch, kv_heads, kv_len, head_dim]``, same floating dtype as q;
         ``q_heads % kv_heads == 0`` (GQA; ``kv_heads == 1`` is MQA).
-      v: ``[batch, kv_heads, kv_len, head_dim]``, same dtype as q.
+      v: ``[batch, kv_heads, kv_len, v_head_dim]``, same dtype as q; ``v_head_dim`` may
+        differ from ``head_dim`` (MLA) on backends that declare ``value_head_dim``.
       causal: query ``i`` sees key ``j`` iff ``j <= i + (kv_len - q_len)`` (queries aligned
         to the end of the keys).
       sm_scale: score scale; default ``1 / sqrt(head_dim)``.
@@ -44,12 +46,17 @@ def attention(
         ``p = i + kv_len - q_len`` sees keys ``p - left <= j <= p + right``; with causal,
         ``right = 0``.
       softcap: if set, ``scores = softcap * tanh(scores / softcap)`` before masking.
+      sinks: ``[q_heads]`` float: attention sinks, one learned logit per query head that
+        joins every row's softmax denominator and has no value (``p_j = exp(s_j) /
+        (exp(sinks[h]) + sum_k exp(s_k))``, in the scores' units, after ``sm_scale`` and
+        ``softcap``); differentiable, its gradient accumulated in float32.
       backend: backend name; default: ``$PALLAS_FLASH_BACKEND``, else the best installed
         backend for the current platform.
 
     Returns:
-      ``[batch, q_heads, q_len, head_dim]`` in the dtype of q. A query that sees no key gives
-      zeros. Differentiable with respect to q, k and v where the backend declares ``grad``.
+      ``[batch, q_heads, q_len, v_head_dim]`` in the dtype of q. A query that sees no key gives
+      zeros. Differentiable with respect to q, k, v (and sinks) where the backend declares
+      ``grad``.
 
     Raises:
       InvalidInputError: a malformed argument (the message names it).
@@ -68,7 +75,9 @@ def attention(
     )
     if segment_ids is not None:
         segment_ids = validation.check_segment_ids(segment_ids, dims)
-    return run_attention(q, k, v, spec, dims, backend=backend, segment_ids=segment_ids)
+    if sinks is not None:
+        sinks = validation.check_sinks(sinks, dims)
+    return run_attention(q, k, v, spec, dims, backend=backend, segment_ids=segment_ids, sinks=sinks)
 
 
 def attention_features(
@@ -78,6 +87,7 @@ def attention_features(
     segment_ids: Any = None,
     bias: Any = None,
     mask: Any = None,
+    sinks: Any = None,
 ) -> frozenset[Capability]:
     """The capabilities one attention call needs (``grad`` is checked when differentiating)."""
     used = {
@@ -89,6 +99,8 @@ def attention_features(
         Capability.SOFTCAP: spec.softcap is not None,
         Capability.BIAS: bias is not None,
         Capability.MASK: mask is not None,
+        Capability.SINKS: sinks is not None,
+        Capability.VALUE_HEAD_DIM: dims.v_head_dim != dims.head_dim,
     }
     return frozenset(feature for feature, needed in used.items() if needed)
 
@@ -104,17 +116,21 @@ def run_attention(
     segment_ids: SegmentIds | None = None,
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Selects the backend for validated inputs (``[batch, heads, seq, head_dim]``) and calls it."""
-    features = attention_features(spec, dims, segment_ids=segment_ids, bias=bias, mask=mask)
+    features = attention_features(
+        spec, dims, segment_ids=segment_ids, bias=bias, mask=mask, sinks=sinks
+    )
     impl = select_backend(backend, features)
 
-    def call(q, k, v, segment_ids, bias, mask):
-        return impl.attention(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask)
+    def call(q, k, v, segment_ids, bias, mask, sinks):
+        extra = {} if sinks is None else {"sinks": sinks}  # only to backends declaring it
+        return impl.attention(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask, **extra)
 
     if Capability.GRAD not in as_capabilities(impl.capabilities):
         call = _gradient_raises(call, impl.name)
-    return call(q, k, v, segment_ids, bias, mask)
+    return call(q, k, v, segment_ids, bias, mask, sinks)
 
 
 def _gradient_raises(fn, backend_name: str):

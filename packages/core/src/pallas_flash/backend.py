@@ -46,17 +46,22 @@ class Backend:
         segment_ids: SegmentIds | None = None,
         bias: jax.Array | None = None,
         mask: jax.Array | None = None,
+        sinks: jax.Array | None = None,
     ) -> jax.Array:
-        """Attention output ``[batch, q_heads, q_len, head_dim]`` in the dtype of q.
+        """Attention output ``[batch, q_heads, q_len, v_head_dim]`` in the dtype of q.
 
         Args:
           q: ``[batch, q_heads, q_len, head_dim]``.
           k: ``[batch, kv_heads, kv_len, head_dim]``, same dtype as q.
-          v: ``[batch, kv_heads, kv_len, head_dim]``, same dtype as q.
+          v: ``[batch, kv_heads, kv_len, v_head_dim]``, same dtype as q (``v_head_dim``
+            other than ``head_dim`` only where the backend declares ``value_head_dim``).
           spec: the call's static settings.
           segment_ids: int32 ids ``q: [batch, q_len]``, ``kv: [batch, kv_len]``, or None.
           bias: additive, broadcastable to ``[batch, q_heads, q_len, kv_len]``, or None.
           mask: boolean (True = visible), broadcastable like ``bias``, or None.
+          sinks: ``[q_heads]`` float, a logit per query head in every row's softmax
+            denominator, differentiable (``sinks`` capability). Core passes it only to
+            calls that use it, so a backend without the capability need not take it.
         """
         raise UnsupportedFeatureError(f"backend {self.name!r} does not implement attention")
 

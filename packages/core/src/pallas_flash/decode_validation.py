@@ -132,4 +132,4 @@ def check_decode(q: Any, cache: DecodeCache, lengths: Any) -> AttentionDims:
     else:
         _check_page_table(cache.page_table, batch, k_shape[0], k_shape[2], lengths)
         max_len = jnp.shape(cache.page_table)[1] * k_shape[2]
-    return AttentionDims(batch, q_heads, 1, k_shape[1], max_len, head_dim)
+    return AttentionDims(batch, q_heads, 1, k_shape[1], max_len, head_dim, head_dim)

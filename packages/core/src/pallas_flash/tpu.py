@@ -24,6 +24,7 @@ import jax
 GENERATION_ENV_VAR = "PALLAS_FLASH_TPU"
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +37,23 @@ class TpuGeneration:
       vmem_bytes: VMEM of one TensorCore.
       tensorcores: TensorCores per chip (2: megacore, which splits a kernel's parallel grid
         axes between its cores).
+      hbm_bytes: HBM of one chip.
     """
 
     name: str
     device_kinds: tuple[str, ...]
     vmem_bytes: int
     tensorcores: int
+    hbm_bytes: int
 
 
 GENERATIONS = {
     generation.name: generation
     for generation in (
-        TpuGeneration("v4", ("TPU v4",), 16 * MiB, 2),
-        TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MiB, 1),
-        TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 64 * MiB, 2),
-        TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 1),
+        TpuGeneration("v4", ("TPU v4",), 16 * MiB, 2, 32 * GiB),
+        TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MiB, 1, 16 * GiB),
+        TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 64 * MiB, 2, 95 * GiB),
+        TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 1, 32 * GiB),
     )
 }
 """The generations the kernels are sized for, by name."""
@@ -63,8 +66,9 @@ UNKNOWN = TpuGeneration(
     (),
     min(g.vmem_bytes for g in GENERATIONS.values()),
     max(g.tensorcores for g in GENERATIONS.values()),
+    min(g.hbm_bytes for g in GENERATIONS.values()),
 )
-"""A TPU of an unlisted kind: the least VMEM of any listed generation."""
+"""A TPU of an unlisted kind: the least VMEM and HBM of any listed generation."""
 
 
 def for_device_kind(device_kind: str) -> TpuGeneration:

@@ -49,7 +49,8 @@ class AttentionDims(NamedTuple):
     q_len: int
     kv_heads: int
     kv_len: int
-    head_dim: int
+    head_dim: int  # of q and k
+    v_head_dim: int  # of v and the output
 
 
 def fail(name: str, got: str, expected: str) -> InvalidInputError:
@@ -91,15 +92,18 @@ def check_qkv(
     names: tuple[str, str, str] = ("q", "k", "v"),
     layout: Layout = HEADS_MAJOR,
 ) -> AttentionDims:
-    """Checks the ranks, sizes and dtypes of q, k and v and returns their sizes."""
+    """Checks the ranks, sizes and dtypes of q, k and v and returns their sizes: v has k's
+    shape but for its ``head_dim``, which may differ from q's and k's (MLA: 192 and 128)."""
     q_name, k_name, v_name = names
     q_text = layout.describe("q_heads", "q_len")
     kv_text = layout.describe("kv_heads", "kv_len")
     check_rank(q_name, q, 4, q_text)
     check_rank(k_name, k, 4, kv_text)
     check_rank(v_name, v, 4, kv_text)
-    if jnp.shape(v) != jnp.shape(k):
-        raise fail(v_name, f"shape {jnp.shape(v)}", f"the shape of {k_name}, {jnp.shape(k)}")
+    if jnp.shape(v)[:3] != jnp.shape(k)[:3]:
+        raise fail(
+            v_name, f"shape {jnp.shape(v)}", f"the shape of {k_name} but head_dim, {jnp.shape(k)}"
+        )
     q_shape, k_shape = jnp.shape(q), jnp.shape(k)
     dims = AttentionDims(
         batch=q_shape[0],
@@ -108,6 +112,7 @@ def check_qkv(
         kv_heads=k_shape[layout.heads_axis],
         kv_len=k_shape[layout.seq_axis],
         head_dim=q_shape[3],
+        v_head_dim=jnp.shape(v)[3],
     )
     if k_shape[0] != dims.batch:
         raise fail(k_name, f"shape {k_shape}", f"batch {dims.batch} (from {q_name})")
@@ -138,6 +143,16 @@ def check_segment_ids(segment_ids: Any, dims: AttentionDims) -> SegmentIds:
             raise fail(f"segment_ids.{field}", f"dtype {jnp.result_type(ids)}", "an integer dtype")
         checked.append(jnp.asarray(ids, dtype=jnp.int32))
     return SegmentIds(*checked)
+
+
+def check_sinks(sinks: Any, dims: AttentionDims) -> jax.Array:
+    """Checks that sinks is a floating ``[q_heads]`` array; returns it as an array."""
+    shape = tuple(jnp.shape(sinks))
+    if shape != (dims.q_heads,):
+        raise fail("sinks", f"shape {shape}", f"shape ({dims.q_heads},) [q_heads]")
+    if not jnp.issubdtype(jnp.result_type(sinks), jnp.floating):
+        raise fail("sinks", f"dtype {jnp.result_type(sinks)}", "a floating dtype")
+    return jnp.asarray(sinks)
 
 
 def _check_non_negative_int(name: str, value: Any) -> int:
