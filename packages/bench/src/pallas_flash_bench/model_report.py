@@ -127,10 +127,12 @@ def serving_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
               "reference (measured)", "ours / ref"]  # fmt: skip
     return ["## Serving against JetStream (v5e)", "",
             "Tokens/s: every generated token over the prefill (8 prompts a step, the batch's "
-            "steps together) plus all decode steps, each charged as the step at the run's mean "
-            "cache length (prompt + half the generated tokens: the kernel's time is linear in "
-            "the positions it reads). A cache split over kv heads: each chip decodes its heads "
-            "of every sequence, nothing exchanged. Split along the sequence: each chip holds a "
+            "steps together) plus all decode steps, each charged as the run's average step: "
+            "a batch whose lengths spread evenly over every length the run reaches (prompt + 1 "
+            "to prompt + generated), its kernels charged the blocks or 128-position pages they "
+            "copy, its flops at the mean length. A cache split over kv heads: each chip "
+            "decodes its heads of every sequence, nothing exchanged. Split along the sequence: "
+            "each chip holds a "
             "share of every sequence's positions and the partials are merged across chips; "
             "the first chip's share is full from the first step, so its every block is "
             f"charged. {OVERLAP_NOTE}", "",
