@@ -19,6 +19,17 @@ def test_backward_is_two_and_a_half_forwards() -> None:
     assert Workload("forward_backward", 2048).useful_flops == 3.5 * forward
 
 
+def test_mla_counts_each_matmul_at_its_own_head_dim() -> None:
+    w = Workload("forward_backward", 4096, causal=True, head_dim=192, v_head_dim=128)
+    pairs = 16 * 4096**2 / 2
+    assert w.useful_flops == pairs * (2 * (192 + 128) + 2 * (3 * 192 + 2 * 128))
+    forward = Workload("forward", 1024, head_dim=192, v_head_dim=128)
+    assert forward.min_hbm_bytes == 2 * 16 * 1024 * (192 + 128) * 2  # q, k at 192; v, o at 128
+    assert w.label == "forward_backward N=4096 causal D=192/128"
+    with pytest.raises(ValueError, match="v_head_dim"):
+        Workload("decode", 4096, v_head_dim=64)
+
+
 def test_decode_bytes_are_the_cache() -> None:
     w = Workload("decode", 131072, q_heads=32, kv_heads=8)
     cache = 2 * 8 * 131072 * 128 * 2

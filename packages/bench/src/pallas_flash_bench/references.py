@@ -40,10 +40,17 @@ def _on_one_chip(
 
 def _attention(workload: Workload, blocks: tuple[int, ...] = ()) -> bool:
     """Whether a reference attention kernel takes the workload: multi-head attention (not
-    decode, not grouped) whose sequence every block divides (as splash requires; a longer
-    block, clamped, would repeat a configuration of shorter ones)."""
+    decode, not grouped, v's head_dim q's: jax's kernels take head_dims that are multiples
+    of 128, so not MLA's 192) whose sequence every block divides (as splash requires; a
+    longer block, clamped, would repeat a configuration of shorter ones)."""
     w = workload
-    return w.op != "decode" and w.q_heads == w.kv_heads and all(w.seq_len % b == 0 for b in blocks)
+    same_dims = w.v_head_dim is None and w.head_dim % 128 == 0
+    return (
+        w.op != "decode"
+        and w.q_heads == w.kv_heads
+        and same_dims
+        and all(w.seq_len % b == 0 for b in blocks)
+    )
 
 
 class FlashBlocks(NamedTuple):

@@ -58,8 +58,9 @@ def array_specs(workload: Workload) -> list[ArraySpec]:
         if w.cache_dtype == "int8":
             specs += [ArraySpec(blocks, "float32", split)] * 2
         return specs
-    kv = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
-    return [ArraySpec((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), kv, kv]
+    k = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
+    v = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.value_head_dim), w.dtype)
+    return [ArraySpec((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), k, v]
 
 
 def decode_options(workload: Workload, extra: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
@@ -133,6 +134,8 @@ def _backend_build(
         needed.add("causal")
     if workload.q_heads != workload.kv_heads:
         needed.add("gqa")
+    if workload.value_head_dim != workload.head_dim:
+        needed.add("value_head_dim")
     if workload.cache == "paged":
         needed.add("paged_cache")
     if workload.cache_dtype == "int8":

@@ -32,6 +32,9 @@ class Workload:
     ``chips``), page ``j`` of sequence ``b`` on chip ``(j + b) % chips`` as `PagedKVCache`
     allocates them; ``cache_dtype="int8"`` stores it in int8 with a float32 scale per token
     and kv head.
+
+    Attention only: ``v_head_dim`` gives v (and the output) a head_dim of their own, as MLA's
+    128 beside q and k's 192 (None: ``head_dim``).
     """
 
     op: Op
@@ -48,6 +51,7 @@ class Workload:
     cache: Literal["contiguous", "paged"] = "contiguous"
     page_size: int = 128
     cache_dtype: str | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.chips < 1 or (self.chips > 1 and self.op != "decode"):
@@ -57,6 +61,8 @@ class Workload:
         serving = (self.lengths, self.cache_dtype, self.cache != "contiguous")
         if self.op != "decode" and any(serving):
             raise ValueError("lengths, cache and cache_dtype: expected for decode only")
+        if self.op == "decode" and self.v_head_dim is not None:
+            raise ValueError("v_head_dim: expected for attention only")
         if self.lengths is not None and not 0 <= self.lengths[0] <= self.lengths[1] <= self.seq_len:
             raise ValueError(f"lengths: expected 0 <= lo <= hi <= seq_len, got {self.lengths}")
         if self.cache == "paged" and self.seq_len % self.page_size:
@@ -72,7 +78,13 @@ class Workload:
             paged = f" paged/{self.page_size}" if self.cache == "paged" else ""
             int8 = " int8" if self.cache_dtype == "int8" else ""
             return f"decode L={self.seq_len}{heads}{batch}{ragged}{paged}{int8}{chips}"
-        return f"{self.op} N={self.seq_len}{' causal' if self.causal else ''}{heads}"
+        dims = "" if self.v_head_dim is None else f" D={self.head_dim}/{self.v_head_dim}"
+        return f"{self.op} N={self.seq_len}{' causal' if self.causal else ''}{heads}{dims}"
+
+    @property
+    def value_head_dim(self) -> int:
+        """v's (and the output's) head_dim."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def sequence_lengths(self) -> np.ndarray:
@@ -188,25 +200,26 @@ class Workload:
 
     @property
     def useful_flops(self) -> float:
-        """Flops of the two matmuls over the scores that are not masked: causal counts half;
-        the backward pass does 2.5x the forward's (five matmuls to the forward's two)."""
+        """Flops of the matmuls over the scores that are not masked (causal counts half): the
+        forward's two (``q k^T`` over head_dim, ``p v`` over v's), the backward's five (three
+        over head_dim, two over v's: 2.5x the forward's when they are equal)."""
         if self.op == "decode":
             return 4.0 * self.q_heads * self.head_dim * float(self.sequence_lengths.sum())
-        forward = 4.0 * self.batch * self.q_heads * self.seq_len**2 * self.head_dim
-        if self.causal:
-            forward /= 2
-        return forward * (3.5 if self.op == "forward_backward" else 1.0)
+        pairs = self.batch * self.q_heads * self.seq_len**2 / (2 if self.causal else 1)
+        d, dv = self.head_dim, self.value_head_dim
+        per_pair = 2 * (d + dv) + (2 * (3 * d + 2 * dv) if self.op == "forward_backward" else 0)
+        return float(pairs * per_pair)
 
     @property
     def min_hbm_bytes(self) -> float:
         """Bytes every implementation must move at least: its inputs and outputs, once."""
         q_sized = self.batch * self.q_heads * self.head_dim * self.itemsize
-        kv_sized = self.batch * self.kv_heads * self.head_dim * self.itemsize
         if self.op == "decode":
             return 2 * q_sized + self.cache_bytes_per_token * float(self.sequence_lengths.sum())
         # forward: read q, k, v, write o; backward adds read q, k, v, o, do, write dq, dk, dv
-        tensors = 2 if self.op == "forward" else 6
-        return tensors * (q_sized + kv_sized) * self.seq_len
+        heads = self.batch * (self.q_heads + self.kv_heads) * self.itemsize * self.seq_len
+        once = heads * (self.head_dim + self.value_head_dim)  # q and k, o and v
+        return once * (1 if self.op == "forward" else 3)
 
     @property
     def tokens(self) -> int:
@@ -225,9 +238,14 @@ OTHER_LENGTHS = (1536, 3072, 5120, 6144, 12288, 24576, 100_000)
 partial blocks (a cliff a sweep of powers of two never shows)."""
 
 
+MLA = dict(head_dim=192, v_head_dim=128)
+"""DeepSeek's multi-head latent attention head_dims: q and k 192, v 128."""
+
+
 def default_sweep(chips: int = 1) -> list[Workload]:
     """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k (`POWERS_OF_TWO`), causal and
-    not, forward and forward+backward, and forward at `OTHER_LENGTHS`; decode 1k..128k cached
+    not, forward and forward+backward, and forward at `OTHER_LENGTHS`; causal MLA head_dims
+    (`MLA`) at 4k and 16k, forward and forward+backward; decode 1k..128k cached
     tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
     over all of them; and the serving decode workloads (`serving_sweep`)."""
     attention = [
@@ -237,6 +255,11 @@ def default_sweep(chips: int = 1) -> list[Workload]:
         for causal in (False, True)
     ]
     attention += [Workload("forward", n, causal) for n in OTHER_LENGTHS for causal in (False, True)]
+    attention += [
+        Workload(op, n, causal=True, **MLA)
+        for op in ("forward", "forward_backward")
+        for n in (4096, 16384)
+    ]
     decode = [
         Workload("decode", n, q_heads=q, kv_heads=kv)
         for n in (1024, 8192, 32768, 131072)
@@ -301,6 +324,7 @@ def quick_sweep(chips: int = 1) -> list[Workload]:
         Workload("forward", 4096),
         Workload("forward", 4096, causal=True),
         Workload("forward_backward", 2048, causal=True),
+        Workload("forward_backward", 4096, causal=True, **MLA),
         Workload("decode", 8192),
         Workload("decode", SERVING_LENGTHS[1], **serving),
         Workload("decode", SERVING_LENGTHS[1], cache_dtype="int8", **serving),
