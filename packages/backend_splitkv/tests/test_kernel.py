@@ -111,24 +111,28 @@ def test_paged_steps_of_several_pages_prefetch_across_sequences(per_step, dtype:
     assert (np.asarray(out, np.float32)[[0, 3, 6]] == 0).all()
 
 
+@pytest.mark.parametrize("per_step", [3, 2], ids=["chunks", "pages"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_contiguous_cache_read_in_pages_copies_only_what_lengths_reach(dtype: str) -> None:
+def test_contiguous_cache_read_in_pages_copies_only_what_lengths_reach(
+    dtype: str, per_step: int
+) -> None:
     """A contiguous cache of 7 pages of 128 positions, 3 per step (a last step of one page),
     read by the page-copying kernel: sequences empty first, between others and last, ending
     inside a page, on a step's edge or filling the cache, with NaN in every slot past a
     length (in pages never copied and in the rest of a copied one). A step copies its pages
-    in chunks of 2 and 1 (`binary_chunks`): steps holding 1, 2 and 3 pages."""
+    in chunks of 2 and 1 (`binary_chunks`): steps holding 1, 2 and 3 pages; steps of 2 pages
+    copy by the page."""
     batch, q_heads, kv_heads, head_dim = 8, 4, 2, 64
     max_len = 7 * paged_kernel.CONTIGUOUS_PAGE
     lengths = np.array([0, 5, 384, 0, max_len, 385, 0, 600], np.int32)
-    blocks = DecodeBlocks(block_kv=3 * paged_kernel.CONTIGUOUS_PAGE)
+    blocks = DecodeBlocks(block_kv=per_step * paged_kernel.CONTIGUOUS_PAGE)
     valid = np.arange(max_len)[None, None, :] < lengths[:, None, None]
     shape = (batch, kv_heads, max_len, head_dim)
     k, v = (np.array(inputs.normal(s, shape)) for s in (1, 2))
     q = inputs.normal(0, (batch, q_heads, head_dim), dtype)
     stale = [jnp.asarray(np.where(valid[..., None], x, np.nan), dtype) for x in (k, v)]
     cache = pf.DecodeCache(*stale)
-    assert paged_kernel.contiguous_pages_per_step(blocks, cache.k) == 3
+    assert paged_kernel.contiguous_pages_per_step(blocks, cache.k) == per_step
     scale = 1 / math.sqrt(head_dim)
     expected = reference.decode(q, np.asarray(k, np.float32), np.asarray(v, np.float32),
                                 lengths, sm_scale=scale)  # fmt: skip
