@@ -56,6 +56,9 @@ from pallas_flash_pallas.block_sizes import (
     vmem_limit_bytes,
 )
 from pallas_flash_pallas.kernel_helpers import (
+    NN,
+    NT,
+    TN,
     both,
     lanes,
     mask_diagonal_tile,
@@ -65,9 +68,6 @@ from pallas_flash_pallas.kernel_helpers import (
 from pallas_flash_pallas.schedule import BlockKind, QSchedule
 
 _F32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a b^T
-_NN = (((1,), (0,)), ((), ()))  # a b
-_TN = (((0,), (0,)), ((), ()))  # a^T b
 
 
 def _head_and_step(t: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
@@ -149,7 +149,7 @@ def _kernel(
         if masked and partial_q:  # dk and dv sum over rows: garbage rows must be zeros
             q = zero_rows_from(q, row_pos, schedule.q_len)
             do = zero_rows_from(do, row_pos, schedule.q_len)
-        s_t = lax.dot_general(k, q, _NT, preferred_element_type=_F32, precision=precision)
+        s_t = lax.dot_general(k, q, NT, preferred_element_type=_F32, precision=precision)
         s_t = apply_softcap(s_t * spec.sm_scale, spec.softcap)  # [num_keys, num_rows]
         visible = None
         if masked:
@@ -169,9 +169,9 @@ def _kernel(
         if kind == BlockKind.DIAGONAL:
             p_t = mask_diagonal_tile(p_t, 0, keys_on_rows=True, fill=0.0)
         dv_acc[keys, :] += lax.dot_general(
-            p_t.astype(do.dtype), do, _NN, preferred_element_type=_F32, precision=precision
+            p_t.astype(do.dtype), do, NN, preferred_element_type=_F32, precision=precision
         )
-        dp_t = lax.dot_general(v, do, _NT, preferred_element_type=_F32, precision=precision)
+        dp_t = lax.dot_general(v, do, NT, preferred_element_type=_F32, precision=precision)
         ds_t = p_t * (dp_t - di_ref[:, rows])
         if spec.softcap is not None:
             ds_t = ds_t * (1.0 - jnp.square(s_t * (1.0 / spec.softcap)))
@@ -179,12 +179,12 @@ def _kernel(
             ds_t = jnp.where(visible, ds_t, 0.0)
         ds_t = ds_t.astype(q.dtype)
         dk_acc[keys, :] += lax.dot_general(
-            ds_t, q, _NN, preferred_element_type=_F32, precision=precision
+            ds_t, q, NN, preferred_element_type=_F32, precision=precision
         )
         if with_dq:
             dq_slice = pl.ds(dq_base + first_row, block_q - first_row)
             dq_acc[dq_slice, :] += lax.dot_general(
-                ds_t, k, _TN, preferred_element_type=_F32, precision=precision
+                ds_t, k, TN, preferred_element_type=_F32, precision=precision
             )
 
     def fold(kind: BlockKind) -> None:

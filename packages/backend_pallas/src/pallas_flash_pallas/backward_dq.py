@@ -41,12 +41,18 @@ from pallas_flash_pallas.block_sizes import (
     dq_kernel_vmem_bytes,
     vmem_limit_bytes,
 )
-from pallas_flash_pallas.kernel_helpers import both, lanes, when, zero_rows_from
+from pallas_flash_pallas.kernel_helpers import (
+    NN,
+    NT,
+    both,
+    lanes,
+    query_grid_maps,
+    when,
+    zero_rows_from,
+)
 from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
 _F32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a b^T
-_NN = (((1,), (0,)), ((), ()))  # a b
 
 
 def _kernel(
@@ -97,7 +103,7 @@ def _kernel(
         if masked and partial_kv:  # dq sums over keys: garbage keys must be zeros
             k = zero_rows_from(k, key_pos, schedule.kv_len)
             v = zero_rows_from(v, key_pos, schedule.kv_len)
-        s = lax.dot_general(q, k, _NT, preferred_element_type=_F32, precision=precision)
+        s = lax.dot_general(q, k, NT, preferred_element_type=_F32, precision=precision)
         s = apply_softcap(s * spec.sm_scale, spec.softcap)  # [num_rows, block_kv]
         visible = None
         if masked:
@@ -111,12 +117,12 @@ def _kernel(
         p = jnp.exp(s - lanes(lse_cols[rows, :], block_kv))
         if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
             p = jnp.where(visible, p, 0.0)
-        dp = lax.dot_general(do, v, _NT, preferred_element_type=_F32, precision=precision)
+        dp = lax.dot_general(do, v, NT, preferred_element_type=_F32, precision=precision)
         ds = p * (dp - lanes(di_cols[rows, :], block_kv))
         if spec.softcap is not None:
             ds = ds * (1.0 - jnp.square(s * (1.0 / spec.softcap)))
         dq_acc[rows, :] += lax.dot_general(
-            ds.astype(k.dtype), k, _NN, preferred_element_type=_F32, precision=precision
+            ds.astype(k.dtype), k, NN, preferred_element_type=_F32, precision=precision
         )
 
     def fold(masked: bool) -> None:
@@ -190,15 +196,7 @@ def query_gradient(
         generation,
     )
 
-    # Index maps of the grid (b, h, i, j) to block indices.
-    def q_map(b, h, i, j):
-        return b, h, i, 0
-
-    def kv_map(b, h, i, j):  # GQA: query head h reads kv head h // group
-        return b, lax.div(h, jnp.int32(group)), schedule.kv_block(i, j), 0
-
-    def row_map(b, h, i, j):
-        return b, h, 0, i
+    q_map, kv_map, row_map = query_grid_maps(schedule, group)
 
     in_specs = [
         pl.BlockSpec((None, None, bq, head_dim), q_map),

@@ -52,12 +52,18 @@ from pallas_flash_pallas.block_sizes import (
     full_block_tiles,
     vmem_limit_bytes,
 )
-from pallas_flash_pallas.kernel_helpers import both, lanes, mask_diagonal_tile, when
+from pallas_flash_pallas.kernel_helpers import (
+    NN,
+    NT,
+    both,
+    lanes,
+    mask_diagonal_tile,
+    query_grid_maps,
+    when,
+)
 from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
 _F32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # contract the last dims: q k^T
-_NN = (((1,), (0,)), ((), ()))  # p v
 
 
 def _kernel(
@@ -123,7 +129,7 @@ def _kernel(
         rows, keys = pl.ds(first_row, num_rows), pl.ds(first_key, num_keys)
         v = v_ref[keys, :]
         s = lax.dot_general(
-            q_ref[rows, :], k_ref[keys, :], _NT, preferred_element_type=_F32, precision=precision
+            q_ref[rows, :], k_ref[keys, :], NT, preferred_element_type=_F32, precision=precision
         )  # [num_rows, num_keys]
         s = apply_softcap(s * spec.sm_scale, spec.softcap)
         visible = None
@@ -155,7 +161,7 @@ def _kernel(
         m_ref[rows, :] = m_next
         total = jnp.sum(p, axis=1, keepdims=True)
         pv = lax.dot_general(
-            p.astype(v.dtype), v, _NN, preferred_element_type=_F32, precision=precision
+            p.astype(v.dtype), v, NN, preferred_element_type=_F32, precision=precision
         )
         if first:
             l_ref[rows, :] = jnp.broadcast_to(total, (num_rows, LANES))
@@ -346,15 +352,7 @@ def _flash_forward(
         generation,
     )
 
-    # Index maps of the grid (b, h, i, j) to block indices.
-    def q_map(b, h, i, j):
-        return b, h, i, 0
-
-    def kv_map(b, h, i, j):  # GQA: query head h reads kv head h // group
-        return b, lax.div(h, jnp.int32(group)), schedule.kv_block(i, j), 0
-
-    def lse_map(b, h, i, j):
-        return b, h, 0, i
+    q_map, kv_map, lse_map = query_grid_maps(schedule, group)
 
     def q_ids_map(b, h, i, j):
         return b, 0, i

@@ -10,6 +10,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_flash_pallas.block_sizes import LANES
+from pallas_flash_pallas.schedule import KvSchedule
+
+NT = (((1,), (1,)), ((), ()))
+"""``lax.dot_general`` dimension numbers of ``a b^T`` (contract the last dims: ``q k^T``)."""
+NN = (((1,), (0,)), ((), ()))
+"""``a b`` (``p v``)."""
+TN = (((0,), (0,)), ((), ()))
+"""``a^T b``."""
+
+IndexMap = Callable[..., tuple]
+
+
+def query_grid_maps(schedule: KvSchedule, group: int) -> tuple[IndexMap, IndexMap, IndexMap]:
+    """Index maps of a grid ``(b, h, i, j)`` that keeps query block ``i`` of head ``h``
+    resident while kv step ``j`` streams `KvSchedule.kv_block` past (the forward and the dq
+    kernel): ``(q-shaped block [b, h, i, 0], kv block [b, h // group, kv_block, 0], row of
+    lanes [b, h, 0, i])``; GQA: query head ``h`` reads kv head ``h // group``."""
+
+    def q_map(b, h, i, j):
+        return b, h, i, 0
+
+    def kv_map(b, h, i, j):
+        return b, lax.div(h, jnp.int32(group)), schedule.kv_block(i, j), 0
+
+    def row_map(b, h, i, j):
+        return b, h, 0, i
+
+    return q_map, kv_map, row_map
 
 
 def lanes(x: jax.Array, width: int) -> jax.Array:
