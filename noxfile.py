@@ -36,10 +36,10 @@ RACE_CHECKED = {
 """Backends whose kernels run in Pallas's TPU interpreter off TPU -> the conformance tests
 (``-k``) run a second time with its race detector on."""
 
-MULTI_DEVICE = {"splitkv": "test_decode"}
-"""Backends that declare ``multi_device`` -> the conformance tests (``-k``, those that take a
-mesh and their neighbours) run a second time with 4 host devices (set before jax
-initialises, in the pytest process's environment)."""
+MULTI_DEVICE = {"splitkv": "test_decode", "pallas": "test_context_parallel"}
+"""Backends that declare ``multi_device`` or ``context_parallel`` -> the conformance tests
+(``-k``, those that take a mesh and their neighbours) run a second time with 4 host devices
+(set before jax initialises, in the pytest process's environment)."""
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=4"
 DETECT_RACES_ENV_VAR = "PALLAS_FLASH_DETECT_RACES"  # pallas_flash.interpret's, not imported here
 PARALLEL = ("--numprocesses=auto", "--maxprocesses=4")

@@ -248,6 +248,7 @@ def test_registered_as_the_tpu_backend() -> None:
         "softcap",
         "sinks",
         "value_head_dim",
+        "context_parallel",
     }
     (backend,) = plugin.pallas_flash_backends()
     assert isinstance(backend, PallasBackend)

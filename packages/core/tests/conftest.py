@@ -80,10 +80,22 @@ class ToyBackend(pf.Backend):
     def __repr__(self) -> str:
         return f"ToyBackend({self.name!r})"
 
-    def attention(self, q, k, v, spec, *, segment_ids=None, bias=None, mask=None, sinks=None):
+    def attention(
+        self, q, k, v, spec, *, segment_ids=None, bias=None, mask=None, sinks=None, mesh=None,
+        context_layout="contiguous",
+    ):  # fmt: skip
         self.calls.append(
             dict(
-                q=q, k=k, v=v, spec=spec, segment_ids=segment_ids, bias=bias, mask=mask, sinks=sinks
+                q=q,
+                k=k,
+                v=v,
+                spec=spec,
+                segment_ids=segment_ids,
+                bias=bias,
+                mask=mask,
+                sinks=sinks,
+                mesh=mesh,
+                context_layout=context_layout,
             )
         )
         return self.fn(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask)

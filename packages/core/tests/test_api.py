@@ -338,6 +338,9 @@ def test_decode_accepts_traced_lengths_under_jit(toy):
 # --- the features of a call ----------------------------------------------------------------
 
 
+_ONE_DEVICE_MESH = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+
+
 def _attention_call(kv_heads=2, v_head_dim=None, **kwargs):
     def call(backend):
         q, k, v = _qkv(batch=1, q_heads=2, kv_heads=kv_heads, q_len=3, kv_len=3)
@@ -374,9 +377,10 @@ FEATURE_CALLS = {
     "mask": (CAPS.MASK, _dpa_call(mask=jnp.ones((1, 2, 3, 3), bool))),
     "sinks": (CAPS.SINKS, _attention_call(sinks=jnp.zeros((2,)))),
     "value_head_dim": (CAPS.VALUE_HEAD_DIM, _attention_call(v_head_dim=4)),
+    "mesh": (CAPS.CONTEXT_PARALLEL, _attention_call(mesh=_ONE_DEVICE_MESH)),
 }
 CALL_FEATURES = [CAPS.CAUSAL, CAPS.GQA, CAPS.SEGMENT_IDS, CAPS.SLIDING_WINDOW, CAPS.SOFTCAP]
-CALL_FEATURES += [CAPS.BIAS, CAPS.MASK, CAPS.SINKS, CAPS.VALUE_HEAD_DIM]
+CALL_FEATURES += [CAPS.BIAS, CAPS.MASK, CAPS.SINKS, CAPS.VALUE_HEAD_DIM, CAPS.CONTEXT_PARALLEL]
 
 
 @pytest.mark.parametrize("call_name", list(FEATURE_CALLS))
@@ -423,6 +427,7 @@ def test_attention_features_directly():
     assert features(spec, dims, bias=0.0) == {CAPS.ATTENTION, CAPS.BIAS}
     assert features(spec, dims, mask=False) == {CAPS.ATTENTION, CAPS.MASK}
     assert features(spec, dims, sinks=0.0) == {CAPS.ATTENTION, CAPS.SINKS}
+    assert features(spec, dims, context={}) == {CAPS.ATTENTION, CAPS.CONTEXT_PARALLEL}
     assert features(spec, dims._replace(v_head_dim=4)) == {CAPS.ATTENTION, CAPS.VALUE_HEAD_DIM}
     everything = features(
         pf.AttentionSpec(sm_scale=1.0, causal=True, window=(1, 0), softcap=2.0),
@@ -431,6 +436,7 @@ def test_attention_features_directly():
         bias=0.0,
         mask=True,
         sinks=0.0,
+        context={},
     )
     decode_only = {CAPS.DECODE, CAPS.PAGED_CACHE, CAPS.INT8_CACHE, CAPS.MULTI_DEVICE}
     assert everything == EVERY - decode_only - {CAPS.GRAD}

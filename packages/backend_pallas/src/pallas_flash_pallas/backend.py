@@ -7,6 +7,7 @@ import jax
 import pallas_flash as pf
 from pallas_flash_pallas.attention import flash_attention
 from pallas_flash_pallas.block_sizes import BlockSizes
+from pallas_flash_pallas.context_parallel import context_parallel_attention
 
 
 class PallasBackend(pf.Backend):
@@ -39,6 +40,7 @@ class PallasBackend(pf.Backend):
             pf.Capability.SOFTCAP,
             pf.Capability.SINKS,
             pf.Capability.VALUE_HEAD_DIM,
+            pf.Capability.CONTEXT_PARALLEL,
         }
     )
     platforms = frozenset({"tpu"})
@@ -62,5 +64,19 @@ class PallasBackend(pf.Backend):
         bias: jax.Array | None = None,
         mask: jax.Array | None = None,
         sinks: jax.Array | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        context_layout: pf.context_layout.ContextLayout = "contiguous",
     ) -> jax.Array:
-        return flash_attention(q, k, v, segment_ids, sinks, spec, self.block_sizes)
+        if mesh is None:
+            return flash_attention(q, k, v, segment_ids, sinks, spec, self.block_sizes)
+        unsupported = {"segment_ids": segment_ids is not None, "sliding_window": spec.window,
+                       "sinks": sinks is not None}  # fmt: skip
+        used = [name for name, given in unsupported.items() if given]
+        if used:
+            raise pf.UnsupportedFeatureError(
+                f"backend {self.name!r} does not support {', '.join(used)} with a mesh "
+                "(context parallelism) yet"
+            )
+        return context_parallel_attention(
+            q, k, v, spec=spec, mesh=mesh, layout=context_layout, block_sizes=self.block_sizes
+        )

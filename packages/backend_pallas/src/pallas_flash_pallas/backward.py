@@ -14,7 +14,9 @@ past, so dk and dv are summed over the group in VMEM and written once. The query
 the group's heads is accumulated in VMEM over all kv blocks and written once per chunk; a
 chunk is every query block unless the accumulator would not fit in VMEM
 (`block_sizes.dq_vmem_budget_bytes`), in which case dk and dv of each chunk are written as
-float32 partials and summed afterwards.
+float32 partials and summed afterwards; or, once those partials would take too much HBM
+(`split_backward`), the kernel runs over all query blocks without dq, and `backward_dq`
+computes dq in a pass of its own.
 
 Per visited pair, in the keys-as-rows orientation so that the log-sum-exp and ``di`` rows
 broadcast along sublanes and dk, dv accumulate row-wise (float32 throughout):
@@ -270,6 +272,7 @@ def flash_backward(
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes | None = None,
+    devices: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of attention with respect to q, k and v.
 
@@ -280,6 +283,8 @@ def flash_backward(
       dout: the gradient of the output, like ``out``.
       block_sizes: block sizes (None sizes: the defaults of the TPU generation,
         `block_sizes.default_block_sizes`), before clamping; default `BlockSizes()`.
+      devices: how many devices run the kernels at once (inside ``shard_map``), for the
+        interpreter (`interpret.jit_kernel`).
 
     Returns:
       ``(dq, dk, dv)``, shaped and typed like q, k and v.
@@ -300,6 +305,7 @@ def flash_backward(
         spec=spec,
         block_sizes=block_sizes,
         generation=tpu.current_generation(),
+        devices=devices,
     )
 
 

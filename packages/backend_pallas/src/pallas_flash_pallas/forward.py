@@ -247,6 +247,7 @@ def flash_forward(
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes | None = None,
+    devices: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention output and log-sum-exp of validated inputs.
 
@@ -263,6 +264,8 @@ def flash_forward(
       block_sizes: block sizes (None sizes: the defaults of the TPU generation,
         `block_sizes.default_block_sizes`), before clamping to the sequence lengths; default
         `BlockSizes()`.
+      devices: how many devices run the kernel at once (inside ``shard_map``), for the
+        interpreter (`interpret.jit_kernel`).
 
     Returns:
       ``(out, lse)``: ``out [batch, q_heads, q_len, v_head_dim]`` in q's dtype and
@@ -285,6 +288,7 @@ def flash_forward(
         block_sizes=block_sizes,
         with_lse=True,
         generation=tpu.current_generation(),
+        devices=devices,
     )
 
 

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash.merge import merge, merge_across
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import placement
 from pallas_flash_splitkv.blocks import DecodeBlocks
 from pallas_flash_splitkv.kernel import split_partials
-from pallas_flash_splitkv.merge import merge, merge_across
 from pallas_flash_splitkv.page_shards import local_pages
 
 

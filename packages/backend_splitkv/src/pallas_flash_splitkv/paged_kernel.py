@@ -113,7 +113,7 @@ def _kernel(
             return
         held = jnp.clip(used - step * pages_per_step, 0, pages_per_step)
         for size in binary_chunks(pages_per_step):
-            first = held // (2 * size) * (2 * size)  # the pages of the larger chunks
+            first = held & ~(2 * size - 1)  # the pages of the larger chunks: higher bits
             pl.when(held & size != 0)(functools.partial(copy_chunk, first, size))
 
     @pl.when((b == 0) & (i == 0))

@@ -12,7 +12,10 @@ class XlaBackend(pf.Backend):
     """Plain ``jax.numpy`` attention: the baseline the kernels are measured against."""
 
     name = "xla"
-    capabilities = frozenset(pf.Capability) - {pf.Capability.MULTI_DEVICE}
+    capabilities = frozenset(pf.Capability) - {
+        pf.Capability.MULTI_DEVICE,
+        pf.Capability.CONTEXT_PARALLEL,
+    }
     platforms = frozenset({"cpu", "gpu", "tpu"})
     priority = 0
 

@@ -60,6 +60,10 @@ CALLS = {
     "sliding_window": (lambda b: _attention(b, sliding_window=4), "attention"),
     "softcap": (lambda b: _attention(b, softcap=5.0), "attention"),
     "sinks": (lambda b: _attention(b, sinks=np.zeros((2,), np.float32)), "attention"),
+    "context_parallel": (
+        lambda b: _attention(b, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))),
+        "attention",
+    ),
     "value_head_dim": (
         lambda b: pf.attention(_Q, _K, inputs.normal(2, (1, 2, 16, 128)), backend=b),
         "attention",

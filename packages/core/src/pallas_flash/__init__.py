@@ -19,6 +19,7 @@ from pallas_flash.backend import Backend, BackendInfo
 from pallas_flash.cache_layout import cache_format, kept_format, zeros_cache
 from pallas_flash.cache_write import write_token
 from pallas_flash.capabilities import Capability
+from pallas_flash.context_layout import from_zigzag, to_zigzag
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.dot_product_attention import dot_product_attention
 from pallas_flash.errors import BackendNotFoundError, InvalidInputError, UnsupportedFeatureError
@@ -45,12 +46,14 @@ __all__ = [
     "decode",
     "dequantize_int8",
     "dot_product_attention",
+    "from_zigzag",
     "get_backend",
     "hookimpl",
     "kept_format",
     "list_backends",
     "quantize_int8",
     "register_plugin",
+    "to_zigzag",
     "unregister_plugin",
     "write_token",
     "zeros_cache",

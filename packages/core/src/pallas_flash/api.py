@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from pallas_flash import validation
 from pallas_flash.capabilities import Capability, as_capabilities
+from pallas_flash.context_layout import ContextLayout
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.decode_validation import check_decode
 from pallas_flash.errors import UnsupportedFeatureError
@@ -28,6 +29,8 @@ def attention(
     sliding_window: int | tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: jax.Array | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    context_layout: ContextLayout = "contiguous",
     backend: str | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention, ``softmax(q @ k^T * sm_scale) @ v``.
@@ -50,6 +53,13 @@ def attention(
         joins every row's softmax denominator and has no value (``p_j = exp(s_j) /
         (exp(sinks[h]) + sum_k exp(s_k))``, in the scores' units, after ``sm_scale`` and
         ``softcap``); differentiable, its gradient accumulated in float32.
+      mesh: context parallelism, on backends that declare ``context_parallel``: the
+        sequence (``q_len == kv_len``) is split over all the mesh's devices, in mesh order,
+        and each device attends to every part of it in turn.
+      context_layout: with ``mesh``, which tokens each device holds (`context_layout`):
+        ``"contiguous"`` (device ``d`` the ``d``-th of equal chunks) or ``"zigzag"`` (chunks
+        ``d`` and ``2 devices - 1 - d`` of twice as many, which balances causal work; the
+        arrays' tokens must be in that order: `to_zigzag`).
       backend: backend name; default: ``$PALLAS_FLASH_BACKEND``, else the best installed
         backend for the current platform.
 
@@ -77,7 +87,14 @@ def attention(
         segment_ids = validation.check_segment_ids(segment_ids, dims)
     if sinks is not None:
         sinks = validation.check_sinks(sinks, dims)
-    return run_attention(q, k, v, spec, dims, backend=backend, segment_ids=segment_ids, sinks=sinks)
+    context = None
+    if mesh is not None:
+        validation.check_context_parallel(mesh, context_layout, dims)
+        context = {"mesh": mesh, "context_layout": context_layout}
+    return run_attention(
+        q, k, v, spec, dims, backend=backend, segment_ids=segment_ids, sinks=sinks,
+        context=context,
+    )  # fmt: skip
 
 
 def attention_features(
@@ -88,6 +105,7 @@ def attention_features(
     bias: Any = None,
     mask: Any = None,
     sinks: Any = None,
+    context: Any = None,
 ) -> frozenset[Capability]:
     """The capabilities one attention call needs (``grad`` is checked when differentiating)."""
     used = {
@@ -101,6 +119,7 @@ def attention_features(
         Capability.MASK: mask is not None,
         Capability.SINKS: sinks is not None,
         Capability.VALUE_HEAD_DIM: dims.v_head_dim != dims.head_dim,
+        Capability.CONTEXT_PARALLEL: context is not None,
     }
     return frozenset(feature for feature, needed in used.items() if needed)
 
@@ -117,16 +136,22 @@ def run_attention(
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    context: dict[str, Any] | None = None,
 ) -> jax.Array:
-    """Selects the backend for validated inputs (``[batch, heads, seq, head_dim]``) and calls it."""
+    """Selects the backend for validated inputs (``[batch, heads, seq, head_dim]``) and calls
+    it; ``context``: ``mesh`` and ``context_layout`` of a context-parallel call."""
     features = attention_features(
-        spec, dims, segment_ids=segment_ids, bias=bias, mask=mask, sinks=sinks
+        spec, dims, segment_ids=segment_ids, bias=bias, mask=mask, sinks=sinks, context=context
     )
     impl = select_backend(backend, features)
 
     def call(q, k, v, segment_ids, bias, mask, sinks):
-        extra = {} if sinks is None else {"sinks": sinks}  # only to backends declaring it
-        return impl.attention(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask, **extra)
+        # the newer features' arguments go only to the backends that declare them
+        extra = {} if sinks is None else {"sinks": sinks}
+        return impl.attention(
+            q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask, **extra,
+            **(context or {}),
+        )  # fmt: skip
 
     if Capability.GRAD not in as_capabilities(impl.capabilities):
         call = _gradient_raises(call, impl.name)

@@ -47,6 +47,8 @@ class Backend:
         bias: jax.Array | None = None,
         mask: jax.Array | None = None,
         sinks: jax.Array | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        context_layout: str = "contiguous",
     ) -> jax.Array:
         """Attention output ``[batch, q_heads, q_len, v_head_dim]`` in the dtype of q.
 
@@ -62,6 +64,10 @@ class Backend:
           sinks: ``[q_heads]`` float, a logit per query head in every row's softmax
             denominator, differentiable (``sinks`` capability). Core passes it only to
             calls that use it, so a backend without the capability need not take it.
+          mesh, context_layout: context parallelism (``context_parallel``), passed likewise
+            only to calls that use it: q, k and v (``q_len == kv_len``, divisible by the
+            mesh's devices and chunks) are split along the sequence over all the mesh's
+            devices as ``context_layout`` says (`pallas_flash.context_layout`).
         """
         raise UnsupportedFeatureError(f"backend {self.name!r} does not implement attention")
 

@@ -40,6 +40,8 @@ class Capability(enum.StrEnum):
     """``decode(..., page_table=...)``: a cache kept in pages (`pallas_flash.DecodeCache`)."""
     INT8_CACHE = "int8_cache"
     """``decode`` of an int8 cache with per-token scales (``k_scales``, ``v_scales``)."""
+    CONTEXT_PARALLEL = "context_parallel"
+    """``attention(..., mesh=...)``: one sequence split over the devices of a mesh."""
     MULTI_DEVICE = "multi_device"
     """``decode(..., mesh=...)`` splits the cache across the devices of a mesh."""
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash import context_layout
 from pallas_flash.errors import InvalidInputError
 from pallas_flash.specs import SegmentIds
 
@@ -143,6 +144,26 @@ def check_segment_ids(segment_ids: Any, dims: AttentionDims) -> SegmentIds:
             raise fail(f"segment_ids.{field}", f"dtype {jnp.result_type(ids)}", "an integer dtype")
         checked.append(jnp.asarray(ids, dtype=jnp.int32))
     return SegmentIds(*checked)
+
+
+def check_context_parallel(mesh: Any, layout: Any, dims: AttentionDims) -> None:
+    """Checks a context-parallel call: a ``jax.sharding.Mesh``, a known layout, and queries
+    and keys of one sequence that the mesh's devices (times the layout's chunks per device)
+    divide."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise fail("mesh", type(mesh).__name__, "a jax.sharding.Mesh or None")
+    if layout not in context_layout.LAYOUTS:
+        raise fail("context_layout", repr(layout), f"one of {context_layout.LAYOUTS}")
+    if dims.kv_len != dims.q_len:
+        raise fail("k", f"kv_len {dims.kv_len}", f"kv_len == q_len ({dims.q_len}) with a mesh")
+    parts = mesh.size * context_layout.pieces(layout)
+    if dims.q_len % parts:
+        raise fail(
+            "q",
+            f"q_len {dims.q_len}",
+            f"a multiple of the mesh's {mesh.size} devices x {context_layout.pieces(layout)} "
+            f"chunks each ({layout})",
+        )
 
 
 def check_sinks(sinks: Any, dims: AttentionDims) -> jax.Array:

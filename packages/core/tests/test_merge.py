@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_flash_splitkv.merge import merge
+from pallas_flash.merge import merge
 
 
 def _partial(scores: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,232 @@
+"""Context parallelism: attention of one sequence split over the devices of a mesh.
+
+q, k and v ``[batch, heads, seq, head_dim]`` (v: ``v_head_dim``) are split along ``seq`` over
+all the mesh's devices (its axes flattened, in mesh order), each device holding ``pieces``
+chunks of ``seq / (devices x pieces)`` tokens (`pallas_flash.context_layout`): chunk ``d``
+(``contiguous``) or chunks ``d`` and ``2 devices - 1 - d`` (``zigzag``, which gives every
+device the same share of causal work). Each device keeps its queries and passes its K/V
+chunks round a ring (``ppermute``, one hop a step, ``devices`` steps), so it attends to every
+chunk once; the per-pair results, each a normalised output and a log-sum-exp, merge exactly
+(`pallas_flash.merge`).
+
+A pair of chunks is attended to with the one-chip kernels (`forward`, `backward`): without a
+mask as is; causal, by the chunks' order along the sequence: an earlier key chunk entirely
+(no mask), the same chunk causally, a later one not at all (its work skipped, its weight 0).
+The chunk indices are traced (each device's own), so the choice is a ``lax.switch``. With
+``zigzag``, every ring step after the first leaves each device exactly two of its four pairs
+to compute.
+
+Backward (a custom VJP): the forward's merged output and log-sum-exp make every pair's
+gradient exact on its own (`backward.flash_backward` with the global statistics). dq stays
+on its device; dk and dv travel round the ring with their K/V, and the hop after the last
+step brings them home (K/V make that hop too: one wasted hop of the backward's ``devices``).
+Partial results are summed in float32. Both passes loop over the ring's steps
+(``lax.fori_loop``), so one step's buffers are alive at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from pallas_flash.context_layout import ContextLayout, chunk_ids
+from pallas_flash.merge import merge
+from pallas_flash.specs import AttentionSpec
+from pallas_flash_pallas.backward import flash_backward
+from pallas_flash_pallas.block_sizes import BlockSizes
+from pallas_flash_pallas.forward import flash_forward
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The static settings of one call: its spec, the mesh's axes and size, the layout's
+    pieces per device and the kernels' block sizes."""
+
+    spec: AttentionSpec
+    axes: tuple[str, ...]
+    devices: int
+    layout: ContextLayout
+    block_sizes: BlockSizes
+
+    @property
+    def pieces(self) -> int:
+        return 2 if self.layout == "zigzag" else 1
+
+    def chunks(self, device: jax.Array) -> list[jax.Array]:
+        """The sequence chunks ``device`` holds, in its order."""
+        return chunk_ids(device, self.devices, self.layout)
+
+    def case(self, q_chunk: jax.Array, k_chunk: jax.Array) -> jax.Array:
+        """0: skip (a later key chunk, causal), 1: causal (the same chunk), 2: no mask."""
+        if not self.spec.causal:
+            return jnp.int32(2)
+        return jnp.where(q_chunk > k_chunk, 2, jnp.where(q_chunk == k_chunk, 1, 0))
+
+    def specs(self) -> tuple[AttentionSpec, AttentionSpec]:
+        """The spec of a pair on the diagonal and of one without a mask."""
+        diagonal = dataclasses.replace(self.spec, q_offset=0)
+        return diagonal, dataclasses.replace(diagonal, causal=False)
+
+    def rotate(self, *xs: jax.Array) -> list[jax.Array]:
+        """Each array one hop round the ring: device ``d``'s to ``d + 1``."""
+        perm = [(i, (i + 1) % self.devices) for i in range(self.devices)]
+        return [lax.ppermute(x, self.axes, perm) for x in xs]
+
+
+def _split(x: jax.Array, pieces: int) -> list[jax.Array]:
+    return jnp.split(x, pieces, axis=2)
+
+
+def _pair_forward(
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, case: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Output (float32) and log-sum-exp ``[batch, heads, rows]`` of one pair of chunks."""
+    diagonal, unmasked = ring.specs()
+
+    def attend(spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
+        out, lse = flash_forward(
+            q, k, v, spec=spec, block_sizes=ring.block_sizes, devices=ring.devices
+        )
+        return out.astype(_F32), lse[:, :, 0, :]
+
+    def skip() -> tuple[jax.Array, jax.Array]:
+        shape = (*q.shape[:3], v.shape[3])
+        return jnp.zeros(shape, _F32), jnp.full(shape[:3], -jnp.inf, _F32)
+
+    if not ring.spec.causal:
+        return attend(unmasked)
+    return lax.switch(case, [skip, lambda: attend(diagonal), lambda: attend(unmasked)])
+
+
+def _forward_pass(
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """This device's output (q's dtype) and log-sum-exp ``[batch, heads, 1, rows]``: a loop
+    over the ring's steps (one step's buffers alive at a time), K/V passed on after each but
+    the last."""
+    device = lax.axis_index(ring.axes)
+    mine = ring.chunks(device)
+    q_pieces = _split(q, ring.pieces)
+
+    def attend(step: jax.Array, k: jax.Array, v: jax.Array, results: list) -> list:
+        theirs = ring.chunks((device - step) % ring.devices)
+        kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces), strict=True))
+        for a, q_piece in enumerate(q_pieces):
+            for b, (k_piece, v_piece) in enumerate(kv_pieces):
+                part = _pair_forward(ring, q_piece, k_piece, v_piece, ring.case(mine[a], theirs[b]))
+                results[a] = merge(*(jnp.stack(x) for x in zip(results[a], part, strict=True)), 0)
+        return results
+
+    def step_and_pass(step, carry):
+        k, v, results = carry
+        results = attend(step, k, v, list(results))
+        return (*ring.rotate(k, v), tuple(results))
+
+    shape = (*q_pieces[0].shape[:3], v.shape[3])
+    empty = (jnp.zeros(shape, _F32), jnp.full(shape[:3], -jnp.inf, _F32))
+    k, v, results = lax.fori_loop(
+        0, ring.devices - 1, step_and_pass, (k, v, (empty,) * ring.pieces)
+    )
+    results = attend(ring.devices - 1, k, v, list(results))
+    out = jnp.concatenate([o for o, _ in results], axis=2).astype(q.dtype)
+    lse = jnp.concatenate([lse for _, lse in results], axis=2)[:, :, None, :]
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return _forward_pass(ring, q, k, v)[0]
+
+
+def _ring_forward(ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array):
+    out, lse = _forward_pass(ring, q, k, v)
+    return out, (q, k, v, out, lse)
+
+
+def _pair_backward(
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+    dout: jax.Array, case: jax.Array, sums: tuple[jax.Array, jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """``sums`` (float32 dq, dk, dv of the pair's chunks) plus the pair's gradients, from the
+    merged output and log-sum-exp ``[batch, heads, 1, rows]`` of the query chunk. The sums go
+    through the branch, so the pairs run one after another and only their sums stay alive."""
+    diagonal, unmasked = ring.specs()
+
+    def add(spec: AttentionSpec) -> tuple[jax.Array, ...]:
+        grads = flash_backward(
+            q, k, v, None, out, lse, dout,
+            spec=spec, block_sizes=ring.block_sizes, devices=ring.devices,
+        )  # fmt: skip
+        return tuple(total + g.astype(_F32) for total, g in zip(sums, grads, strict=True))
+
+    if not ring.spec.causal:
+        return add(unmasked)
+    return lax.switch(case, [lambda: sums, lambda: add(diagonal), lambda: add(unmasked)])
+
+
+def _ring_backward(ring: _Ring, residuals, dout: jax.Array):
+    q, k, v, out, lse = residuals
+    device = lax.axis_index(ring.axes)
+    mine = ring.chunks(device)
+    lse_pieces = jnp.split(lse, ring.pieces, axis=3)
+    rows = list(zip(_split(q, ring.pieces), _split(out, ring.pieces), lse_pieces,
+                    _split(dout, ring.pieces), strict=True))  # fmt: skip
+
+    def step_and_pass(step, carry):
+        """One ring step's gradients, then K/V and their gradients one hop on (the last hop
+        brings dk and dv home)."""
+        k, v, dk, dv, dq = carry
+        theirs = ring.chunks((device - step) % ring.devices)
+        dq = list(dq)
+        dk_parts, dv_parts = _split(dk, ring.pieces), _split(dv, ring.pieces)
+        kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces), strict=True))
+        for a, (q_piece, out_piece, lse_piece, do_piece) in enumerate(rows):
+            for b, (k_piece, v_piece) in enumerate(kv_pieces):
+                dq[a], dk_parts[b], dv_parts[b] = _pair_backward(
+                    ring, q_piece, k_piece, v_piece, out_piece, lse_piece, do_piece,
+                    ring.case(mine[a], theirs[b]), (dq[a], dk_parts[b], dv_parts[b]),
+                )  # fmt: skip
+        dk, dv = jnp.concatenate(dk_parts, axis=2), jnp.concatenate(dv_parts, axis=2)
+        return (*ring.rotate(k, v, dk, dv), tuple(dq))
+
+    dq = tuple(jnp.zeros(q_piece.shape, _F32) for q_piece, *_ in rows)
+    zeros = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+    _, _, dk, dv, dq = lax.fori_loop(0, ring.devices, step_and_pass, (k, v, *zeros, dq))
+    dq = jnp.concatenate(dq, axis=2)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring_attention.defvjp(_ring_forward, _ring_backward)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mesh", "layout", "block_sizes"))
+def context_parallel_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    spec: AttentionSpec,
+    mesh: Mesh,
+    layout: ContextLayout,
+    block_sizes: BlockSizes,
+) -> jax.Array:
+    """Attention of validated self-attention inputs (``q_len == kv_len``, divisible by the
+    mesh's devices times the layout's pieces; module doc), differentiable with respect to q,
+    k and v; returns ``[batch, q_heads, seq, v_head_dim]`` split like q."""
+    axes = tuple(mesh.axis_names)
+    ring = _Ring(spec, axes, mesh.size, layout, block_sizes)
+    split = PartitionSpec(None, None, axes, None)
+    return jax.shard_map(
+        functools.partial(_ring_attention, ring),
+        mesh=mesh,
+        in_specs=(split, split, split),
+        out_specs=split,
+        check_vma=False,
+    )(q, k, v)

@@ -1,0 +1,116 @@
+"""Context parallelism: ``pf.attention(..., mesh=...)`` over every device against the float64
+reference of the whole sequence, forward and gradients, contiguous and zigzag.
+
+Run with one device (a mesh of one: nothing exchanged) and, by ``nox -s conformance``, again
+with 4 host devices (`HOST_DEVICES_FLAG`), where the K/V chunks go round a ring of 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash_conformance import inputs, reference
+from pallas_flash_conformance.calls import Case
+from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close, assert_gradient_close
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(jax.devices()), ("seq",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A `Case` of self-attention whose sequence is ``chunk`` tokens a chunk, split over every
+    device in ``layout``."""
+
+    case: Case
+    layout: str
+
+    @classmethod
+    def of(cls, chunk: int, layout: str, **kwargs) -> Split:
+        pieces = 2 if layout == "zigzag" else 1
+        seq = chunk * pieces * len(jax.devices())
+        return cls(Case(kv_len=seq, q_len=seq, **kwargs), layout)
+
+    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.case.arrays()
+
+    def run(self, backend: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """The call on tokens in order: put into the layout's order and back around it."""
+        devices = len(jax.devices())
+        to, back = (pf.to_zigzag, pf.from_zigzag) if self.layout == "zigzag" else (None, None)
+        if to is not None:
+            q, k, v = (to(x, devices) for x in (q, k, v))
+        out = pf.attention(
+            q, k, v, causal=self.case.causal, softcap=self.case.softcap, mesh=_mesh(),
+            context_layout=self.layout, backend=backend,
+        )  # fmt: skip
+        return out if back is None else back(out, devices)
+
+
+CASES = {
+    # 96-token chunks: every kernel call has partial blocks
+    "causal-zigzag-gqa": Split.of(
+        96, "zigzag", batch=1, q_heads=4, kv_heads=2, head_dim=64, causal=True
+    ),
+    "causal-contiguous-mla": Split.of(
+        64, "contiguous", batch=1, q_heads=2, kv_heads=2, head_dim=64, v_head_dim=32, causal=True
+    ),
+    "full-contiguous-softcap": Split.of(
+        64, "contiguous", batch=2, q_heads=2, kv_heads=1, head_dim=64, softcap=2.0, q_scale=3.0
+    ),
+}
+
+
+def _param(name: str, *extra: str):
+    case = CASES[name]
+    return pytest.param(case, id=name, marks=pytest.mark.requires("context_parallel", *extra))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("split", [_param(name) for name in CASES])
+def test_matches_the_whole_sequence(backend, split: Split, dtype: str) -> None:
+    split = dataclasses.replace(split, case=dataclasses.replace(split.case, dtype=dtype))
+    q, k, v = split.arrays()
+    expected = reference.attention(q, k, v, **split.case.reference_kwargs())
+    assert_close(split.run(backend.name, q, k, v), expected, FORWARD_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("split", [_param(name, "grad") for name in CASES])
+def test_gradients_match_the_whole_sequence(backend, split: Split) -> None:
+    q, k, v = split.arrays()
+    d_out = inputs.normal(3, (*q.shape[:-1], v.shape[-1]))
+
+    @jax.jit
+    def gradients(q, k, v, d_out):
+        return jax.vjp(lambda q, k, v: split.run(backend.name, q, k, v), q, k, v)[1](d_out)
+
+    expected = reference.attention_vjp(q, k, v, d_out, **split.case.reference_kwargs())
+    for name, actual, wanted in zip(("dq", "dk", "dv"), gradients(q, k, v, d_out), expected,
+                                    strict=True):  # fmt: skip
+        assert_gradient_close(actual, wanted, "float32", name=name)
+
+
+@pytest.mark.requires("context_parallel")
+@pytest.mark.parametrize(
+    ("argument", "kwargs", "shapes"),
+    [
+        ("q", {"context_layout": "zigzag"}, ((1, 2, 2 * len(jax.devices()) + 1, 64),) * 3),
+        ("k", {}, ((1, 2, 8 * len(jax.devices()), 64), (1, 2, 16 * len(jax.devices()), 64))),
+        ("context_layout", {"context_layout": "striped"}, ((1, 2, 8, 64),) * 3),
+        ("mesh", {"mesh": "seq"}, ((1, 2, 8, 64),) * 3),
+    ],
+    ids=["seq-not-divisible", "kv-len-not-q-len", "unknown-layout", "mesh-not-a-mesh"],
+)
+def test_bad_split_names_the_argument(backend, argument: str, kwargs: dict, shapes) -> None:
+    q_shape, k_shape = shapes[0], shapes[1]
+    q, k = inputs.normal(0, q_shape), inputs.normal(1, k_shape)
+    kwargs = {"mesh": _mesh(), **kwargs}
+    with pytest.raises(pf.InvalidInputError) as error:
+        pf.attention(q, k, k, backend=backend.name, **kwargs)
+    assert str(error.value).startswith(f"{argument}: expected"), str(error.value)
