@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from pallas_flash import context_layout
 from pallas_flash.context_layout import ContextLayout, chunk_ids
 from pallas_flash.merge import merge
 from pallas_flash.specs import AttentionSpec
@@ -57,7 +58,7 @@ class _Ring:
 
     @property
     def pieces(self) -> int:
-        return 2 if self.layout == "zigzag" else 1
+        return context_layout.pieces(self.layout)
 
     def chunks(self, device: jax.Array) -> list[jax.Array]:
         """The sequence chunks ``device`` holds, in its order."""
@@ -85,24 +86,24 @@ def _split(x: jax.Array, pieces: int) -> list[jax.Array]:
 
 
 def _pair_forward(
-    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, case: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Output (float32) and log-sum-exp ``[batch, heads, rows]`` of one pair of chunks."""
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, case: jax.Array,
+    running: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """``running`` (the query chunk's float32 output and log-sum-exp ``[batch, heads, rows]``
+    so far) merged with one pair of chunks'. It goes through the branch, so the pairs run one
+    after another and only the running result stays alive."""
     diagonal, unmasked = ring.specs()
 
     def attend(spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
         out, lse = flash_forward(
             q, k, v, spec=spec, block_sizes=ring.block_sizes, devices=ring.devices
         )
-        return out.astype(_F32), lse[:, :, 0, :]
-
-    def skip() -> tuple[jax.Array, jax.Array]:
-        shape = (*q.shape[:3], v.shape[3])
-        return jnp.zeros(shape, _F32), jnp.full(shape[:3], -jnp.inf, _F32)
+        part = (out.astype(_F32), lse[:, :, 0, :])
+        return merge(*(jnp.stack(x) for x in zip(running, part, strict=True)), 0)
 
     if not ring.spec.causal:
         return attend(unmasked)
-    return lax.switch(case, [skip, lambda: attend(diagonal), lambda: attend(unmasked)])
+    return lax.switch(case, [lambda: running, lambda: attend(diagonal), lambda: attend(unmasked)])
 
 
 def _forward_pass(
@@ -120,8 +121,8 @@ def _forward_pass(
         kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces), strict=True))
         for a, q_piece in enumerate(q_pieces):
             for b, (k_piece, v_piece) in enumerate(kv_pieces):
-                part = _pair_forward(ring, q_piece, k_piece, v_piece, ring.case(mine[a], theirs[b]))
-                results[a] = merge(*(jnp.stack(x) for x in zip(results[a], part, strict=True)), 0)
+                case = ring.case(mine[a], theirs[b])
+                results[a] = _pair_forward(ring, q_piece, k_piece, v_piece, case, results[a])
         return results
 
     def step_and_pass(step, carry):
