@@ -64,10 +64,11 @@ class Backend:
           sinks: ``[q_heads]`` float, a logit per query head in every row's softmax
             denominator, differentiable (``sinks`` capability). Core passes it only to
             calls that use it, so a backend without the capability need not take it.
-          mesh, context_layout: context parallelism (``context_parallel``), passed likewise
-            only to calls that use it: q, k and v (``q_len == kv_len``, divisible by the
-            mesh's devices and chunks) are split along the sequence over all the mesh's
-            devices as ``context_layout`` says (`pallas_flash.context_layout`).
+          mesh: context parallelism (``context_parallel``), passed likewise only to calls
+            that use it: q, k and v (``q_len == kv_len``, divisible by the mesh's devices
+            and chunks) are split along the sequence over all the mesh's devices.
+          context_layout: with ``mesh``, which chunks each device holds (``contiguous`` or
+            ``zigzag``: `pallas_flash.context_layout`).
         """
         raise UnsupportedFeatureError(f"backend {self.name!r} does not implement attention")
 
