@@ -19,7 +19,7 @@ to compute.
 Backward (a custom VJP): the forward's merged output and log-sum-exp make every pair's
 gradient exact on its own (`backward.flash_backward` with the global statistics). dq stays
 on its device; dk and dv travel round the ring with their K/V, and the hop after the last
-step brings them home (K/V make that hop too: one wasted hop of the backward's ``devices``).
+step brings them home (K/V, needed no more, stay).
 Partial results are summed in float32. Both passes loop over the ring's steps
 (``lax.fori_loop``), so one step's buffers are alive at a time.
 """
@@ -180,10 +180,9 @@ def _ring_backward(ring: _Ring, residuals, dout: jax.Array):
     rows = list(zip(_split(q, ring.pieces), _split(out, ring.pieces), lse_pieces,
                     _split(dout, ring.pieces), strict=True))  # fmt: skip
 
-    def step_and_pass(step, carry):
-        """One ring step's gradients, then K/V and their gradients one hop on (the last hop
-        brings dk and dv home)."""
-        k, v, dk, dv, dq = carry
+    def gradients(step, k, v, dk, dv, dq):
+        """One ring step's gradients added to the sums of dq (this device's queries) and of
+        dk, dv (the K/V chunks it holds at ``step``)."""
         theirs = ring.chunks((device - step) % ring.devices)
         dq = list(dq)
         dk_parts, dv_parts = _split(dk, ring.pieces), _split(dv, ring.pieces)
@@ -195,11 +194,19 @@ def _ring_backward(ring: _Ring, residuals, dout: jax.Array):
                     ring.case(mine[a], theirs[b]), (dq[a], dk_parts[b], dv_parts[b]),
                 )  # fmt: skip
         dk, dv = jnp.concatenate(dk_parts, axis=2), jnp.concatenate(dv_parts, axis=2)
-        return (*ring.rotate(k, v, dk, dv), tuple(dq))
+        return dk, dv, tuple(dq)
+
+    def step_and_pass(step, carry):
+        """A step's gradients, then K/V and their gradients one hop on."""
+        k, v, dk, dv, dq = carry
+        dk, dv, dq = gradients(step, k, v, dk, dv, dq)
+        return (*ring.rotate(k, v, dk, dv), dq)
 
     dq = tuple(jnp.zeros(q_piece.shape, _F32) for q_piece, *_ in rows)
     zeros = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-    _, _, dk, dv, dq = lax.fori_loop(0, ring.devices, step_and_pass, (k, v, *zeros, dq))
+    carry = lax.fori_loop(0, ring.devices - 1, step_and_pass, (k, v, *zeros, dq))
+    dk, dv, dq = gradients(ring.devices - 1, *carry)
+    dk, dv = ring.rotate(dk, dv)  # the last hop brings dk and dv home; K/V stay
     dq = jnp.concatenate(dq, axis=2)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
