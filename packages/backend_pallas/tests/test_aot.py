@@ -182,6 +182,51 @@ def test_sinks_and_their_gradient_need_no_copy(v5e: jax.Device, grad: bool) -> N
     _check(lowered.lower(lowering_platforms=("tpu",)).compile(), qkv if grad else None)
 
 
+BIAS_CASES = {
+    # name: (q/k/v shape, bias shape, bias dtype, causal, bias differentiated)
+    "causal-bf16-dbias": ((2, 8, 2048, 128), (1, 8, 2048, 2048), jnp.bfloat16, True, True),
+    "unmasked-f32-constant": ((1, 8, 8192, 128), (1, 1, 8192, 8192), jnp.float32, False, False),
+}
+
+
+@pytest.mark.parametrize("name", list(BIAS_CASES))
+def test_bias_and_its_gradient_compile(v5e: jax.Device, name: str) -> None:
+    """A bias reaches the forward kernel by blocks (its broadcast axes through the index map)
+    and the backward kernel transposed once; its gradient, when it is differentiated, is the
+    backward kernel's float32 ``[batch, heads, N, N]``, summed to the bias's shape. A constant
+    bias costs no gradient. Default blocks (the forward's capped for the bias) fit VMEM."""
+    from pallas_flash_pallas import BlockSizes, flash_attention
+
+    shape, bias_shape, bias_dtype, causal, differentiated = BIAS_CASES[name]
+    sharding = SingleDeviceSharding(v5e)
+    qkv = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+    bias = jax.ShapeDtypeStruct(bias_shape, bias_dtype, sharding=sharding)
+    spec = pf.AttentionSpec(sm_scale=shape[-1] ** -0.5, causal=causal)
+
+    def gradients(q, k, v, bias, d_out):
+        def attention(q, k, v, bias):
+            return flash_attention(q, k, v, None, None, bias, spec, BlockSizes())
+
+        if differentiated:
+            return jax.vjp(attention, q, k, v, bias)[1](d_out)
+        return jax.vjp(lambda q, k, v: attention(q, k, v, bias), q, k, v)[1](d_out)
+
+    lowered = jax.jit(gradients).trace(qkv, qkv, qkv, bias, qkv)
+    compiled = lowered.lower(lowering_platforms=("tpu",)).compile()
+    text = compiled.as_text()
+    names = [call.name.split(".")[0] for call in hlo.kernel_calls(text)]
+    assert names == ["pallas_flash_forward", "pallas_flash_backward"]
+    grads = compiled.output_shardings  # dq, dk, dv (and dbias)
+    assert len(jax.tree.leaves(grads)) == 3 + differentiated
+    bias_bytes = math.prod(bias_shape) * jnp.dtype(bias_dtype).itemsize
+    scores = math.prod((*shape[:2], shape[2], shape[2]))  # [batch, heads, N, N]
+    allowed = MAX_TEMP_BYTES + 2 * math.prod(shape) * 2 + 2 * 4 * math.prod(shape[:-1])
+    allowed += bias_bytes  # the transposed bias the backward reads
+    if differentiated:  # the kernel's float32 gradient (transposed back and summed, fused)
+        allowed += 4 * scores
+    assert compiled.memory_analysis().temp_size_in_bytes <= allowed
+
+
 def test_480k_tokens_train_on_one_v5e_chip(v5e: jax.Device) -> None:
     """Forward and backward of 491,520 causal tokens (B=1, 16 heads of 128, bfloat16): the
     backward splits into a dk/dv pass and a dq pass, so HBM holds the arrays themselves (q, k,

@@ -66,6 +66,7 @@ class Call:
     segments: int | None = None
     q_scale: float = 1.0
     blocks: BlockSizes = SMALL
+    bias: tuple[int, int] | None = None  # its (batch, heads): each the call's or 1
 
     @property
     def spec(self) -> pf.AttentionSpec:
@@ -91,9 +92,18 @@ class Call:
         )
         return (q * self.q_scale).astype(q.dtype), k, v, self.segment_ids()
 
+    def bias_array(self) -> jax.Array | None:
+        """A float32 bias ``[*self.bias, q_len, kv_len]``, ``-inf`` at a tenth of the pairs."""
+        if self.bias is None:
+            return None
+        shape = (*self.bias, self.q_len, self.kv_len)
+        hidden = np.random.default_rng(4).random(shape) < 0.1
+        return jnp.where(hidden, -jnp.inf, inputs.normal(4, shape))
+
     def reference_options(self, ids: pf.SegmentIds | None) -> dict:
         spec = self.spec
         return dict(
+            bias=self.bias_array(),
             sm_scale=spec.sm_scale,
             causal=spec.causal,
             q_offset=spec.q_offset,
@@ -120,6 +130,8 @@ def _expected(call: Call, q, k, v, ids) -> tuple[np.ndarray, np.ndarray]:
     scores = np.asarray(q, np.float64) @ k64.swapaxes(-1, -2) * spec.sm_scale
     if spec.softcap is not None:
         scores = spec.softcap * np.tanh(scores / spec.softcap)
+    if call.bias is not None:
+        scores = scores + np.asarray(call.bias_array(), np.float64)
     visible = np.ones(scores.shape, bool)
     mask = positional_mask(np.arange(call.q_len)[:, None], np.arange(call.kv_len)[None, :], spec)
     if mask is not None:
@@ -162,6 +174,15 @@ CALLS = {
         1, 4, 2, 520, 520, 64, dtype="bfloat16", window=(100, 30), segments=2, blocks=SPLIT
     ),
     "split-mqa-softcap-q-long": Call(1, 4, 1, 400, 260, 64, softcap=5.0, blocks=SPLIT),
+    # A bias (broadcast over the batch or the heads where 1) with -inf at a tenth of the pairs.
+    "bias-partial-blocks-segments": Call(2, 4, 2, 300, 260, 64, segments=2, bias=(2, 4)),
+    "bias-causal-diagonal": Call(2, 2, 1, 600, 600, 64, causal=True, blocks=DIAGONAL, bias=(1, 2)),
+    "bias-chunked-window-bf16": Call(
+        1, 4, 2, 300, 300, 64, dtype="bfloat16", window=(60, 30), blocks=CHUNKED, bias=(1, 1)
+    ),
+    "bias-split-causal-softcap": Call(
+        1, 2, 2, 600, 600, 64, causal=True, softcap=5.0, blocks=SPLIT, bias=(1, 2)
+    ),
 }
 
 
@@ -169,7 +190,8 @@ CALLS = {
 def test_matches_reference(name: str) -> None:
     call = CALLS[name]
     q, k, v, ids = call.inputs()
-    out, lse = flash_forward(q, k, v, ids, spec=call.spec, block_sizes=call.blocks)
+    bias = call.bias_array()
+    out, lse = flash_forward(q, k, v, ids, None, bias, spec=call.spec, block_sizes=call.blocks)
     expected_out, expected_lse = _expected(call, q, k, v, ids)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == (*q.shape[:2], 1, q.shape[2])
@@ -185,7 +207,7 @@ def test_matches_reference(name: str) -> None:
     unseen = ~seen[..., None] & np.ones(out32.shape, bool)
     assert (out32[unseen] == 0).all(), "rows that see no key must be exactly zero"
     # Without the log-sum-exp the kernel computes the same output.
-    alone = flash_output(q, k, v, ids, spec=call.spec, block_sizes=call.blocks)
+    alone = flash_output(q, k, v, ids, None, bias, spec=call.spec, block_sizes=call.blocks)
     np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), out32)
 
 
@@ -195,14 +217,19 @@ def test_gradients_match_reference(name: str) -> None:
     q, k, v, ids = call.inputs()
     d_out = inputs.normal(3, q.shape, call.dtype)
 
-    def attend(q, k, v):
-        return flash_attention(q, k, v, ids, None, call.spec, call.blocks)
+    def attend(q, k, v, *bias):
+        return flash_attention(q, k, v, ids, None, *bias or [None], call.spec, call.blocks)
 
-    _, vjp = jax.vjp(attend, q, k, v)
-    expected = reference.attention_vjp(q, k, v, d_out, **call.reference_options(ids))
-    for grad_name, got, want, x in zip("qkv", vjp(d_out), expected, (q, k, v), strict=True):
+    bias = () if call.bias is None else (call.bias_array(),)  # differentiated when given
+    _, vjp = jax.vjp(attend, q, k, v, *bias)
+    options = call.reference_options(ids)
+    expected = reference.attention_vjp(q, k, v, d_out, **options)
+    if bias:
+        expected = (*expected, reference.bias_vjp(q, k, v, d_out, **options))
+    names = ("dq", "dk", "dv", "dbias")
+    for name, got, want, x in zip(names, vjp(d_out), expected, (q, k, v, *bias), strict=False):
         assert got.dtype == x.dtype and got.shape == x.shape
-        assert_gradient_close(got, want, call.dtype, name=f"d{grad_name}")
+        assert_gradient_close(got, want, call.dtype, name=name)
 
 
 @pytest.mark.parametrize(
@@ -247,6 +274,8 @@ def test_registered_as_the_tpu_backend() -> None:
         "sliding_window",
         "softcap",
         "sinks",
+        "bias",
+        "mask",
         "value_head_dim",
         "context_parallel",
     }

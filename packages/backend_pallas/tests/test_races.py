@@ -65,6 +65,8 @@ def test_forward_and_backward_have_no_races(
 ) -> None:
     q, k, v = inputs.qkv(1, 4, 2, 300, 300, 64)
     spec = pf.AttentionSpec(sm_scale=0.125, causal=True)
-    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, None, None, spec, blocks), q, k, v)
+    out, vjp = jax.vjp(
+        lambda q, k, v: flash_attention(q, k, v, None, None, None, spec, blocks), q, k, v
+    )
     jax.block_until_ready((out, vjp(out)))
     assert RACE_REPORT not in capfd.readouterr().out

@@ -288,13 +288,16 @@ def test_vjp_matches_jax_grad(kv_heads, causal, softcap):
 
     with jax.enable_x64(True):
 
-        def loss(q, k, v):
-            return jnp.sum(_jax_attention(q, k, v, visible=visible, **options) * d_out)
+        def loss(q, k, v, bias):
+            scores = _jax_attention(q, k, v, visible=visible, **{**options, "bias": bias})
+            return jnp.sum(scores * d_out)
 
-        expected = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        expected = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
         assert all(g.dtype == jnp.float64 for g in expected)
     grads = reference.attention_vjp(q, k, v, d_out, causal=causal, q_offset=2, **options)
-    for grad, want in zip(grads, expected, strict=True):
+    dbias = reference.bias_vjp(q, k, v, d_out, causal=causal, q_offset=2, **options)
+    assert dbias.shape == bias.shape
+    for grad, want in zip((*grads, dbias), expected, strict=True):
         np.testing.assert_allclose(grad, np.asarray(want), rtol=1e-10, atol=1e-12)
 
 

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 import pallas_flash as pf
 from pallas_flash_pallas.attention import flash_attention
 from pallas_flash_pallas.block_sizes import BlockSizes
 from pallas_flash_pallas.context_parallel import context_parallel_attention
+
+
+def kernel_bias(
+    bias: jax.Array | None, mask: jax.Array | None, q_len: int, kv_len: int
+) -> jax.Array | None:
+    """The bias the kernels stream, ``[batch or 1, heads or 1, q_len, kv_len]``, from
+    `pf.dot_product_attention`'s ``bias`` and boolean ``mask`` (rank 4, broadcastable): the
+    bias with ``-inf`` where the mask hides a key (the mask alone: ``0`` or ``-inf`` in
+    bfloat16), its sequence axes broadcast to their lengths (the kernels read it by blocks);
+    the batch and head axes stay as they are. None if neither is given."""
+    if mask is not None:
+        base = jnp.zeros((), jnp.bfloat16) if bias is None else bias
+        bias = jnp.where(mask, base, jnp.asarray(-jnp.inf, base.dtype))
+    if bias is None:
+        return None
+    return jnp.broadcast_to(bias, (*bias.shape[:2], q_len, kv_len))
 
 
 class PallasBackend(pf.Backend):
@@ -39,6 +56,8 @@ class PallasBackend(pf.Backend):
             pf.Capability.SLIDING_WINDOW,
             pf.Capability.SOFTCAP,
             pf.Capability.SINKS,
+            pf.Capability.BIAS,
+            pf.Capability.MASK,
             pf.Capability.VALUE_HEAD_DIM,
             pf.Capability.CONTEXT_PARALLEL,
         }
@@ -68,9 +87,10 @@ class PallasBackend(pf.Backend):
         context_layout: pf.context_layout.ContextLayout = "contiguous",
     ) -> jax.Array:
         if mesh is None:
-            return flash_attention(q, k, v, segment_ids, sinks, spec, self.block_sizes)
+            bias = kernel_bias(bias, mask, q.shape[2], k.shape[2])
+            return flash_attention(q, k, v, segment_ids, sinks, bias, spec, self.block_sizes)
         unsupported = {"segment_ids": segment_ids is not None, "sliding_window": spec.window,
-                       "sinks": sinks is not None}  # fmt: skip
+                       "bias": bias is not None, "mask": mask is not None}  # fmt: skip
         used = [name for name, given in unsupported.items() if given]
         if used:
             raise pf.UnsupportedFeatureError(
@@ -78,5 +98,6 @@ class PallasBackend(pf.Backend):
                 "(context parallelism) yet"
             )
         return context_parallel_attention(
-            q, k, v, spec=spec, mesh=mesh, layout=context_layout, block_sizes=self.block_sizes
-        )
+            q, k, v, spec=spec, mesh=mesh, layout=context_layout, block_sizes=self.block_sizes,
+            sinks=sinks,
+        )  # fmt: skip

@@ -22,7 +22,11 @@ Per visited pair, in the keys-as-rows orientation so that the log-sum-exp and ``
 broadcast along sublanes and dk, dv accumulate row-wise (float32 throughout):
 ``s^T = softcap(k q^T * sm_scale)``, ``p^T = exp(s^T - lse)`` (zero where hidden),
 ``dv += p^T dout``, ``dp^T = v dout^T``, ``ds^T = p^T (dp^T - di)`` times the softcap's
-derivative ``1 - (s / softcap)^2``, ``dk += ds^T q`` and ``dq += ds k``. dq and dk are scaled
+derivative ``1 - (s / softcap)^2``, ``dk += ds^T q`` and ``dq += ds k``. A bias, read
+transposed ``[batch or 1, q_heads or 1, kv_len, q_len]``, joins ``s^T`` after the softcap; its
+gradient, when asked for, is ``ds^T`` before the softcap's derivative, written by block pair
+into a float32 ``[batch, q_heads, kv_len, q_len]`` (`bias_gradient` sums it to the bias's
+shape). dq and dk are scaled
 by ``sm_scale`` once, at the end. That is five matmuls per pair, the least FlashAttention-2
 needs (split dq and dk/dv kernels recompute ``s`` and ``dp`` in both: seven).
 
@@ -62,6 +66,7 @@ from pallas_flash_pallas.kernel_helpers import (
     NT,
     TN,
     both,
+    broadcast_block,
     lanes,
     mask_diagonal_tile,
     when,
@@ -86,6 +91,8 @@ def _kernel(
     block_kv_compute: int,
     dq_rows: int,
     segment_ids: bool,
+    bias: bool,
+    with_bias_gradient: bool,
     with_dq: bool,
     precision: lax.Precision | None,
 ) -> None:
@@ -96,18 +103,22 @@ def _kernel(
 
     Refs: inputs q ``[block_q, head_dim]``, k ``[block_kv, head_dim]``, v ``[block_kv,
     v_head_dim]``, dout ``[block_q, v_head_dim]``, log-sum-exp and row sums ``[1, block_q]``,
-    with segment ids those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``;
-    outputs dq ``[group, rows, head_dim]`` (the chunk's rows of the group's heads), dk
-    ``[block_kv, head_dim]`` and dv ``[block_kv, v_head_dim]``; scratch: the query gradient
+    with segment ids those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``,
+    with a bias its transposed block ``[block_kv, block_q]``; outputs dq ``[group, rows,
+    head_dim]`` (the chunk's rows of the group's heads), dk ``[block_kv, head_dim]``, dv
+    ``[block_kv, v_head_dim]`` and with ``with_bias_gradient`` the bias's ``[block_kv, block_q]``
+    float32; scratch: the query gradient
     ``[group * dq_rows, head_dim]``, dk and dv, all float32, and with segment ids the keys'
     ids as equal-lane columns ``[block_kv, 128]``. Without ``with_dq`` (`backward_dq` computes
     dq) there is neither dq output nor its scratch.
     """
-    num_inputs = 8 if segment_ids else 6
+    num_inputs = 6 + 2 * segment_ids + bias
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *id_refs = refs[:num_inputs]
+    bias_ref = id_refs.pop() if bias else None
     refs = list(refs[num_inputs:])
     dq_out = refs.pop(0) if with_dq else None
     dk_out, dv_out = refs.pop(0), refs.pop(0)
+    dbias_out = refs.pop(0) if with_bias_gradient else None
     dq_acc = refs.pop(0) if with_dq else None
     dk_acc, dv_acc, *id_scratch = refs
     q_ids_ref, kv_ids_ref = id_refs or (None, None)
@@ -165,9 +176,12 @@ def _kernel(
         if segment_ids:
             ids = lanes(ids_ref[keys, :], block_q - first_row) == q_ids_ref[:, rows]
             visible = both(visible, ids)
-        p_t = jnp.exp(s_t - lse_ref[:, rows])
+        logits = s_t + bias_ref[keys, rows].astype(_F32) if bias else s_t
+        p_t = jnp.exp(logits - lse_ref[:, rows])
         if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
             p_t = jnp.where(visible, p_t, 0.0)
+        if bias:  # a -inf bias hides a key; a row it hides wholly has lse -inf
+            p_t = jnp.where(logits == -jnp.inf, 0.0, p_t)
         if kind == BlockKind.DIAGONAL:
             p_t = mask_diagonal_tile(p_t, 0, keys_on_rows=True, fill=0.0)
         dv_acc[keys, :] += lax.dot_general(
@@ -175,10 +189,12 @@ def _kernel(
         )
         dp_t = lax.dot_general(v, do, NT, preferred_element_type=_F32, precision=precision)
         ds_t = p_t * (dp_t - di_ref[:, rows])
-        if spec.softcap is not None:
-            ds_t = ds_t * (1.0 - jnp.square(s_t * (1.0 / spec.softcap)))
         if visible is not None and (partial_q or partial_kv):  # garbage v or di: 0 * NaN
             ds_t = jnp.where(visible, ds_t, 0.0)
+        if with_bias_gradient:
+            dbias_out[keys, rows] = ds_t
+        if spec.softcap is not None:
+            ds_t = ds_t * (1.0 - jnp.square(s_t * (1.0 / spec.softcap)))
         ds_t = ds_t.astype(q.dtype)
         dk_acc[keys, :] += lax.dot_general(
             ds_t, q, NN, preferred_element_type=_F32, precision=precision
@@ -242,11 +258,18 @@ def _chunk_blocks(
 
 
 def _cost(
-    q: jax.Array, k: jax.Array, v: jax.Array, schedule: QSchedule, *, with_dq: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    schedule: QSchedule,
+    *,
+    with_dq: bool,
+    bias_bytes: int,
 ) -> pl.CostEstimate:
     """Flops and exponentials of the visited pairs (five matmuls each: three over head_dim,
     two over v_head_dim; without dq four); bytes moved between HBM and VMEM (k, v, dk, dv and
-    dq once per chunk, q and dout per visited pair)."""
+    dq once per chunk, q and dout per visited pair, and ``bias_bytes`` per element of a
+    visited pair: the bias and its gradient)."""
     batch, q_heads, _, head_dim = q.shape
     v_head_dim = v.shape[3]
     blocks = batch * q_heads * schedule.visited_blocks
@@ -257,7 +280,11 @@ def _cost(
     return pl.CostEstimate(
         flops=2 * pairs * ((3 if with_dq else 2) * head_dim + 2 * v_head_dim),
         transcendentals=pairs,
-        bytes_accessed=q_bytes + kv_bytes + dq_bytes + 8 * blocks * schedule.block_q,
+        bytes_accessed=q_bytes
+        + kv_bytes
+        + dq_bytes
+        + 8 * blocks * schedule.block_q
+        + bias_bytes * pairs,
     )
 
 
@@ -272,29 +299,33 @@ def flash_backward(
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes | None = None,
+    bias: jax.Array | None = None,
+    with_bias_gradient: bool = False,
     devices: int = 1,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gradients of attention with respect to q, k and v.
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Gradients of attention with respect to q, k, v and the bias.
 
     Args:
-      q, k, v, segment_ids, spec: the forward call's (see `forward.flash_forward`).
+      q, k, v, segment_ids, bias, spec: the forward call's (see `forward.flash_forward`).
       out: the forward's output ``[batch, q_heads, q_len, v_head_dim]``.
       lse: the forward's log-sum-exp, ``[batch, q_heads, 1, q_len]`` float32.
       dout: the gradient of the output, like ``out``.
       block_sizes: block sizes (None sizes: the defaults of the TPU generation,
         `block_sizes.default_block_sizes`), before clamping; default `BlockSizes()`.
+      with_bias_gradient: whether to compute the bias's gradient.
       devices: how many devices run the kernels at once (inside ``shard_map``), for the
         interpreter (`interpret.jit_kernel`).
 
     Returns:
-      ``(dq, dk, dv)``, shaped and typed like q, k and v.
+      ``(dq, dk, dv, dbias)``, shaped and typed like q, k, v and the bias; ``dbias`` is None
+      without ``with_bias_gradient``.
 
     Raises:
       ValueError: the block sizes are illegal for these lengths or do not fit in VMEM.
     """
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
     di = jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1)[:, :, None, :]
-    return _backward(
+    dq, dk, dv, dbias_t = _backward(
         q,
         k,
         v,
@@ -302,11 +333,30 @@ def flash_backward(
         lse,
         di,
         dout,
+        bias,
         spec=spec,
         block_sizes=block_sizes,
+        with_bias_gradient=with_bias_gradient,
         generation=tpu.current_generation(),
         devices=devices,
     )
+    dbias = None if dbias_t is None else bias_gradient(dbias_t, bias, spec)
+    return dq, dk, dv, dbias
+
+
+def bias_gradient(dbias_t: jax.Array, bias: jax.Array, spec: AttentionSpec) -> jax.Array:
+    """The bias's gradient from the kernel's ``dbias_t [batch, q_heads, kv_len, q_len]``
+    float32: transposed, zero where the positional rules hide a pair (the kernel writes
+    nothing there: neither the blocks it skips nor the hidden side of the causal diagonal),
+    summed over the axes the bias broadcasts and cast to its dtype."""
+    dbias = jnp.swapaxes(dbias_t, 2, 3)
+    q_len, kv_len = dbias.shape[2:]
+    q_pos, kv_pos = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+    visible = positional_mask(q_pos, kv_pos, spec)
+    if visible is not None:
+        dbias = jnp.where(visible, dbias, 0.0)
+    broadcast = tuple(axis for axis in (0, 1) if bias.shape[axis] < dbias.shape[axis])
+    return dbias.sum(axis=broadcast, keepdims=True).astype(bias.dtype)
 
 
 def _flash_backward(
@@ -317,19 +367,24 @@ def _flash_backward(
     lse: jax.Array,
     di: jax.Array,
     dout: jax.Array,
+    bias: jax.Array | None,
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes,
+    with_bias_gradient: bool,
     generation: tpu.TpuGeneration,
     interpret: pltpu.InterpretParams | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """`flash_backward` with the row sums ``di [batch, q_heads, 1, q_len]`` float32, built for
-    ``generation``, and the interpreter's settings (None for Mosaic)."""
+    ``generation``, and the interpreter's settings (None for Mosaic); the bias's gradient
+    comes back transposed, ``[batch, q_heads, kv_len, q_len]`` float32, before
+    `bias_gradient`."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     wider = max(head_dim, v_head_dim)  # every block at the wider head_dim: an upper bound
     group = q_heads // kv_heads
-    blocks = block_sizes.for_call(spec, q_len, kv_len, generation)
+    bias_t = None if bias is None else jnp.swapaxes(bias, 2, 3)  # keys as rows, as s^T
+    blocks = block_sizes.for_call(spec, q_len, kv_len, generation, bias=bias is not None)
     bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
     num_q_blocks = math.ceil(q_len / bq)
     chunk_blocks = _chunk_blocks(blocks, num_q_blocks, head_dim, q.dtype, group, generation)
@@ -343,8 +398,18 @@ def _flash_backward(
     chunked = schedule.num_chunks > 1
     dq_rows = 0 if split else 8 * math.ceil(schedule.blocks_per_chunk * bq / 8)  # per head
     has_ids = segment_ids is not None
+    bias_dtype = None if bias_t is None else bias_t.dtype
     limit = vmem_limit_bytes(
-        backward_vmem_bytes(blocks, wider, q.dtype, has_ids, group=group, chunk_rows=dq_rows),
+        backward_vmem_bytes(
+            blocks,
+            wider,
+            q.dtype,
+            has_ids,
+            group=group,
+            chunk_rows=dq_rows,
+            bias=bias_dtype,
+            bias_gradient=with_bias_gradient,
+        ),
         f"backward block sizes backward_block_q={bq}, backward_block_kv={bkv} with "
         f"head_dim={head_dim}, v_head_dim={v_head_dim}, {q.dtype.name} and {group} query "
         "heads per kv head",
@@ -390,6 +455,23 @@ def _flash_backward(
             pl.BlockSpec((None, 1, bkv), kv_ids_map),
         ]
         args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
+    if bias_t is not None:
+
+        def bias_map(b, kvh, c, j, t):
+            h, i = q_head_and_block(kvh, c, j, t)
+            return *broadcast_block(bias_t.shape, b, h), j, i
+
+        in_specs.append(pl.BlockSpec((None, None, bkv, bq), bias_map))
+        args.append(bias_t)
+    dbias_outs, dbias_specs = [], []
+    if with_bias_gradient:
+
+        def dbias_map(b, kvh, c, j, t):
+            h, i = q_head_and_block(kvh, c, j, t)
+            return b, h, j, i
+
+        dbias_outs.append(jax.ShapeDtypeStruct((batch, q_heads, kv_len, q_len), _F32))
+        dbias_specs.append(pl.BlockSpec((None, None, bkv, bq), dbias_map))
     dq_block_rows = schedule.blocks_per_chunk * bq if chunked else q_len
     dq_outs = [] if split else [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     dq_specs = [] if split else [pl.BlockSpec((None, group, dq_block_rows, head_dim), dq_map)]
@@ -414,15 +496,18 @@ def _flash_backward(
         block_kv_compute=blocks.backward_block_kv_compute,
         dq_rows=dq_rows,
         segment_ids=has_ids,
+        bias=bias_t is not None,
+        with_bias_gradient=with_bias_gradient,
         with_dq=not split,
         precision=precision,
     )
-    *dq, dk, dv = pl.pallas_call(
+    bias_bytes = (0 if bias_dtype is None else bias_dtype.itemsize) + 4 * with_bias_gradient
+    outs = pl.pallas_call(
         kernel,
-        out_shape=(*dq_outs, *dkv_shapes),
+        out_shape=(*dq_outs, *dkv_shapes, *dbias_outs),
         grid=(batch, kv_heads, schedule.num_chunks, schedule.num_kv_blocks, group * steps),
         in_specs=in_specs,
-        out_specs=(*dq_specs, *dkv_specs),
+        out_specs=(*dq_specs, *dkv_specs, *dbias_specs),
         scratch_shapes=[
             *([] if split else [pltpu.VMEM((group * dq_rows, head_dim), _F32)]),
             pltpu.VMEM((bkv, head_dim), _F32),
@@ -433,16 +518,19 @@ def _flash_backward(
             dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"),
             vmem_limit_bytes=limit,
         ),
-        cost_estimate=_cost(q, k, v, schedule, with_dq=not split),
+        cost_estimate=_cost(q, k, v, schedule, with_dq=not split, bias_bytes=bias_bytes),
         interpret=False if interpret is None else interpret,
         name="pallas_flash_backward_dkdv" if split else "pallas_flash_backward",
     )(*args)
+    dq, (dk, dv), dbias_t = outs[: len(dq_outs)], outs[len(dq_outs) : len(dq_outs) + 2], None
+    if with_bias_gradient:
+        dbias_t = outs[-1]
     if chunked:
         dk, dv = (x.sum(axis=2).astype(k.dtype) for x in (dk, dv))  # v has k's dtype
     if split:
-        dq = [query_gradient(q, k, v, segment_ids, lse, di, dout, spec=spec, blocks=blocks,
+        dq = [query_gradient(q, k, v, segment_ids, lse, di, dout, bias, spec=spec, blocks=blocks,
                              generation=generation, interpret=interpret)]  # fmt: skip
-    return dq[0], dk, dv
+    return dq[0], dk, dv, dbias_t
 
 
 SPLIT_HBM_SHARE = 0.25
@@ -467,4 +555,6 @@ def split_backward(
     return num_chunks > 1 and partials > SPLIT_HBM_SHARE * generation.hbm_bytes
 
 
-_backward = interpret.jit_kernel(_flash_backward, ("spec", "block_sizes", "generation"))
+_backward = interpret.jit_kernel(
+    _flash_backward, ("spec", "block_sizes", "with_bias_gradient", "generation")
+)

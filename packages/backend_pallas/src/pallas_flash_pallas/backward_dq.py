@@ -11,10 +11,11 @@ HBM.
 Layouts as `backward`'s: q and dq ``[batch, q_heads, q_len, head_dim]``, dout ``[batch,
 q_heads, q_len, v_head_dim]``, k ``[batch, kv_heads, kv_len, head_dim]``, v ``[batch,
 kv_heads, kv_len, v_head_dim]``, the log-sum-exp and row sums ``di`` float32 rows of lanes
-``[batch, q_heads, 1, q_len]``.
+``[batch, q_heads, 1, q_len]``, an optional bias ``[batch or 1, q_heads or 1, q_len, kv_len]``.
 
 Grid ``(batch, q_heads, q blocks, kv steps)``, the kv axis sequential. Per visited pair, in
-float32, in row sub-blocks of the query block: ``s = softcap(q k^T * sm_scale)``, ``p =
+float32, in row sub-blocks of the query block: ``s = softcap(q k^T * sm_scale)`` (plus the
+bias), ``p =
 exp(s - lse)`` (zero where hidden), ``dp = dout v^T``, ``ds = p (dp - di)`` times the
 softcap's derivative, ``dq += ds k``; dq is scaled by ``sm_scale`` once, at the end. Three
 matmuls a pair. Out-of-range keys of a partial last block are zeroed before the matmuls that
@@ -45,6 +46,7 @@ from pallas_flash_pallas.kernel_helpers import (
     NN,
     NT,
     both,
+    broadcast_block,
     lanes,
     query_grid_maps,
     when,
@@ -61,20 +63,22 @@ def _kernel(
     schedule: KvSchedule,
     rows_compute: int,
     segment_ids: bool,
+    bias: bool,
     precision: lax.Precision | None,
 ) -> None:
     """One grid step ``(b, h, i, j)``: folds kv block ``schedule.kv_block(i, j)`` into the
     gradient of query block ``i``; writes it at the last step.
 
     Refs: inputs q ``[block_q, head_dim]``, k ``[block_kv, head_dim]``, v ``[block_kv,
-    v_head_dim]``, dout ``[block_q, v_head_dim]``, log-sum-exp and row sums ``[1, block_q]``,
-    with segment ids those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``;
-    output dq ``[block_q, head_dim]``; scratch: its float32 accumulator, the log-sum-exp and
-    row sums as equal-lane columns ``[block_q, 128]`` float32 and, with segment ids, the
-    queries' ids as columns ``[block_q, 128]`` int32.
+    v_head_dim]``, dout ``[block_q, v_head_dim]``, log-sum-exp and row sums ``[1, block_q]``, with
+    segment ids those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``, with a bias
+    its ``[block_q, block_kv]`` block; output dq ``[block_q, head_dim]``; scratch: its float32
+    accumulator, the log-sum-exp and row sums as equal-lane columns ``[block_q, 128]`` float32 and,
+    with segment ids, the queries' ids as columns ``[block_q, 128]`` int32.
     """
-    num_inputs = 8 if segment_ids else 6
+    num_inputs = 6 + 2 * segment_ids + bias
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *id_refs = refs[:num_inputs]
+    bias_ref = id_refs.pop() if bias else None
     dq_ref, dq_acc, lse_cols, di_cols, *id_scratch = refs[num_inputs:]
     q_ids_ref, kv_ids_ref = id_refs or (None, None)
     ids_ref = id_scratch[0] if id_scratch else None
@@ -114,9 +118,12 @@ def _kernel(
                 visible = both(visible, kv_pos < schedule.kv_len)
         if segment_ids:
             visible = both(visible, lanes(ids_ref[rows, :], block_kv) == kv_ids_ref[...])
-        p = jnp.exp(s - lanes(lse_cols[rows, :], block_kv))
+        logits = s + bias_ref[rows, :].astype(_F32) if bias else s
+        p = jnp.exp(logits - lanes(lse_cols[rows, :], block_kv))
         if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
             p = jnp.where(visible, p, 0.0)
+        if bias:  # a -inf bias hides a key; a row it hides wholly has lse -inf
+            p = jnp.where(logits == -jnp.inf, 0.0, p)
         dp = lax.dot_general(do, v, NT, preferred_element_type=_F32, precision=precision)
         ds = p * (dp - lanes(di_cols[rows, :], block_kv))
         if spec.softcap is not None:
@@ -171,6 +178,7 @@ def query_gradient(
     lse: jax.Array,
     di: jax.Array,
     dout: jax.Array,
+    bias: jax.Array | None,
     *,
     spec: AttentionSpec,
     blocks: BlockSizes,
@@ -189,8 +197,10 @@ def query_gradient(
     rows_compute = min(blocks.backward_block_kv_compute, bq)
     schedule = KvSchedule(spec, q_len, kv_len, bq, bkv)
     has_ids = segment_ids is not None
+    wider = max(head_dim, v_head_dim)
+    bias_dtype = None if bias is None else bias.dtype
     limit = vmem_limit_bytes(
-        dq_kernel_vmem_bytes(bq, bkv, rows_compute, max(head_dim, v_head_dim), q.dtype, has_ids),
+        dq_kernel_vmem_bytes(bq, bkv, rows_compute, wider, q.dtype, has_ids, bias_dtype),
         f"backward block sizes backward_block_q={bq}, backward_block_kv={bkv} with "
         f"head_dim={head_dim}, v_head_dim={v_head_dim}, {q.dtype.name} (query gradient)",
         generation,
@@ -213,12 +223,20 @@ def query_gradient(
             pl.BlockSpec((None, 1, bkv), lambda b, h, i, j: (b, 0, schedule.kv_block(i, j))),
         ]
         args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
+    if bias is not None:
+
+        def bias_map(b, h, i, j):
+            return *broadcast_block(bias.shape, b, h), i, schedule.kv_block(i, j)
+
+        in_specs.append(pl.BlockSpec((None, None, bq, bkv), bias_map))
+        args.append(bias)
     kernel = functools.partial(
         _kernel,
         spec=spec,
         schedule=schedule,
         rows_compute=rows_compute,
         segment_ids=has_ids,
+        bias=bias is not None,
         precision=lax.Precision.HIGHEST if q.dtype == np.float32 else None,
     )
     return pl.pallas_call(

@@ -105,17 +105,23 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a multiple of {LANES}, got {value}")
 
     def for_call(
-        self, spec: AttentionSpec, q_len: int, kv_len: int, generation: TpuGeneration
+        self,
+        spec: AttentionSpec,
+        q_len: int,
+        kv_len: int,
+        generation: TpuGeneration,
+        *,
+        bias: bool = False,
     ) -> BlockSizes:
         """The sizes for one call on ``generation``: every None size replaced by its default
-        (`default_block_sizes`) balanced over its sequence (`balanced`), the kv block the
-        whole key sequence if both are short (`whole_kv_block`); then every block at most its
-        sequence's length.
+        (`default_block_sizes`; ``bias``: the call streams a bias) balanced over its sequence
+        (`balanced`), the kv block the whole key sequence if both are short
+        (`whole_kv_block`); then every block at most its sequence's length.
 
         Raises:
           ValueError: a block shorter than its sequence is not a multiple of 128.
         """
-        defaults = default_block_sizes(spec, generation)
+        defaults = default_block_sizes(spec, generation, bias=bias)
         sizes = {name: getattr(self, name) for name in _SIZES}
         for name, length in (
             ("block_q", q_len),
@@ -219,7 +225,9 @@ def whole_kv_block(spec: AttentionSpec, generation: TpuGeneration) -> int:
     return _longest_block(generation) // 4
 
 
-def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> BlockSizes:
+def default_block_sizes(
+    spec: AttentionSpec, generation: TpuGeneration, *, bias: bool = False
+) -> BlockSizes:
     """The default block sizes of a call on ``generation``, before balancing.
 
     Tuned on the static v5e schedule (B=1, H=16, head_dim 128, bfloat16, N = 4k..16k; the
@@ -246,6 +254,9 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
       of schedule, 1,949,696 with pushes at 16, against 1,643,691 and 2,080,512 in 256-row
       sub-blocks, and 1,697,131 and 1,892,352 in one 1024 tile).
     - Backward: 1024 x 1024 block pairs in key sub-blocks of 256 (MXU-bound without a mask).
+    - With a ``bias``, forward query blocks of at most `BIAS_BLOCK_Q` rows: each step streams
+      a ``[block_q, block_kv]`` bias block beside K and V (8 MiB in float32 at 2048 x 1024,
+      double-buffered).
 
     Every block fits the largest supported call (head_dim 256, float32, segment ids) in the
     generation's VMEM: at most 8192 rows on v5e and v6e (128 MiB), 2048 on v5p (64 MiB),
@@ -259,6 +270,8 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
         block_q, block_kv = 2048, 2048
     else:
         block_q, block_kv, compute, tile = 8192, 1024, 1024, 2048
+    if bias:
+        block_q = min(block_q, BIAS_BLOCK_Q)
     longest = _longest_block(generation)
     backward = min(1024, longest)
     return BlockSizes(
@@ -270,6 +283,10 @@ def default_block_sizes(spec: AttentionSpec, generation: TpuGeneration) -> Block
         256,
         full_block_compute=min(tile, longest // 4),
     )
+
+
+BIAS_BLOCK_Q = 2048
+"""The longest default forward query block of a call with a bias (`default_block_sizes`)."""
 
 
 _LONGEST_BLOCK = {128: 8192, 64: 2048}
@@ -315,11 +332,16 @@ def _temporaries(rows: int, cols: int, sub_blocks: int, per_sub_block: int) -> i
 
 
 def forward_vmem_bytes(
-    blocks: BlockSizes, head_dim: int, dtype: np.dtype, segment_ids: bool
+    blocks: BlockSizes,
+    head_dim: int,
+    dtype: np.dtype,
+    segment_ids: bool,
+    bias: np.dtype | None = None,
 ) -> int:
     """Estimated VMEM of one forward kernel instance: an upper bound of what Mosaic allocates.
 
-    Counts the double-buffered pipeline blocks (q, k, v, output, log-sum-exp, segment ids),
+    Counts the double-buffered pipeline blocks (q, k, v, output, log-sum-exp, segment ids,
+    the ``[block_q, block_kv]`` block of a bias of dtype ``bias``),
     the scratch (running max and sum ``[block_q, 128]``, accumulator ``[block_q, head_dim]``,
     all float32; the queries' segment ids ``[block_q, 128]``) and the float32 temporaries
     (scores, probabilities, mask, exponentials: ``[block_q_compute, block_kv]`` each) of the
@@ -336,6 +358,8 @@ def forward_vmem_bytes(
     if segment_ids:
         pipelined += _tile_bytes(1, bq, _I32) + _tile_bytes(1, bkv, _I32)
         scratch += _tile_bytes(bq, LANES, _I32)
+    if bias is not None:
+        pipelined += _tile_bytes(bq, bkv, bias)
     rows = min(blocks.block_q_compute, bq)
     temporaries = _temporaries(rows, bkv, math.ceil(bq / rows), 4)
     if blocks.full_block_compute is not None:
@@ -361,12 +385,16 @@ def backward_vmem_bytes(
     *,
     group: int,
     chunk_rows: int,
+    bias: np.dtype | None = None,
+    bias_gradient: bool = False,
 ) -> int:
     """Estimated VMEM of one backward kernel instance: an upper bound of what Mosaic
     allocates.
 
     Counts the double-buffered pipeline blocks (q, output gradient, k, v, log-sum-exp and row
-    sums, segment ids, dk and dv, at most 4 bytes each), the query-gradient accumulator and
+    sums, segment ids, dk and dv, at most 4 bytes each, a bias block of dtype ``bias`` and,
+    with ``bias_gradient``, its float32 gradient, ``[backward_block_kv, backward_block_q]``
+    each), the query-gradient accumulator and
     output of ``chunk_rows`` rows for ``group`` heads (`dq_vmem_bytes`), the dk and dv
     accumulators and the keys' segment ids ``[backward_block_kv, 128]``, and the float32
     temporaries (scores, probabilities, their gradients, mask:
@@ -384,6 +412,10 @@ def backward_vmem_bytes(
     if segment_ids:
         pipelined += _tile_bytes(1, bq, _I32) + _tile_bytes(1, bkv, _I32)
         scratch += _tile_bytes(bkv, LANES, _I32)
+    if bias is not None:
+        pipelined += _tile_bytes(bkv, bq, bias)
+    if bias_gradient:
+        pipelined += _tile_bytes(bkv, bq, _F32)
     keys = min(blocks.backward_block_kv_compute, bkv)
     temporaries = _temporaries(keys, bq, math.ceil(bkv / keys), 5)
     dq = dq_vmem_bytes(chunk_rows, head_dim, dtype, group)
@@ -397,14 +429,15 @@ def dq_kernel_vmem_bytes(
     head_dim: int,
     dtype: np.dtype,
     segment_ids: bool,
+    bias: np.dtype | None = None,
 ) -> int:
     """Estimated VMEM of one query-gradient kernel instance (`backward_dq`): an upper bound.
 
-    Counts the double-buffered pipeline blocks (q, output gradient, k, v, dq, log-sum-exp and
-    row sums, segment ids), the scratch (dq ``[block_q, head_dim]`` float32, the statistics
-    and the queries' ids as ``[block_q, 128]`` columns) and the float32 temporaries (scores,
-    probabilities, their gradients, mask: ``[rows_compute, block_kv]`` each) of the row
-    sub-blocks alive at once (`LIVE_SUB_BLOCKS`).
+    Counts the double-buffered pipeline blocks (q, output gradient, k, v, dq, log-sum-exp and row
+    sums, segment ids, a ``[block_q, block_kv]`` bias block of dtype ``bias``), the scratch (dq
+    ``[block_q, head_dim]`` float32, the statistics and the queries' ids as ``[block_q, 128]``
+    columns) and the float32 temporaries (scores, probabilities, their gradients, mask:
+    ``[rows_compute, block_kv]`` each) of the row sub-blocks alive at once (`LIVE_SUB_BLOCKS`).
     """
     pipelined = (
         3 * _tile_bytes(block_q, head_dim, dtype)  # q, output gradient and dq
@@ -415,6 +448,8 @@ def dq_kernel_vmem_bytes(
     if segment_ids:
         pipelined += _tile_bytes(1, block_q, _I32) + _tile_bytes(1, block_kv, _I32)
         scratch += _tile_bytes(block_q, LANES, _I32)
+    if bias is not None:
+        pipelined += _tile_bytes(block_q, block_kv, bias)
     rows = min(rows_compute, block_q)
     temporaries = _temporaries(rows, block_kv, -(-block_q // rows), 5)
     return 2 * pipelined + scratch + temporaries

@@ -7,7 +7,8 @@ chunks of ``seq / (devices x pieces)`` tokens (`pallas_flash.context_layout`): c
 device the same share of causal work). Each device keeps its queries and passes its K/V
 chunks round a ring (``ppermute``, one hop a step, ``devices`` steps), so it attends to every
 chunk once; the per-pair results, each a normalised output and a log-sum-exp, merge exactly
-(`pallas_flash.merge`).
+(`pallas_flash.merge`). Sinks join last, each a part with the head's sink for its
+log-sum-exp and no value.
 
 A pair of chunks is attended to with the one-chip kernels (`forward`, `backward`): without a
 mask as is; causal, by the chunks' order along the sequence: an earlier key chunk entirely
@@ -17,7 +18,9 @@ The chunk indices are traced (each device's own), so the choice is a ``lax.switc
 to compute.
 
 Backward (a custom VJP): the forward's merged output and log-sum-exp make every pair's
-gradient exact on its own (`backward.flash_backward` with the global statistics). dq stays
+gradient exact on its own (`backward.flash_backward` with the global statistics, the sinks
+included; the sinks' own gradient is each device's rows' share, which ``shard_map`` sums over
+the mesh, the sinks being replicated). dq stays
 on its device; dk and dv travel round the ring with their K/V, and the hop after the last
 step brings them home (K/V, needed no more, stay).
 Partial results are summed in float32. Both passes loop over the ring's steps
@@ -38,6 +41,7 @@ from pallas_flash import context_layout
 from pallas_flash.context_layout import ContextLayout, chunk_ids
 from pallas_flash.merge import merge
 from pallas_flash.specs import AttentionSpec
+from pallas_flash_pallas.attention import sinks_gradient
 from pallas_flash_pallas.backward import flash_backward
 from pallas_flash_pallas.block_sizes import BlockSizes
 from pallas_flash_pallas.forward import flash_forward
@@ -107,7 +111,7 @@ def _pair_forward(
 
 
 def _forward_pass(
-    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """This device's output (q's dtype) and log-sum-exp ``[batch, heads, 1, rows]``: a loop
     over the ring's steps (one step's buffers alive at a time), K/V passed on after each but
@@ -130,25 +134,34 @@ def _forward_pass(
         results = attend(step, k, v, list(results))
         return (*ring.rotate(k, v), tuple(results))
 
+    def with_sink(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The sink merged in as one more part: output 0, log-sum-exp the head's sink."""
+        sink = jnp.broadcast_to(sinks.astype(_F32)[None, :, None], lse.shape)
+        return merge(jnp.stack([out, jnp.zeros_like(out)]), jnp.stack([lse, sink]), 0)
+
     shape = (*q_pieces[0].shape[:3], v.shape[3])
     empty = (jnp.zeros(shape, _F32), jnp.full(shape[:3], -jnp.inf, _F32))
     k, v, results = lax.fori_loop(
         0, ring.devices - 1, step_and_pass, (k, v, (empty,) * ring.pieces)
     )
     results = attend(ring.devices - 1, k, v, list(results))
+    if sinks is not None:
+        results = [with_sink(*result) for result in results]
     out = jnp.concatenate([o for o, _ in results], axis=2).astype(q.dtype)
     lse = jnp.concatenate([lse for _, lse in results], axis=2)[:, :, None, :]
     return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    return _forward_pass(ring, q, k, v)[0]
+def _ring_attention(
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
+) -> jax.Array:
+    return _forward_pass(ring, q, k, v, sinks)[0]
 
 
-def _ring_forward(ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array):
-    out, lse = _forward_pass(ring, q, k, v)
-    return out, (q, k, v, out, lse)
+def _ring_forward(ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None):
+    out, lse = _forward_pass(ring, q, k, v, sinks)
+    return out, (q, k, v, sinks, out, lse)
 
 
 def _pair_backward(
@@ -161,7 +174,7 @@ def _pair_backward(
     diagonal, unmasked = ring.specs()
 
     def add(spec: AttentionSpec) -> tuple[jax.Array, ...]:
-        grads = flash_backward(
+        *grads, _ = flash_backward(
             q, k, v, None, out, lse, dout,
             spec=spec, block_sizes=ring.block_sizes, devices=ring.devices,
         )  # fmt: skip
@@ -173,7 +186,7 @@ def _pair_backward(
 
 
 def _ring_backward(ring: _Ring, residuals, dout: jax.Array):
-    q, k, v, out, lse = residuals
+    q, k, v, sinks, out, lse = residuals
     device = lax.axis_index(ring.axes)
     mine = ring.chunks(device)
     lse_pieces = jnp.split(lse, ring.pieces, axis=3)
@@ -208,7 +221,10 @@ def _ring_backward(ring: _Ring, residuals, dout: jax.Array):
     dk, dv, dq = gradients(ring.devices - 1, *carry)
     dk, dv = ring.rotate(dk, dv)  # the last hop brings dk and dv home; K/V stay
     dq = jnp.concatenate(dq, axis=2)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dsinks = None  # or this device's rows' share: shard_map sums a replicated input's
+    if sinks is not None:
+        dsinks = sinks_gradient(sinks, out, lse, dout)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks
 
 
 _ring_attention.defvjp(_ring_forward, _ring_backward)
@@ -224,17 +240,22 @@ def context_parallel_attention(
     mesh: Mesh,
     layout: ContextLayout,
     block_sizes: BlockSizes,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of validated self-attention inputs (``q_len == kv_len``, divisible by the
-    mesh's devices times the layout's pieces; module doc), differentiable with respect to q,
-    k and v; returns ``[batch, q_heads, seq, v_head_dim]`` split like q."""
+    mesh's devices times the layout's pieces; module doc), with ``sinks [q_heads]`` (every
+    device's) or None, differentiable with respect to q, k, v and sinks; returns ``[batch,
+    q_heads, seq, v_head_dim]`` split like q."""
     axes = tuple(mesh.axis_names)
     ring = _Ring(spec, axes, mesh.size, layout, block_sizes)
     split = PartitionSpec(None, None, axes, None)
-    return jax.shard_map(
-        functools.partial(_ring_attention, ring),
-        mesh=mesh,
-        in_specs=(split, split, split),
-        out_specs=split,
-        check_vma=False,
-    )(q, k, v)
+    args, in_specs = (q, k, v), (split, split, split)
+    if sinks is not None:
+        args, in_specs = (*args, sinks), (*in_specs, PartitionSpec())
+
+    def attention(q, k, v, *sinks):
+        return _ring_attention(ring, q, k, v, *sinks or [None])
+
+    return jax.shard_map(attention, mesh=mesh, in_specs=in_specs, out_specs=split, check_vma=False)(
+        *args
+    )

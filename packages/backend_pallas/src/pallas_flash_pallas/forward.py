@@ -3,7 +3,10 @@
 Layouts: q ``[batch, q_heads, q_len, head_dim]``; k ``[batch, kv_heads, kv_len, head_dim]``;
 v ``[batch, kv_heads, kv_len, v_head_dim]`` (``v_head_dim`` may differ: MLA's 128 beside
 192); the output ``[batch, q_heads, q_len, v_head_dim]``; the log-sum-exp ``[batch, q_heads,
-q_len]`` float32 (written by the kernel as lane-dense rows ``[batch, q_heads, 1, q_len]``).
+q_len]`` float32 (written by the kernel as lane-dense rows ``[batch, q_heads, 1, q_len]``); an
+optional bias ``[batch or 1, q_heads or 1, q_len, kv_len]``, streamed by ``[block_q,
+block_kv]`` block beside K and V (an axis of size 1 is broadcast by the index map, never
+copied).
 
 Grid ``(batch, q_heads, q blocks, kv steps)``: the first three axes are parallel, the kv axis
 is sequential. One ``[block_q, head_dim]`` query block stays in VMEM while the kv blocks that
@@ -14,21 +17,20 @@ HBM. Sequences need not be multiples of the blocks: the last block of each is pa
 out-of-range rows hold garbage (even NaN), so out-of-range keys are masked and their V rows
 zeroed, and out-of-range query rows are never written back.
 
-Per visited block (online softmax, in float32): ``s = softcap(q k^T * sm_scale)``, masked to
-``-inf`` where hidden; ``m' = max(m, rowmax(s))``; ``p = exp(s - m')``;
-``l' = l exp(m - m') + rowsum(p)``; ``acc' = acc exp(m - m') + p v``; the first visited block
-writes ``m = rowmax(s)``, ``l = rowsum(p)``, ``acc = p v`` instead, so nothing is
-zero-initialised (except for a query block that sees no key at all). After the last step the
-output is ``acc / l`` and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros
-and a log-sum-exp of ``-inf``. With sinks, the head's sink joins the sum then: ``m* = max(m,
-sink)``, ``l* = l exp(m - m*) + exp(sink - m*)``, the output ``acc exp(m - m*) / l*`` and the
-log-sum-exp ``m* + log(l*)``, which the backward reads unchanged. The block is folded in
-tiles, in straight-line code, so the compiler overlaps the matmuls of one tile with the
-softmax of another: a block that no mask crosses in ``full_block_compute`` rows by as many
-keys (`block_sizes.full_block_tiles`), others in row sub-blocks of ``block_q_compute`` rows by
-all the keys. Only blocks that cross a mask boundary build a mask (`schedule.BlockKind`); on
-the causal diagonal each row sub-block stops at its last row's key and masks only its square
-tile on the diagonal.
+Per visited block (online softmax, in float32): ``s = softcap(q k^T * sm_scale)`` plus the bias
+block if there is one, masked to ``-inf`` where hidden; ``m' = max(m, rowmax(s))``; ``p = exp(s -
+m')``; ``l' = l exp(m - m') + rowsum(p)``; ``acc' = acc exp(m - m') + p v``; the first visited block
+writes ``m = rowmax(s)``, ``l = rowsum(p)``, ``acc = p v`` instead, so nothing is zero-initialised
+(except for a query block that sees no key at all). After the last step the output is ``acc / l``
+and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros and a log-sum-exp of ``-inf``.
+With sinks, the head's sink joins the sum then: ``m* = max(m, sink)``, ``l* = l exp(m - m*) +
+exp(sink - m*)``, the output ``acc exp(m - m*) / l*`` and the log-sum-exp ``m* + log(l*)``, which
+the backward reads unchanged. The block is folded in tiles, in straight-line code, so the compiler
+overlaps the matmuls of one tile with the softmax of another: a block that no mask crosses in
+``full_block_compute`` rows by as many keys (`block_sizes.full_block_tiles`), others in row
+sub-blocks of ``block_q_compute`` rows by all the keys. Only blocks that cross a mask boundary build
+a mask (`schedule.BlockKind`); on the causal diagonal each row sub-block stops at its last row's key
+and masks only its square tile on the diagonal.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from pallas_flash_pallas.kernel_helpers import (
     NN,
     NT,
     both,
+    broadcast_block,
     lanes,
     mask_diagonal_tile,
     query_grid_maps,
@@ -73,6 +76,7 @@ def _kernel(
     block_q_compute: int,
     full_block_compute: int,
     segment_ids: bool,
+    bias: bool,
     sinks: bool,
     with_lse: bool,
     precision: lax.Precision | None,
@@ -82,16 +86,18 @@ def _kernel(
 
     Refs: inputs q ``[block_q, head_dim]``, k ``[block_kv, head_dim]`` and v ``[block_kv,
     v_head_dim]``, with segment ids
-    those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``, with sinks the
-    head's sink in every lane ``[1, 128]`` float32; outputs
+    those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``, with a bias its
+    ``[block_q, block_kv]`` block, with sinks the head's sink in every lane ``[1, 128]``
+    float32; outputs
     ``[block_q, v_head_dim]`` and, ``with_lse``, log-sum-exp ``[1, block_q]``; scratch: running
     max and sum ``[block_q, 128]`` (equal lanes) and accumulator ``[block_q, v_head_dim]``, all
     float32, and with segment ids the queries' ids as equal-lane columns ``[block_q, 128]``
     int32.
     """
-    num_inputs = 3 + 2 * segment_ids + sinks
+    num_inputs = 3 + 2 * segment_ids + bias + sinks
     q_ref, k_ref, v_ref, *id_refs = refs[:num_inputs]
     sink_ref = id_refs.pop() if sinks else None
+    bias_ref = id_refs.pop() if bias else None
     o_ref, *refs = refs[num_inputs:]
     lse_ref = refs.pop(0) if with_lse else None
     m_ref, l_ref, acc_ref, *id_scratch = refs
@@ -132,6 +138,8 @@ def _kernel(
             q_ref[rows, :], k_ref[keys, :], NT, preferred_element_type=_F32, precision=precision
         )  # [num_rows, num_keys]
         s = apply_softcap(s * spec.sm_scale, spec.softcap)
+        if bias:
+            s = s + bias_ref[rows, keys].astype(_F32)
         visible = None
         if kind == BlockKind.MASKED:
             key_pos = kv_block * block_kv + first_key
@@ -155,7 +163,7 @@ def _kernel(
             m_prev = m_ref[rows, :]
             m_next = jnp.maximum(m_prev, m_next)
         m_shift = m_next
-        if visible is not None:  # a row that has seen no key yet has max -inf: shift by 0
+        if visible is not None or bias:  # a row that has seen no key yet has max -inf: shift by 0
             m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         p = jnp.exp(s - lanes(m_shift, num_keys))
         m_ref[rows, :] = m_next
@@ -218,10 +226,15 @@ def _kernel(
 
 
 def _cost(
-    q: jax.Array, k: jax.Array, v: jax.Array, schedule: KvSchedule, segment_ids: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    schedule: KvSchedule,
+    segment_ids: bool,
+    bias: jax.Array | None,
 ) -> pl.CostEstimate:
     """Flops and exponentials of the visited blocks; bytes moved between HBM and VMEM (q and
-    the output once, a K and a V block per visited block)."""
+    the output once, a K and a V block and a bias block per visited block)."""
     batch, q_heads, _, head_dim = q.shape
     v_head_dim = v.shape[3]
     blocks = batch * q_heads * schedule.visited_blocks
@@ -231,6 +244,9 @@ def _cost(
     bytes_accessed = q.nbytes + out_bytes + kv_bytes + 4 * batch * q_heads * schedule.q_len
     if segment_ids:
         bytes_accessed += 4 * batch * (schedule.q_len + q_heads * schedule.visited_blocks)
+    if bias is not None:
+        bias_block = schedule.block_q * schedule.block_kv * bias.dtype.itemsize
+        bytes_accessed += blocks * bias_block
     return pl.CostEstimate(
         flops=2 * pairs * (head_dim + v_head_dim),
         transcendentals=pairs,
@@ -244,6 +260,7 @@ def flash_forward(
     v: jax.Array,
     segment_ids: SegmentIds | None = None,
     sinks: jax.Array | None = None,
+    bias: jax.Array | None = None,
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes | None = None,
@@ -260,6 +277,8 @@ def flash_forward(
       v: ``[batch, kv_heads, kv_len, v_head_dim]``, dtype of q.
       segment_ids: int32 ``q [batch, q_len]`` and ``kv [batch, kv_len]``, or None.
       sinks: ``[q_heads]`` float, a logit per query head in every row's denominator, or None.
+      bias: ``[batch or 1, q_heads or 1, q_len, kv_len]`` float, added to the scores (after
+        the softcap), or None.
       spec: the call's settings.
       block_sizes: block sizes (None sizes: the defaults of the TPU generation,
         `block_sizes.default_block_sizes`), before clamping to the sequence lengths; default
@@ -284,6 +303,7 @@ def flash_forward(
         v,
         segment_ids,
         _sink_lanes(sinks, q),
+        bias,
         spec=spec,
         block_sizes=block_sizes,
         with_lse=True,
@@ -298,6 +318,7 @@ def flash_output(
     v: jax.Array,
     segment_ids: SegmentIds | None = None,
     sinks: jax.Array | None = None,
+    bias: jax.Array | None = None,
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes | None = None,
@@ -311,6 +332,7 @@ def flash_output(
         v,
         segment_ids,
         _sink_lanes(sinks, q),
+        bias,
         spec=spec,
         block_sizes=block_sizes,
         with_lse=False,
@@ -334,6 +356,7 @@ def _flash_forward(
     v: jax.Array,
     segment_ids: SegmentIds | None,
     sink_lanes: jax.Array | None,
+    bias: jax.Array | None,
     *,
     spec: AttentionSpec,
     block_sizes: BlockSizes,
@@ -346,11 +369,12 @@ def _flash_forward(
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
-    blocks = block_sizes.for_call(spec, q_len, kv_len, generation)
+    blocks = block_sizes.for_call(spec, q_len, kv_len, generation, bias=bias is not None)
     schedule = KvSchedule(spec, q_len, kv_len, blocks.block_q, blocks.block_kv)
     has_ids = segment_ids is not None
+    bias_dtype = None if bias is None else bias.dtype
     limit = vmem_limit_bytes(  # every block at the wider head_dim: an upper bound
-        forward_vmem_bytes(blocks, max(head_dim, v_head_dim), q.dtype, has_ids),
+        forward_vmem_bytes(blocks, max(head_dim, v_head_dim), q.dtype, has_ids, bias_dtype),
         f"forward block sizes block_q={blocks.block_q}, block_kv={blocks.block_kv} with "
         f"head_dim={head_dim}, v_head_dim={v_head_dim}, {q.dtype.name}",
         generation,
@@ -376,6 +400,13 @@ def _flash_forward(
             pl.BlockSpec((None, 1, blocks.block_kv), kv_ids_map),
         ]
         args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
+    if bias is not None:
+
+        def bias_map(b, h, i, j):
+            return *broadcast_block(bias.shape, b, h), i, schedule.kv_block(i, j)
+
+        in_specs.append(pl.BlockSpec((None, None, blocks.block_q, blocks.block_kv), bias_map))
+        args.append(bias)
     if sink_lanes is not None:
         in_specs.append(pl.BlockSpec((None, None, 1, LANES), lambda b, h, i, j: (b, h, 0, 0)))
         args.append(sink_lanes)
@@ -387,6 +418,7 @@ def _flash_forward(
         block_q_compute=blocks.block_q_compute,
         full_block_compute=blocks.full_block_compute,
         segment_ids=has_ids,
+        bias=bias is not None,
         sinks=sink_lanes is not None,
         with_lse=with_lse,
         precision=precision,
@@ -412,7 +444,7 @@ def _flash_forward(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=limit,
         ),
-        cost_estimate=_cost(q, k, v, schedule, has_ids),
+        cost_estimate=_cost(q, k, v, schedule, has_ids, bias),
         interpret=False if interpret is None else interpret,
         name="pallas_flash_forward",
     )(*args)

@@ -40,6 +40,12 @@ def query_grid_maps(schedule: KvSchedule, group: int) -> tuple[IndexMap, IndexMa
     return q_map, kv_map, row_map
 
 
+def broadcast_block(shape: tuple[int, ...], b: jax.Array, h: jax.Array) -> tuple:
+    """Block indices of the batch and head axes of a bias ``[batch or 1, heads or 1, ...]``
+    for grid batch ``b`` and head ``h``: 0 on an axis of size 1 (broadcast, never copied)."""
+    return (b if shape[0] > 1 else 0), (h if shape[1] > 1 else 0)
+
+
 def lanes(x: jax.Array, width: int) -> jax.Array:
     """``[rows, 128]`` with equal lanes to ``[rows, width]``."""
     if width % LANES == 0:

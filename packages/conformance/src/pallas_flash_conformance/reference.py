@@ -176,6 +176,24 @@ def sinks_vjp(
     return -np.sum(sink_weight * np.sum(_f64(d_out) * out, axis=-1), axis=(0, 2))
 
 
+def bias_vjp(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, d_out: ArrayLike, **options: Any
+) -> np.ndarray:
+    """Gradient of ``sum(attention(q, k, v, **options) * d_out)`` with respect to
+    ``options["bias"]``, in the bias's shape: the gradient of the scores after the softcap,
+    ``ds = p (dp - sum(d_out * out))`` (zero where a key is hidden), summed over the axes the
+    bias broadcasts."""
+    probs, _ = _probabilities(q, k, **options)
+    v = _expand_kv(_f64(v), np.shape(q)[1])
+    d_out = _f64(d_out)
+    out = probs @ v
+    ds = probs * (d_out @ v.swapaxes(-1, -2) - np.sum(d_out * out, axis=-1, keepdims=True))
+    bias_shape = np.shape(options["bias"])
+    ds = ds.sum(axis=tuple(range(ds.ndim - len(bias_shape))))
+    broadcast = tuple(axis for axis, size in enumerate(bias_shape) if size == 1)
+    return ds.sum(axis=broadcast, keepdims=True)
+
+
 def decode(
     q: ArrayLike,
     k_cache: ArrayLike,

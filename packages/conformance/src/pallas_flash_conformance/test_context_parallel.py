@@ -40,15 +40,17 @@ class Split:
     def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.case.arrays()
 
-    def run(self, backend: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def run(
+        self, backend: str, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
+    ) -> jax.Array:
         """The call on tokens in order: put into the layout's order and back around it."""
         devices = len(jax.devices())
         to, back = (pf.to_zigzag, pf.from_zigzag) if self.layout == "zigzag" else (None, None)
         if to is not None:
             q, k, v = (to(x, devices) for x in (q, k, v))
         out = pf.attention(
-            q, k, v, causal=self.case.causal, softcap=self.case.softcap, mesh=_mesh(),
-            context_layout=self.layout, backend=backend,
+            q, k, v, causal=self.case.causal, softcap=self.case.softcap, sinks=sinks,
+            mesh=_mesh(), context_layout=self.layout, backend=backend,
         )  # fmt: skip
         return out if back is None else back(out, devices)
 
@@ -64,12 +66,16 @@ CASES = {
     "full-contiguous-softcap": Split.of(
         64, "contiguous", batch=2, q_heads=2, kv_heads=1, head_dim=64, softcap=2.0, q_scale=3.0
     ),
+    "causal-zigzag-sinks": Split.of(
+        64, "zigzag", batch=2, q_heads=4, kv_heads=2, head_dim=64, causal=True, sinks=True
+    ),
 }
 
 
 def _param(name: str, *extra: str):
-    case = CASES[name]
-    return pytest.param(case, id=name, marks=pytest.mark.requires("context_parallel", *extra))
+    split = CASES[name]
+    needs = ("context_parallel", *split.case.required(), *extra)
+    return pytest.param(split, id=name, marks=pytest.mark.requires(*needs))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -78,22 +84,32 @@ def test_matches_the_whole_sequence(backend, split: Split, dtype: str) -> None:
     split = dataclasses.replace(split, case=dataclasses.replace(split.case, dtype=dtype))
     q, k, v = split.arrays()
     expected = reference.attention(q, k, v, **split.case.reference_kwargs())
-    assert_close(split.run(backend.name, q, k, v), expected, FORWARD_TOLERANCE[dtype])
+    out = split.run(backend.name, q, k, v, split.case.sink_logits())
+    assert_close(out, expected, FORWARD_TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("split", [_param(name, "grad") for name in CASES])
 def test_gradients_match_the_whole_sequence(backend, split: Split) -> None:
+    """dq, dk, dv (and the sinks', summed over every device's rows)."""
     q, k, v = split.arrays()
+    sinks = (split.case.sink_logits(),) if split.case.sinks else ()
     d_out = inputs.normal(3, (*q.shape[:-1], v.shape[-1]))
 
     @jax.jit
-    def gradients(q, k, v, d_out):
-        return jax.vjp(lambda q, k, v: split.run(backend.name, q, k, v), q, k, v)[1](d_out)
+    def gradients(d_out, *primals):
+        def attention(q, k, v, *sinks):
+            return split.run(backend.name, q, k, v, *sinks or [None])
 
-    expected = reference.attention_vjp(q, k, v, d_out, **split.case.reference_kwargs())
-    for name, actual, wanted in zip(("dq", "dk", "dv"), gradients(q, k, v, d_out), expected,
-                                    strict=True):  # fmt: skip
-        assert_gradient_close(actual, wanted, "float32", name=name)
+        return jax.vjp(attention, *primals)[1](d_out)
+
+    options = split.case.reference_kwargs()
+    expected = reference.attention_vjp(q, k, v, d_out, **options)
+    if sinks:
+        expected = (*expected, reference.sinks_vjp(q, k, v, d_out, **options))
+    actual = gradients(d_out, q, k, v, *sinks)
+    assert len(actual) == len(expected)
+    for name, got, wanted in zip(("dq", "dk", "dv", "dsinks"), actual, expected, strict=False):
+        assert_gradient_close(got, wanted, "float32", name=name)
 
 
 @pytest.mark.requires("context_parallel")

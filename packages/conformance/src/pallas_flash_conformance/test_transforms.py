@@ -51,6 +51,28 @@ def test_vmap_attention_over_queries_only(backend) -> None:
         assert_close(out[i], each.reference(q[i], k, v), FORWARD_TOLERANCE[case.dtype])
 
 
+@pytest.mark.requires("attention", "bias", "gqa")
+@pytest.mark.parametrize("bias_mapped", [False, True], ids=["shared-bias", "mapped-bias"])
+def test_vmap_attention_with_a_broadcast_bias(backend, bias_mapped: bool) -> None:
+    """A bias ``[1, heads, q_len, kv_len]`` (broadcast over a batch of 2) shared by every
+    slice, or one per slice."""
+    case = Case(2, 4, 2, 40, 72, 64)
+    (q, k, v), _ = _stacked(case)
+    biases = np.stack([np.asarray(inputs.normal(7 + i, (1, 4, 40, 72))) for i in range(SLICES)])
+
+    def attention(q, k, v, bias):
+        return pf.attention(q, k, v, bias=bias, backend=backend.name)
+
+    if bias_mapped:
+        out = jax.vmap(attention)(q, k, v, biases)
+    else:
+        out = jax.vmap(attention, in_axes=(0, 0, 0, None))(q, k, v, biases[0])
+    for i in range(SLICES):
+        bias = biases[i] if bias_mapped else biases[0]
+        expected = reference.attention(q[i], k[i], v[i], sm_scale=64**-0.5, bias=bias)
+        assert_close(out[i], expected, FORWARD_TOLERANCE[case.dtype])
+
+
 @pytest.mark.parametrize(
     "case", [case.param(name, "grad") for name, case in CASES.items() if name == "causal-gqa"]
 )

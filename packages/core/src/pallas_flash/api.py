@@ -29,6 +29,7 @@ def attention(
     sliding_window: int | tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: jax.Array | None = None,
+    bias: jax.Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     context_layout: ContextLayout = "contiguous",
     backend: str | None = None,
@@ -53,6 +54,10 @@ def attention(
         joins every row's softmax denominator and has no value (``p_j = exp(s_j) /
         (exp(sinks[h]) + sum_k exp(s_k))``, in the scores' units, after ``sm_scale`` and
         ``softcap``); differentiable, its gradient accumulated in float32.
+      bias: float, broadcastable to ``[batch, q_heads, q_len, kv_len]`` (lower ranks lead
+        with size-1 axes, as in jax): added to the scores after ``sm_scale`` and ``softcap``
+        (ALiBi, relative positions; ``-inf`` hides a key), on backends that declare ``bias``;
+        differentiable.
       mesh: context parallelism, on backends that declare ``context_parallel``: the
         sequence (``q_len == kv_len``) is split over all the mesh's devices, in mesh order,
         and each device attends to every part of it in turn.
@@ -65,7 +70,7 @@ def attention(
 
     Returns:
       ``[batch, q_heads, q_len, v_head_dim]`` in the dtype of q. A query that sees no key gives
-      zeros. Differentiable with respect to q, k, v (and sinks) where the backend declares
+      zeros. Differentiable with respect to q, k, v (sinks, bias) where the backend declares
       ``grad``.
 
     Raises:
@@ -87,12 +92,14 @@ def attention(
         segment_ids = validation.check_segment_ids(segment_ids, dims)
     if sinks is not None:
         sinks = validation.check_sinks(sinks, dims)
+    if bias is not None:
+        bias = validation.check_bias(bias, dims)
     context = None
     if mesh is not None:
         validation.check_context_parallel(mesh, context_layout, dims)
         context = {"mesh": mesh, "context_layout": context_layout}
     return run_attention(
-        q, k, v, spec, dims, backend=backend, segment_ids=segment_ids, sinks=sinks,
+        q, k, v, spec, dims, backend=backend, segment_ids=segment_ids, bias=bias, sinks=sinks,
         context=context,
     )  # fmt: skip
 

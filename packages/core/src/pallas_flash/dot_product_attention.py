@@ -59,11 +59,9 @@ def dot_product_attention(
         window=validation.check_window(local_window_size, causal=causal, name="local_window_size"),
     )
     if bias is not None:
-        bias = _check_broadcastable("bias", jnp.asarray(bias), dims)
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise InvalidInputError(f"bias: expected a floating dtype, got dtype {bias.dtype}")
+        bias = validation.check_bias(bias, dims)
     if mask is not None:
-        mask = _check_broadcastable("mask", jnp.asarray(mask), dims)
+        mask = validation.check_broadcastable("mask", jnp.asarray(mask), dims)
         if mask.dtype != jnp.bool_:
             raise InvalidInputError(
                 f"mask: expected dtype bool (True = attend), got dtype {mask.dtype}"
@@ -80,22 +78,6 @@ def dot_product_attention(
     )
     out = jnp.swapaxes(out, 1, 2)
     return out[0] if unbatched else out
-
-
-def _check_broadcastable(name: str, x: jax.Array, dims: AttentionDims) -> jax.Array:
-    """Checks a bias or mask against ``[batch, q_heads, q_len, kv_len]``; returns it as rank 4.
-
-    As in jax, the leading axes a lower-rank bias or mask leaves out are taken as size 1.
-    """
-    if x.ndim < 4:
-        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    target = (dims.batch, dims.q_heads, dims.q_len, dims.kv_len)
-    if x.ndim != 4 or any(d not in (1, t) for d, t in zip(x.shape, target, strict=True)):
-        raise InvalidInputError(
-            f"{name}: expected rank <= 4 broadcastable to {target} "
-            f"[batch, q_heads, q_len, kv_len], got shape {x.shape}"
-        )
-    return x
 
 
 def _lengths_as_segment_ids(

@@ -74,9 +74,10 @@ about a third faster without backend optimisation and runs as fast."""
 
 
 def fold_vmap_into_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(*args)``, whose array arguments and results all lead with a batch axis, with a
-    batching rule that folds a vmapped axis into that batch axis: under ``jax.vmap`` of size
-    ``n`` it runs ``fn`` once on ``[n * batch, ...]`` arrays (an argument that is not mapped is
+    """``fn(*args)``, whose array arguments and results all lead with a batch axis (an
+    argument's may be 1: broadcast, as a bias's), with a batching rule that folds a vmapped
+    axis into that batch axis: under ``jax.vmap`` of size ``n`` it runs ``fn`` once on ``[n *
+    batch, ...]`` arrays (an argument that is not mapped, or whose batch axis is 1, is
     broadcast first) and splits the results back into ``[n, batch, ...]``.
 
     A kernel then never sees a batched grid: Pallas's own ``pallas_call`` batching rule adds a
@@ -86,9 +87,15 @@ def fold_vmap_into_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @folded.def_vmap
     def _rule(axis_size: int, in_batched: Sequence[Any], *args: Any) -> tuple[Any, Any]:
+        def batch_size(x: jax.Array, batched: bool) -> int:
+            return x.shape[1] if batched else x.shape[0]
+
+        batch = max(jax.tree.leaves(jax.tree.map(batch_size, list(args), list(in_batched))))
+
         def fold(x: jax.Array, batched: bool) -> jax.Array:
             x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+            x = jnp.broadcast_to(x, (axis_size, batch, *x.shape[2:]))
+            return x.reshape(axis_size * batch, *x.shape[2:])
 
         outs = folded(*jax.tree.map(fold, list(args), list(in_batched)))  # nested vmaps fold too
         outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)

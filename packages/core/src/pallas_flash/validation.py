@@ -176,6 +176,31 @@ def check_sinks(sinks: Any, dims: AttentionDims) -> jax.Array:
     return jnp.asarray(sinks)
 
 
+def check_broadcastable(name: str, x: jax.Array, dims: AttentionDims) -> jax.Array:
+    """Checks a bias or mask against ``[batch, q_heads, q_len, kv_len]``; returns it as rank 4.
+
+    As in jax, the leading axes a lower-rank bias or mask leaves out are taken as size 1.
+    """
+    if x.ndim < 4:
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    target = (dims.batch, dims.q_heads, dims.q_len, dims.kv_len)
+    if x.ndim != 4 or any(d not in (1, t) for d, t in zip(x.shape, target, strict=True)):
+        raise InvalidInputError(
+            f"{name}: expected rank <= 4 broadcastable to {target} "
+            f"[batch, q_heads, q_len, kv_len], got shape {x.shape}"
+        )
+    return x
+
+
+def check_bias(bias: Any, dims: AttentionDims) -> jax.Array:
+    """An additive bias: floating, broadcastable to ``[batch, q_heads, q_len, kv_len]``;
+    returned as rank 4 (`check_broadcastable`)."""
+    bias = check_broadcastable("bias", jnp.asarray(bias), dims)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise InvalidInputError(f"bias: expected a floating dtype, got dtype {bias.dtype}")
+    return bias
+
+
 def _check_non_negative_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise fail(name, repr(value), "a non-negative int")
