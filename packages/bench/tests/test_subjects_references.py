@@ -71,6 +71,17 @@ def test_a_configuration_runs_the_sequences_its_blocks_divide() -> None:
     assert flash.build(Workload("forward", 8192), None) is not None
 
 
+def test_only_jax_flash_takes_a_bias() -> None:
+    """jax ``flash_attention``'s ``ab`` is the one bias a reference kernel takes (splash and
+    tokamax have none), with the inputs' batch axis: batch 1 only."""
+    subjects = all_subjects("default", [], True)
+    biased = Workload("forward", 4096, bias=True)
+    takes = {s.name for s in subjects.values() if s.kind == "reference" and s.build(biased, None)}
+    assert takes == {"jax-flash"}
+    flash = subjects["jax-flash[blocks 1024]"]
+    assert flash.build(Workload("forward", 4096, batch=2, bias=True), None) is None
+
+
 def test_the_quick_sweep_is_a_few_previous_bests_of_the_default_one() -> None:
     quick = all_subjects("quick", [], True)
     assert set(quick) <= set(all_subjects("default", [], True))

@@ -30,6 +30,18 @@ def test_mla_counts_each_matmul_at_its_own_head_dim() -> None:
         Workload("decode", 4096, v_head_dim=64)
 
 
+def test_a_bias_is_an_input_of_each_pass() -> None:
+    forward = Workload("forward", 1024, bias=True)
+    bias = 16 * 1024 * 1024 * 2  # [1, heads, N, N] bfloat16
+    assert forward.min_hbm_bytes == 4 * 16 * 1024 * 128 * 2 + bias
+    both = Workload("forward_backward", 1024, causal=True, bias=True)
+    assert both.min_hbm_bytes == 3 * forward.min_hbm_bytes
+    assert both.useful_flops == Workload("forward_backward", 1024, causal=True).useful_flops
+    assert both.label == "forward_backward N=1024 causal bias"
+    with pytest.raises(ValueError, match="bias"):
+        Workload("decode", 4096, bias=True)
+
+
 def test_decode_bytes_are_the_cache() -> None:
     w = Workload("decode", 131072, q_heads=32, kv_heads=8)
     cache = 2 * 8 * 131072 * 128 * 2

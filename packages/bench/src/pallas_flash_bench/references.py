@@ -38,11 +38,13 @@ def _on_one_chip(
     return on_one_chip
 
 
-def _attention(workload: Workload, blocks: tuple[int, ...] = ()) -> bool:
+def _attention(workload: Workload, blocks: tuple[int, ...] = (), *, bias: bool = False) -> bool:
     """Whether a reference attention kernel takes the workload: multi-head attention (not
     decode, not grouped, v's head_dim q's: jax's kernels take head_dims that are multiples
     of 128, so not MLA's 192) whose sequence every block divides (as splash requires; a
-    longer block, clamped, would repeat a configuration of shorter ones)."""
+    longer block, clamped, would repeat a configuration of shorter ones); with a bias only
+    if the kernel takes one (``bias``: jax ``flash_attention``'s ``ab``, whose batch axis
+    is the inputs', so batch 1 only: the workload's bias is shared by the batch)."""
     w = workload
     same_dims = w.v_head_dim is None and w.head_dim % 128 == 0
     return (
@@ -50,6 +52,7 @@ def _attention(workload: Workload, blocks: tuple[int, ...] = ()) -> bool:
         and w.q_heads == w.kv_heads
         and same_dims
         and all(w.seq_len % b == 0 for b in blocks)
+        and (not w.bias or (bias and w.batch == 1))
     )
 
 
@@ -72,7 +75,7 @@ def _jax_flash_build(
 ) -> Callable[..., object] | None:
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    if not _attention(workload, blocks or ()):
+    if not _attention(workload, blocks or (), bias=True):
         return None
     sizes = None
     if blocks is not None:

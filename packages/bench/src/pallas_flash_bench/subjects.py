@@ -35,7 +35,8 @@ class ArraySpec(NamedTuple):
 
 
 def array_specs(workload: Workload) -> list[ArraySpec]:
-    """The arguments: ``q, k, v`` or ``q, k_cache, v_cache, lengths`` (the caches split along
+    """The arguments: ``q, k, v`` (and the ``bias``) or ``q, k_cache, v_cache, lengths`` (the
+    caches split along
     their sequence axis, a paged pool along its pages, when the call runs on several chips),
     then for a paged cache its ``page_table`` and for an int8 one its ``k_scales, v_scales``
     (`decode_options`)."""
@@ -60,7 +61,10 @@ def array_specs(workload: Workload) -> list[ArraySpec]:
         return specs
     k = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.head_dim), w.dtype)
     v = ArraySpec((w.batch, w.kv_heads, w.seq_len, w.value_head_dim), w.dtype)
-    return [ArraySpec((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), k, v]
+    specs = [ArraySpec((w.batch, w.q_heads, w.seq_len, w.head_dim), w.dtype), k, v]
+    if w.bias:
+        specs.append(ArraySpec((1, w.q_heads, w.seq_len, w.seq_len), w.dtype))
+    return specs
 
 
 def decode_options(workload: Workload, extra: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
@@ -72,10 +76,11 @@ def decode_options(workload: Workload, extra: tuple[jax.Array, ...]) -> dict[str
 
 
 def with_backward(forward: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
-    """Forward + backward: the gradients of ``sum(forward(q, k, v))`` w.r.t. q, k and v."""
+    """Forward + backward: the gradients of ``sum(forward(q, k, v, *constants))`` w.r.t. q, k
+    and v (a bias is a constant)."""
 
-    def loss(q, k, v):
-        return forward(q, k, v).astype(jnp.float32).sum()
+    def loss(q, k, v, *constants):
+        return forward(q, k, v, *constants).astype(jnp.float32).sum()
 
     return jax.grad(loss, argnums=(0, 1, 2))
 
@@ -136,6 +141,8 @@ def _backend_build(
         needed.add("gqa")
     if workload.value_head_dim != workload.head_dim:
         needed.add("value_head_dim")
+    if workload.bias:
+        needed.add("bias")
     if workload.cache == "paged":
         needed.add("paged_cache")
     if workload.cache_dtype == "int8":
@@ -149,7 +156,11 @@ def _backend_build(
             return pf.decode(q, k_cache, v_cache, lengths, backend=info.name, mesh=mesh, **options)
 
         return decode
-    forward = functools.partial(pf.attention, causal=workload.causal, backend=info.name)
+
+    def forward(q, k, v, *bias):
+        return pf.attention(q, k, v, causal=workload.causal, bias=next(iter(bias), None),
+                            backend=info.name)  # fmt: skip
+
     return forward if workload.op == "forward" else with_backward(forward)
 
 

@@ -34,7 +34,9 @@ class Workload:
     and kv head.
 
     Attention only: ``v_head_dim`` gives v (and the output) a head_dim of their own, as MLA's
-    128 beside q and k's 192 (None: ``head_dim``).
+    128 beside q and k's 192 (None: ``head_dim``); ``bias`` adds a ``[1, q_heads, seq_len,
+    seq_len]`` bias in the inputs' dtype (a relative-position bias: one per head, shared by
+    the batch; a constant, not differentiated).
     """
 
     op: Op
@@ -52,6 +54,7 @@ class Workload:
     page_size: int = 128
     cache_dtype: str | None = None
     v_head_dim: int | None = None
+    bias: bool = False
 
     def __post_init__(self) -> None:
         if self.chips < 1 or (self.chips > 1 and self.op != "decode"):
@@ -61,8 +64,8 @@ class Workload:
         serving = (self.lengths, self.cache_dtype, self.cache != "contiguous")
         if self.op != "decode" and any(serving):
             raise ValueError("lengths, cache and cache_dtype: expected for decode only")
-        if self.op == "decode" and self.v_head_dim is not None:
-            raise ValueError("v_head_dim: expected for attention only")
+        if self.op == "decode" and (self.v_head_dim is not None or self.bias):
+            raise ValueError("v_head_dim and bias: expected for attention only")
         if self.lengths is not None and not 0 <= self.lengths[0] <= self.lengths[1] <= self.seq_len:
             raise ValueError(f"lengths: expected 0 <= lo <= hi <= seq_len, got {self.lengths}")
         if self.cache == "paged" and self.seq_len % self.page_size:
@@ -79,7 +82,8 @@ class Workload:
             int8 = " int8" if self.cache_dtype == "int8" else ""
             return f"decode L={self.seq_len}{heads}{batch}{ragged}{paged}{int8}{chips}"
         dims = "" if self.v_head_dim is None else f" D={self.head_dim}/{self.v_head_dim}"
-        return f"{self.op} N={self.seq_len}{' causal' if self.causal else ''}{heads}{dims}"
+        bias = " bias" if self.bias else ""
+        return f"{self.op} N={self.seq_len}{' causal' if self.causal else ''}{heads}{dims}{bias}"
 
     @property
     def value_head_dim(self) -> int:
@@ -219,7 +223,8 @@ class Workload:
         # forward: read q, k, v, write o; backward adds read q, k, v, o, do, write dq, dk, dv
         heads = self.batch * (self.q_heads + self.kv_heads) * self.itemsize * self.seq_len
         once = heads * (self.head_dim + self.value_head_dim)  # q and k, o and v
-        return once * (1 if self.op == "forward" else 3)
+        bias = self.q_heads * self.seq_len**2 * self.itemsize if self.bias else 0
+        return (once + bias) * (1 if self.op == "forward" else 3)
 
     @property
     def tokens(self) -> int:
@@ -245,7 +250,8 @@ MLA = dict(head_dim=192, v_head_dim=128)
 def default_sweep(chips: int = 1) -> list[Workload]:
     """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k (`POWERS_OF_TWO`), causal and
     not, forward and forward+backward, and forward at `OTHER_LENGTHS`; causal MLA head_dims
-    (`MLA`) at 4k and 16k, forward and forward+backward; decode 1k..128k cached
+    (`MLA`) at 4k and 16k, forward and forward+backward; a bias at 4k, causal and not,
+    forward and forward+backward; decode 1k..128k cached
     tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
     over all of them; and the serving decode workloads (`serving_sweep`)."""
     attention = [
@@ -259,6 +265,11 @@ def default_sweep(chips: int = 1) -> list[Workload]:
         Workload(op, n, causal=True, **MLA)
         for op in ("forward", "forward_backward")
         for n in (4096, 16384)
+    ]
+    attention += [
+        Workload(op, 4096, causal, bias=True)
+        for op in ("forward", "forward_backward")
+        for causal in (False, True)
     ]
     decode = [
         Workload("decode", n, q_heads=q, kv_heads=kv)
