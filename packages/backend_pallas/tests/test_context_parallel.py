@@ -1,0 +1,59 @@
+"""Context parallelism's head groups: how many the ring runs one after another, and that
+running them so changes no result (a mesh of every host device; the conformance suite checks
+the ring itself on 1 and 4)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash import tpu
+from pallas_flash_conformance import inputs, reference
+from pallas_flash_conformance.parity import assert_gradient_close
+from pallas_flash_pallas import context_parallel
+
+
+@pytest.mark.parametrize(
+    ("tokens", "groups"),
+    [(65_536, 1), (524_288, 1), (720_896, 2), (786_432, 2), (1_048_576, 16)],
+)
+def test_the_fewest_head_groups_that_fit_a_v5e_4_chip(tokens: int, groups: int) -> None:
+    """16 heads of 128, bfloat16, over 4 chips: the ring's buffers shrink with the groups
+    until they fit beside the arrays (1M tokens: 10.9 GiB a chip in 16 groups, AOT)."""
+    q = jax.ShapeDtypeStruct((1, 16, tokens, 128), jnp.bfloat16)
+    assert context_parallel.head_groups(q, 16, 4, tpu.GENERATIONS["v5e"]) == groups
+
+
+def test_groups_divide_the_kv_heads() -> None:
+    q = jax.ShapeDtypeStruct((1, 12, 1 << 22, 128), jnp.bfloat16)
+    assert context_parallel.head_groups(q, 6, 4, tpu.GENERATIONS["v5e"]) in (1, 2, 3, 6)
+    assert context_parallel.head_groups(q, 6, 4, tpu.GENERATIONS["v5e"]) == 6
+
+
+def test_one_kv_head_a_group_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no HBM to spare each kv head (and its query heads) runs its own ring: the output
+    and every gradient, the sinks' included, still match the whole sequence's."""
+    monkeypatch.setattr(context_parallel, "HBM_SHARE", 0.0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("seq",))
+    seq = 128 * 2 * len(jax.devices())
+    q, k, v = inputs.qkv(1, 4, 2, seq, seq, 64)
+    sinks = inputs.normal(5, (4,), scale=2.0) + 4.0
+    d_out = inputs.normal(3, q.shape)
+    devices = len(jax.devices())
+
+    def attention(q, k, v, sinks):
+        zigzag = [pf.to_zigzag(x, devices) for x in (q, k, v)]
+        out = pf.attention(*zigzag, causal=True, sinks=sinks, mesh=mesh,
+                           context_layout="zigzag", backend="pallas")  # fmt: skip
+        return pf.from_zigzag(out, devices)
+
+    out, vjp = jax.vjp(attention, q, k, v, sinks)
+    options = dict(sm_scale=64**-0.5, causal=True, sinks=sinks)
+    np.testing.assert_allclose(out, reference.attention(q, k, v, **options), atol=2e-5)
+    expected = (*reference.attention_vjp(q, k, v, d_out, **options),
+                reference.sinks_vjp(q, k, v, d_out, **options))  # fmt: skip
+    for name, got, wanted in zip(("dq", "dk", "dv", "dsinks"), vjp(d_out), expected, strict=True):
+        assert_gradient_close(got, wanted, "float32", name=name)
