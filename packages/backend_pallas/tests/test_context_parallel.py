@@ -57,3 +57,17 @@ def test_one_kv_head_a_group_changes_nothing(monkeypatch: pytest.MonkeyPatch) ->
                 reference.sinks_vjp(q, k, v, d_out, **options))  # fmt: skip
     for name, got, wanted in zip(("dq", "dk", "dv", "dsinks"), vjp(d_out), expected, strict=True):
         assert_gradient_close(got, wanted, "float32", name=name)
+
+
+@pytest.mark.parametrize(
+    ("feature", "kwargs"),
+    [
+        ("sliding_window", {"sliding_window": 16}),
+        ("bias", {"bias": np.zeros((1, 2, 256, 256), np.float32)}),
+    ],
+)
+def test_what_the_ring_lacks_raises_and_names_it(feature: str, kwargs: dict) -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("seq",))
+    q = inputs.normal(0, (1, 2, 256, 64))
+    with pytest.raises(pf.UnsupportedFeatureError, match=feature):
+        pf.attention(q, q, q, mesh=mesh, backend="pallas", **kwargs)

@@ -89,8 +89,8 @@ class PallasBackend(pf.Backend):
         if mesh is None:
             bias = kernel_bias(bias, mask, q.shape[2], k.shape[2])
             return flash_attention(q, k, v, segment_ids, sinks, bias, spec, self.block_sizes)
-        unsupported = {"segment_ids": segment_ids is not None, "sliding_window": spec.window,
-                       "bias": bias is not None, "mask": mask is not None}  # fmt: skip
+        unsupported = {"sliding_window": spec.window, "bias": bias is not None,
+                       "mask": mask is not None}  # fmt: skip
         used = [name for name, given in unsupported.items() if given]
         if used:
             raise pf.UnsupportedFeatureError(
@@ -99,5 +99,5 @@ class PallasBackend(pf.Backend):
             )
         return context_parallel_attention(
             q, k, v, spec=spec, mesh=mesh, layout=context_layout, block_sizes=self.block_sizes,
-            sinks=sinks,
+            sinks=sinks, segment_ids=segment_ids,
         )  # fmt: skip

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, PartitionSpec
 from pallas_flash import context_layout, tpu
 from pallas_flash.context_layout import ContextLayout, chunk_ids
 from pallas_flash.merge import merge
-from pallas_flash.specs import AttentionSpec
+from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.attention import sinks_gradient
 from pallas_flash_pallas.backward import flash_backward
 from pallas_flash_pallas.block_sizes import BlockSizes
@@ -85,19 +85,28 @@ class _Ring:
         diagonal = dataclasses.replace(self.spec, q_offset=0)
         return diagonal, dataclasses.replace(diagonal, causal=False)
 
-    def rotate(self, *xs: jax.Array) -> list[jax.Array]:
-        """Each array one hop round the ring: device ``d``'s to ``d + 1``."""
+    def rotate(self, *xs: jax.Array | None) -> list[jax.Array | None]:
+        """Each array one hop round the ring: device ``d``'s to ``d + 1`` (None stays None)."""
         perm = [(i, (i + 1) % self.devices) for i in range(self.devices)]
-        return [lax.ppermute(x, self.axes, perm) for x in xs]
+        return [None if x is None else lax.ppermute(x, self.axes, perm) for x in xs]
 
 
 def _split(x: jax.Array, pieces: int) -> list[jax.Array]:
     return jnp.split(x, pieces, axis=2)
 
 
+def _split_ids(ids: jax.Array | None, pieces: int) -> list[jax.Array | None]:
+    """Segment ids ``[batch, rows]`` in the layout's pieces (None: none)."""
+    return [None] * pieces if ids is None else jnp.split(ids, pieces, axis=1)
+
+
+def _pair_ids(q_ids: jax.Array | None, kv_ids: jax.Array | None) -> SegmentIds | None:
+    return None if q_ids is None else SegmentIds(q_ids, kv_ids)
+
+
 def _pair_forward(
-    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, case: jax.Array,
-    running: tuple[jax.Array, jax.Array],
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, ids: SegmentIds | None,
+    case: jax.Array, running: tuple[jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """``running`` (the query chunk's float32 output and log-sum-exp ``[batch, heads, rows]``
     so far) merged with one pair of chunks'. It goes through the branch, so the pairs run one
@@ -106,7 +115,7 @@ def _pair_forward(
 
     def attend(spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
         out, lse = flash_forward(
-            q, k, v, spec=spec, block_sizes=ring.block_sizes, devices=ring.devices
+            q, k, v, ids, spec=spec, block_sizes=ring.block_sizes, devices=ring.devices
         )
         part = (out.astype(_F32), lse[:, :, 0, :])
         return merge(*(jnp.stack(x) for x in zip(running, part, strict=True)), 0)
@@ -117,29 +126,35 @@ def _pair_forward(
 
 
 def _forward_pass(
-    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None,
+    *, ids: SegmentIds | None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """This device's output (q's dtype) and log-sum-exp ``[batch, heads, 1, rows]``: a loop
-    over the ring's steps (one step's buffers alive at a time), K/V passed on after each but
-    the last. ``sinks``: ``[1, heads]`` or None (heads on axis 1, as `_by_head_groups`
-    slices them)."""
+    over the ring's steps (one step's buffers alive at a time), K/V (and their segment ids)
+    passed on after each but the last. ``sinks``: ``[1, heads]`` or None (heads on axis 1, as
+    `_by_head_groups` slices them)."""
     device = lax.axis_index(ring.axes)
     mine = ring.chunks(device)
     q_pieces = _split(q, ring.pieces)
+    q_ids = _split_ids(None if ids is None else ids.q, ring.pieces)
 
-    def attend(step: jax.Array, k: jax.Array, v: jax.Array, results: list) -> list:
+    def attend(step, k, v, kv_ids, results: list) -> list:
         theirs = ring.chunks((device - step) % ring.devices)
-        kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces), strict=True))
+        kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces),
+                             _split_ids(kv_ids, ring.pieces), strict=True))  # fmt: skip
         for a, q_piece in enumerate(q_pieces):
-            for b, (k_piece, v_piece) in enumerate(kv_pieces):
+            for b, (k_piece, v_piece, kv_ids_piece) in enumerate(kv_pieces):
                 case = ring.case(mine[a], theirs[b])
-                results[a] = _pair_forward(ring, q_piece, k_piece, v_piece, case, results[a])
+                pair_ids = _pair_ids(q_ids[a], kv_ids_piece)
+                results[a] = _pair_forward(
+                    ring, q_piece, k_piece, v_piece, pair_ids, case, results[a]
+                )
         return results
 
     def step_and_pass(step, carry):
-        k, v, results = carry
-        results = attend(step, k, v, list(results))
-        return (*ring.rotate(k, v), tuple(results))
+        k, v, kv_ids, results = carry
+        results = attend(step, k, v, kv_ids, list(results))
+        return (*ring.rotate(k, v, kv_ids), tuple(results))
 
     def with_sink(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The sink merged in as one more part: output 0, log-sum-exp the head's sink."""
@@ -148,10 +163,11 @@ def _forward_pass(
 
     shape = (*q_pieces[0].shape[:3], v.shape[3])
     empty = (jnp.zeros(shape, _F32), jnp.full(shape[:3], -jnp.inf, _F32))
-    k, v, results = lax.fori_loop(
-        0, ring.devices - 1, step_and_pass, (k, v, (empty,) * ring.pieces)
+    kv_ids = None if ids is None else ids.kv
+    k, v, kv_ids, results = lax.fori_loop(
+        0, ring.devices - 1, step_and_pass, (k, v, kv_ids, (empty,) * ring.pieces)
     )
-    results = attend(ring.devices - 1, k, v, list(results))
+    results = attend(ring.devices - 1, k, v, kv_ids, list(results))
     if sinks is not None:
         results = [with_sink(*result) for result in results]
     out = jnp.concatenate([o for o, _ in results], axis=2).astype(q.dtype)
@@ -194,26 +210,24 @@ def _by_head_groups(ring: _Ring, pass_: Callable[..., tuple], *arrays: jax.Array
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_attention(
-    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None
-) -> jax.Array:
-    return _ring_forward(ring, q, k, v, sinks)[0]
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None,
+    ids: SegmentIds | None,
+) -> jax.Array:  # fmt: skip
+    return _ring_forward(ring, q, k, v, sinks, ids)[0]
 
 
-def _ring_forward(ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None):
+def _ring_forward(ring: _Ring, q, k, v, sinks, ids):
     out, lse = _by_head_groups(
-        ring,
-        functools.partial(_forward_pass, ring),
-        q,
-        k,
-        v,
+        ring, functools.partial(_forward_pass, ring, ids=ids), q, k, v,
         None if sinks is None else sinks[None],
-    )
-    return out, (q, k, v, sinks, out, lse)
+    )  # fmt: skip
+    return out, (q, k, v, sinks, ids, out, lse)
 
 
 def _pair_backward(
-    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
-    dout: jax.Array, case: jax.Array, sums: tuple[jax.Array, jax.Array, jax.Array],
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, ids: SegmentIds | None,
+    out: jax.Array, lse: jax.Array, dout: jax.Array, case: jax.Array,
+    sums: tuple[jax.Array, jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """``sums`` (float32 dq, dk, dv of the pair's chunks) plus the pair's gradients, from the
     merged output and log-sum-exp ``[batch, heads, 1, rows]`` of the query chunk. The sums go
@@ -222,7 +236,7 @@ def _pair_backward(
 
     def add(spec: AttentionSpec) -> tuple[jax.Array, ...]:
         *grads, _ = flash_backward(
-            q, k, v, None, out, lse, dout,
+            q, k, v, ids, out, lse, dout,
             spec=spec, block_sizes=ring.block_sizes, devices=ring.devices,
         )  # fmt: skip
         return tuple(total + g.astype(_F32) for total, g in zip(sums, grads, strict=True))
@@ -233,18 +247,18 @@ def _pair_backward(
 
 
 def _ring_backward(ring: _Ring, residuals, dout: jax.Array):
-    q, k, v, sinks, out, lse = residuals
+    q, k, v, sinks, ids, out, lse = residuals
     grads = _by_head_groups(
-        ring, functools.partial(_backward_pass, ring), q, k, v,
+        ring, functools.partial(_backward_pass, ring, ids=ids), q, k, v,
         None if sinks is None else sinks[None], out, lse, dout,
     )  # fmt: skip
     *grads, dsinks = grads
-    return (*grads, None if dsinks is None else dsinks[0])
+    return (*grads, None if dsinks is None else dsinks[0], None)
 
 
 def _backward_pass(
     ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None,
-    out: jax.Array, lse: jax.Array, dout: jax.Array,
+    out: jax.Array, lse: jax.Array, dout: jax.Array, *, ids: SegmentIds | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:  # fmt: skip
     """This device's dq, its K/V chunks' dk and dv, and (``sinks [1, heads]`` given) its
     rows' share of the sinks' gradient ``[1, heads]``: a loop over the ring's steps, dk and dv
@@ -254,32 +268,36 @@ def _backward_pass(
     lse_pieces = jnp.split(lse, ring.pieces, axis=3)
     rows = list(zip(_split(q, ring.pieces), _split(out, ring.pieces), lse_pieces,
                     _split(dout, ring.pieces), strict=True))  # fmt: skip
+    q_ids = _split_ids(None if ids is None else ids.q, ring.pieces)
 
-    def gradients(step, k, v, dk, dv, dq):
+    def gradients(step, k, v, kv_ids, dk, dv, dq):
         """One ring step's gradients added to the sums of dq (this device's queries) and of
         dk, dv (the K/V chunks it holds at ``step``)."""
         theirs = ring.chunks((device - step) % ring.devices)
         dq = list(dq)
         dk_parts, dv_parts = _split(dk, ring.pieces), _split(dv, ring.pieces)
-        kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces), strict=True))
+        kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces),
+                             _split_ids(kv_ids, ring.pieces), strict=True))  # fmt: skip
         for a, (q_piece, out_piece, lse_piece, do_piece) in enumerate(rows):
-            for b, (k_piece, v_piece) in enumerate(kv_pieces):
+            for b, (k_piece, v_piece, kv_ids_piece) in enumerate(kv_pieces):
                 dq[a], dk_parts[b], dv_parts[b] = _pair_backward(
-                    ring, q_piece, k_piece, v_piece, out_piece, lse_piece, do_piece,
-                    ring.case(mine[a], theirs[b]), (dq[a], dk_parts[b], dv_parts[b]),
+                    ring, q_piece, k_piece, v_piece, _pair_ids(q_ids[a], kv_ids_piece),
+                    out_piece, lse_piece, do_piece, ring.case(mine[a], theirs[b]),
+                    (dq[a], dk_parts[b], dv_parts[b]),
                 )  # fmt: skip
         dk, dv = jnp.concatenate(dk_parts, axis=2), jnp.concatenate(dv_parts, axis=2)
         return dk, dv, tuple(dq)
 
     def step_and_pass(step, carry):
-        """A step's gradients, then K/V and their gradients one hop on."""
-        k, v, dk, dv, dq = carry
-        dk, dv, dq = gradients(step, k, v, dk, dv, dq)
-        return (*ring.rotate(k, v, dk, dv), dq)
+        """A step's gradients, then K/V (their ids) and their gradients one hop on."""
+        k, v, kv_ids, dk, dv, dq = carry
+        dk, dv, dq = gradients(step, k, v, kv_ids, dk, dv, dq)
+        return (*ring.rotate(k, v, kv_ids, dk, dv), dq)
 
     dq = tuple(jnp.zeros(q_piece.shape, _F32) for q_piece, *_ in rows)
     zeros = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-    carry = lax.fori_loop(0, ring.devices - 1, step_and_pass, (k, v, *zeros, dq))
+    kv_ids = None if ids is None else ids.kv
+    carry = lax.fori_loop(0, ring.devices - 1, step_and_pass, (k, v, kv_ids, *zeros, dq))
     dk, dv, dq = gradients(ring.devices - 1, *carry)
     dk, dv = ring.rotate(dk, dv)  # the last hop brings dk and dv home; K/V stay
     dq = jnp.concatenate(dq, axis=2)
@@ -333,21 +351,23 @@ def context_parallel_attention(
     layout: ContextLayout,
     block_sizes: BlockSizes,
     sinks: jax.Array | None = None,
+    segment_ids: SegmentIds | None = None,
 ) -> jax.Array:
     """Attention of validated self-attention inputs (``q_len == kv_len``, divisible by the
     mesh's devices times the layout's pieces; module doc), with ``sinks [q_heads]`` (every
-    device's) or None, differentiable with respect to q, k, v and sinks; returns ``[batch,
+    device's) or None and segment ids (``[batch, seq]`` each, in the layout's order, split
+    like q) or None, differentiable with respect to q, k, v and sinks; returns ``[batch,
     q_heads, seq, v_head_dim]`` split like q."""
     axes = tuple(mesh.axis_names)
     groups = head_groups(q, k.shape[1], mesh.size, tpu.current_generation())
     ring = _Ring(spec, axes, mesh.size, layout, block_sizes, groups)
     split = PartitionSpec(None, None, axes, None)
-    args, in_specs = (q, k, v), (split, split, split)
-    if sinks is not None:
-        args, in_specs = (*args, sinks), (*in_specs, PartitionSpec())
+    sequence = PartitionSpec(None, axes)  # segment ids [batch, seq]
 
-    def attention(q, k, v, *sinks):
-        return _ring_attention(ring, q, k, v, *sinks or [None])
+    def attention(q, k, v, sinks, ids):
+        return _ring_attention(ring, q, k, v, sinks, ids)
+
+    args, in_specs = (q, k, v, sinks, segment_ids), (split, split, split, PartitionSpec(), sequence)
 
     return jax.shard_map(attention, mesh=mesh, in_specs=in_specs, out_specs=split, check_vma=False)(
         *args

@@ -46,11 +46,13 @@ class Split:
         """The call on tokens in order: put into the layout's order and back around it."""
         devices = len(jax.devices())
         to, back = (pf.to_zigzag, pf.from_zigzag) if self.layout == "zigzag" else (None, None)
+        ids = self.case.segment_ids()
         if to is not None:
             q, k, v = (to(x, devices) for x in (q, k, v))
+            ids = None if ids is None else pf.SegmentIds(*(to(x, devices, 1) for x in ids))
         out = pf.attention(
             q, k, v, causal=self.case.causal, softcap=self.case.softcap, sinks=sinks,
-            mesh=_mesh(), context_layout=self.layout, backend=backend,
+            segment_ids=ids, mesh=_mesh(), context_layout=self.layout, backend=backend,
         )  # fmt: skip
         return out if back is None else back(out, devices)
 
@@ -68,6 +70,12 @@ CASES = {
     ),
     "causal-zigzag-sinks": Split.of(
         64, "zigzag", batch=2, q_heads=4, kv_heads=2, head_dim=64, causal=True, sinks=True
+    ),
+    "causal-zigzag-segments": Split.of(
+        96, "zigzag", batch=2, q_heads=2, kv_heads=2, head_dim=64, causal=True, segments=3
+    ),
+    "full-contiguous-segments-gqa": Split.of(
+        64, "contiguous", batch=1, q_heads=4, kv_heads=2, head_dim=64, segments=4
     ),
 }
 

@@ -64,7 +64,8 @@ def attention(
       context_layout: with ``mesh``, which tokens each device holds (`context_layout`):
         ``"contiguous"`` (device ``d`` the ``d``-th of equal chunks) or ``"zigzag"`` (chunks
         ``d`` and ``2 devices - 1 - d`` of twice as many, which balances causal work; the
-        arrays' tokens must be in that order: `to_zigzag`).
+        arrays' tokens must be in that order, segment ids too: `to_zigzag`, ``axis=1`` for
+        ids).
       backend: backend name; default: ``$PALLAS_FLASH_BACKEND``, else the best installed
         backend for the current platform.
 
