@@ -28,6 +28,18 @@ def _lengths_mask() -> np.ndarray:
     return (q_valid[:, :, None] & kv_valid[:, None, :])[:, None]
 
 
+def _sequence_major_qkv(dtype: str):
+    """q ``[BATCH, Q_LEN, Q_HEADS, HEAD_DIM]``, k and v ``[BATCH, KV_LEN, KV_HEADS, HEAD_DIM]``."""
+    return tuple(
+        inputs.normal(seed, (BATCH, length, heads, HEAD_DIM), dtype)
+        for seed, length, heads in (
+            (0, Q_LEN, Q_HEADS),
+            (1, KV_LEN, KV_HEADS),
+            (2, KV_LEN, KV_HEADS),
+        )
+    )
+
+
 _BIAS = inputs.normal(5, (BATCH, Q_HEADS, Q_LEN, KV_LEN))
 _BIAS_BROADCAST = inputs.normal(6, (1, 1, Q_LEN, KV_LEN))
 _MASK = np.random.default_rng(7).random((BATCH, 1, Q_LEN, KV_LEN)) < 0.8
@@ -59,14 +71,7 @@ ARGUMENTS = {
 )
 def test_dot_product_attention(backend, arguments, dtype: str) -> None:
     kwargs, reference_kwargs = arguments
-    q, k, v = (
-        inputs.normal(seed, (BATCH, length, heads, HEAD_DIM), dtype)
-        for seed, length, heads in (
-            (0, Q_LEN, Q_HEADS),
-            (1, KV_LEN, KV_HEADS),
-            (2, KV_LEN, KV_HEADS),
-        )
-    )
+    q, k, v = _sequence_major_qkv(dtype)
     out = pf.dot_product_attention(q, k, v, implementation=backend.name, **kwargs)
     heads_major = [np.swapaxes(np.asarray(x, np.float64), 1, 2) for x in (q, k, v)]
     reference_kwargs = {"sm_scale": 1 / math.sqrt(HEAD_DIM), **reference_kwargs}
@@ -119,14 +124,7 @@ def test_bias_gradients(backend, case, differentiate_bias: bool, dtype: str) -> 
     """dq, dk, dv and (when it is differentiated) the bias's gradient, summed over the axes it
     broadcasts, against the reference; a bias that is not differentiated is a constant."""
     kwargs, reference_kwargs, bias, _ = case
-    q, k, v = (
-        inputs.normal(seed, (BATCH, length, heads, HEAD_DIM), dtype)
-        for seed, length, heads in (
-            (0, Q_LEN, Q_HEADS),
-            (1, KV_LEN, KV_HEADS),
-            (2, KV_LEN, KV_HEADS),
-        )
-    )
+    q, k, v = _sequence_major_qkv(dtype)
     d_out = inputs.normal(3, q.shape, dtype)
 
     def attention(q, k, v, bias):
