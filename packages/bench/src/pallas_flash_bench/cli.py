@@ -4,6 +4,7 @@ kernel), ``readme`` (the README's report block from a run)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -109,17 +110,13 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.ops:
         ops = set(args.ops.split(","))
         sweep = [w for w in sweep if w.op in ops]
-    if args.seq_lens:
+    if args.seq_lens:  # each kind of workload (all but its length) at each length, once
         lengths = [int(n) for n in args.seq_lens.split(",")]
         serving = set(serving_sweep(chips))  # their lengths are part of what they measure
-        shapes = {
-            (w.op, w.causal, w.q_heads, w.kv_heads, w.chips) for w in sweep if w not in serving
-        }
-        sweep = [
-            Workload(op, n, causal, q_heads=q, kv_heads=kv, chips=c)
-            for op, causal, q, kv, c in sorted(shapes)
-            for n in lengths
-        ]
+        kinds = [w for w in sweep if w not in serving]
+        sweep = list(
+            dict.fromkeys(dataclasses.replace(w, seq_len=n) for w in kinds for n in lengths)
+        )
     if args.dtype:
         sweep = [Workload(**{**w.to_json(), "dtype": args.dtype}) for w in sweep]
     return sweep
