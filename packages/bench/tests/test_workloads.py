@@ -34,10 +34,12 @@ def test_a_bias_is_an_input_of_each_pass() -> None:
     forward = Workload("forward", 1024, bias=True)
     bias = 16 * 1024 * 1024 * 2  # [1, heads, N, N] bfloat16
     assert forward.min_hbm_bytes == 4 * 16 * 1024 * 128 * 2 + bias
-    both = Workload("forward_backward", 1024, causal=True, bias=True)
+    both = Workload("forward_backward", 1024, bias=True)
     assert both.min_hbm_bytes == 3 * forward.min_hbm_bytes
-    assert both.useful_flops == Workload("forward_backward", 1024, causal=True).useful_flops
-    assert both.label == "forward_backward N=1024 causal bias"
+    causal = Workload("forward", 1024, causal=True, bias=True)
+    assert causal.min_hbm_bytes == forward.min_hbm_bytes - bias / 2  # its visible half
+    assert both.useful_flops == Workload("forward_backward", 1024).useful_flops
+    assert causal.label == "forward N=1024 causal bias"
     with pytest.raises(ValueError, match="bias"):
         Workload("decode", 4096, bias=True)
 

@@ -22,11 +22,11 @@ Per visited pair, in the keys-as-rows orientation so that the log-sum-exp and ``
 broadcast along sublanes and dk, dv accumulate row-wise (float32 throughout):
 ``s^T = softcap(k q^T * sm_scale)``, ``p^T = exp(s^T - lse)`` (zero where hidden),
 ``dv += p^T dout``, ``dp^T = v dout^T``, ``ds^T = p^T (dp^T - di)`` times the softcap's
-derivative ``1 - (s / softcap)^2``, ``dk += ds^T q`` and ``dq += ds k``. A bias, read
-transposed ``[batch or 1, q_heads or 1, kv_len, q_len]``, joins ``s^T`` after the softcap; its
-gradient, when asked for, is ``ds^T`` before the softcap's derivative, written by block pair
-into a float32 ``[batch, q_heads, kv_len, q_len]`` (`bias_gradient` sums it to the bias's
-shape). dq and dk are scaled
+derivative ``1 - (s / softcap)^2``, ``dk += ds^T q`` and ``dq += ds k``. A bias ``[batch or 1,
+q_heads or 1, q_len, kv_len]`` joins ``s^T`` after the softcap, each tile transposed in VMEM
+(never a transposed copy in HBM); its gradient, when asked for, is ``ds`` before the softcap's
+derivative, written by block pair (transposed back in VMEM) into a float32 ``[batch, q_heads,
+q_len, kv_len]`` (`bias_gradient` sums it to the bias's shape). dq and dk are scaled
 by ``sm_scale`` once, at the end. That is five matmuls per pair, the least FlashAttention-2
 needs (split dq and dk/dv kernels recompute ``s`` and ``dp`` in both: seven).
 
@@ -104,10 +104,10 @@ def _kernel(
     Refs: inputs q ``[block_q, head_dim]``, k ``[block_kv, head_dim]``, v ``[block_kv,
     v_head_dim]``, dout ``[block_q, v_head_dim]``, log-sum-exp and row sums ``[1, block_q]``,
     with segment ids those of the queries ``[1, block_q]`` and of the keys ``[1, block_kv]``,
-    with a bias its transposed block ``[block_kv, block_q]``; outputs dq ``[group, rows,
-    head_dim]`` (the chunk's rows of the group's heads), dk ``[block_kv, head_dim]``, dv
-    ``[block_kv, v_head_dim]`` and with ``with_bias_gradient`` the bias's ``[block_kv, block_q]``
-    float32; scratch: the query gradient
+    with a bias its block ``[block_q, block_kv]``; outputs dq ``[group, rows, head_dim]`` (the
+    chunk's rows of the group's heads), dk ``[block_kv, head_dim]``, dv ``[block_kv,
+    v_head_dim]`` and with ``with_bias_gradient`` the bias's ``[block_q, block_kv]`` float32;
+    scratch: the query gradient
     ``[group * dq_rows, head_dim]``, dk and dv, all float32, and with segment ids the keys'
     ids as equal-lane columns ``[block_kv, 128]``. Without ``with_dq`` (`backward_dq` computes
     dq) there is neither dq output nor its scratch.
@@ -176,7 +176,7 @@ def _kernel(
         if segment_ids:
             ids = lanes(ids_ref[keys, :], block_q - first_row) == q_ids_ref[:, rows]
             visible = both(visible, ids)
-        logits = s_t + bias_ref[keys, rows].astype(_F32) if bias else s_t
+        logits = s_t + bias_ref[rows, keys].T.astype(_F32) if bias else s_t
         p_t = jnp.exp(logits - lse_ref[:, rows])
         if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
             p_t = jnp.where(visible, p_t, 0.0)
@@ -192,7 +192,7 @@ def _kernel(
         if visible is not None and (partial_q or partial_kv):  # garbage v or di: 0 * NaN
             ds_t = jnp.where(visible, ds_t, 0.0)
         if with_bias_gradient:
-            dbias_out[keys, rows] = ds_t
+            dbias_out[rows, keys] = ds_t.T
         if spec.softcap is not None:
             ds_t = ds_t * (1.0 - jnp.square(s_t * (1.0 / spec.softcap)))
         ds_t = ds_t.astype(q.dtype)
@@ -325,7 +325,7 @@ def flash_backward(
     """
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
     di = jnp.sum(out.astype(_F32) * dout.astype(_F32), axis=-1)[:, :, None, :]
-    dq, dk, dv, dbias_t = _backward(
+    dq, dk, dv, dbias = _backward(
         q,
         k,
         v,
@@ -340,16 +340,14 @@ def flash_backward(
         generation=tpu.current_generation(),
         devices=devices,
     )
-    dbias = None if dbias_t is None else bias_gradient(dbias_t, bias, spec)
-    return dq, dk, dv, dbias
+    return dq, dk, dv, None if dbias is None else bias_gradient(dbias, bias, spec)
 
 
-def bias_gradient(dbias_t: jax.Array, bias: jax.Array, spec: AttentionSpec) -> jax.Array:
-    """The bias's gradient from the kernel's ``dbias_t [batch, q_heads, kv_len, q_len]``
-    float32: transposed, zero where the positional rules hide a pair (the kernel writes
-    nothing there: neither the blocks it skips nor the hidden side of the causal diagonal),
-    summed over the axes the bias broadcasts and cast to its dtype."""
-    dbias = jnp.swapaxes(dbias_t, 2, 3)
+def bias_gradient(dbias: jax.Array, bias: jax.Array, spec: AttentionSpec) -> jax.Array:
+    """The bias's gradient from the kernel's ``dbias [batch, q_heads, q_len, kv_len]``
+    float32: zero where the positional rules hide a pair (the kernel writes nothing there:
+    neither the blocks it skips nor the hidden side of the causal diagonal), summed over the
+    axes the bias broadcasts and cast to its dtype."""
     q_len, kv_len = dbias.shape[2:]
     q_pos, kv_pos = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
     visible = positional_mask(q_pos, kv_pos, spec)
@@ -377,13 +375,11 @@ def _flash_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """`flash_backward` with the row sums ``di [batch, q_heads, 1, q_len]`` float32, built for
     ``generation``, and the interpreter's settings (None for Mosaic); the bias's gradient
-    comes back transposed, ``[batch, q_heads, kv_len, q_len]`` float32, before
-    `bias_gradient`."""
+    comes back ``[batch, q_heads, q_len, kv_len]`` float32, before `bias_gradient`."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     wider = max(head_dim, v_head_dim)  # every block at the wider head_dim: an upper bound
     group = q_heads // kv_heads
-    bias_t = None if bias is None else jnp.swapaxes(bias, 2, 3)  # keys as rows, as s^T
     blocks = block_sizes.for_call(spec, q_len, kv_len, generation, bias=bias is not None)
     bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
     num_q_blocks = math.ceil(q_len / bq)
@@ -398,7 +394,7 @@ def _flash_backward(
     chunked = schedule.num_chunks > 1
     dq_rows = 0 if split else 8 * math.ceil(schedule.blocks_per_chunk * bq / 8)  # per head
     has_ids = segment_ids is not None
-    bias_dtype = None if bias_t is None else bias_t.dtype
+    bias_dtype = None if bias is None else bias.dtype
     limit = vmem_limit_bytes(
         backward_vmem_bytes(
             blocks,
@@ -455,23 +451,23 @@ def _flash_backward(
             pl.BlockSpec((None, 1, bkv), kv_ids_map),
         ]
         args += [segment_ids.q[:, None, :], segment_ids.kv[:, None, :]]
-    if bias_t is not None:
+    if bias is not None:
 
         def bias_map(b, kvh, c, j, t):
             h, i = q_head_and_block(kvh, c, j, t)
-            return *broadcast_block(bias_t.shape, b, h), j, i
+            return *broadcast_block(bias.shape, b, h), i, j
 
-        in_specs.append(pl.BlockSpec((None, None, bkv, bq), bias_map))
-        args.append(bias_t)
+        in_specs.append(pl.BlockSpec((None, None, bq, bkv), bias_map))
+        args.append(bias)
     dbias_outs, dbias_specs = [], []
     if with_bias_gradient:
 
         def dbias_map(b, kvh, c, j, t):
             h, i = q_head_and_block(kvh, c, j, t)
-            return b, h, j, i
+            return b, h, i, j
 
-        dbias_outs.append(jax.ShapeDtypeStruct((batch, q_heads, kv_len, q_len), _F32))
-        dbias_specs.append(pl.BlockSpec((None, None, bkv, bq), dbias_map))
+        dbias_outs.append(jax.ShapeDtypeStruct((batch, q_heads, q_len, kv_len), _F32))
+        dbias_specs.append(pl.BlockSpec((None, None, bq, bkv), dbias_map))
     dq_block_rows = schedule.blocks_per_chunk * bq if chunked else q_len
     dq_outs = [] if split else [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     dq_specs = [] if split else [pl.BlockSpec((None, group, dq_block_rows, head_dim), dq_map)]
@@ -496,7 +492,7 @@ def _flash_backward(
         block_kv_compute=blocks.backward_block_kv_compute,
         dq_rows=dq_rows,
         segment_ids=has_ids,
-        bias=bias_t is not None,
+        bias=bias is not None,
         with_bias_gradient=with_bias_gradient,
         with_dq=not split,
         precision=precision,
@@ -522,15 +518,15 @@ def _flash_backward(
         interpret=False if interpret is None else interpret,
         name="pallas_flash_backward_dkdv" if split else "pallas_flash_backward",
     )(*args)
-    dq, (dk, dv), dbias_t = outs[: len(dq_outs)], outs[len(dq_outs) : len(dq_outs) + 2], None
+    dq, (dk, dv), dbias = outs[: len(dq_outs)], outs[len(dq_outs) : len(dq_outs) + 2], None
     if with_bias_gradient:
-        dbias_t = outs[-1]
+        dbias = outs[-1]
     if chunked:
         dk, dv = (x.sum(axis=2).astype(k.dtype) for x in (dk, dv))  # v has k's dtype
     if split:
         dq = [query_gradient(q, k, v, segment_ids, lse, di, dout, bias, spec=spec, blocks=blocks,
                              generation=generation, interpret=interpret)]  # fmt: skip
-    return dq[0], dk, dv, dbias_t
+    return dq[0], dk, dv, dbias
 
 
 SPLIT_HBM_SHARE = 0.25

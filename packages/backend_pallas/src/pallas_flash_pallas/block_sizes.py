@@ -393,7 +393,7 @@ def backward_vmem_bytes(
 
     Counts the double-buffered pipeline blocks (q, output gradient, k, v, log-sum-exp and row
     sums, segment ids, dk and dv, at most 4 bytes each, a bias block of dtype ``bias`` and,
-    with ``bias_gradient``, its float32 gradient, ``[backward_block_kv, backward_block_q]``
+    with ``bias_gradient``, its float32 gradient, ``[backward_block_q, backward_block_kv]``
     each), the query-gradient accumulator and
     output of ``chunk_rows`` rows for ``group`` heads (`dq_vmem_bytes`), the dk and dv
     accumulators and the keys' segment ids ``[backward_block_kv, 128]``, and the float32
@@ -413,9 +413,9 @@ def backward_vmem_bytes(
         pipelined += _tile_bytes(1, bq, _I32) + _tile_bytes(1, bkv, _I32)
         scratch += _tile_bytes(bkv, LANES, _I32)
     if bias is not None:
-        pipelined += _tile_bytes(bkv, bq, bias)
+        pipelined += _tile_bytes(bq, bkv, bias)
     if bias_gradient:
-        pipelined += _tile_bytes(bkv, bq, _F32)
+        pipelined += _tile_bytes(bq, bkv, _F32)
     keys = min(blocks.backward_block_kv_compute, bkv)
     temporaries = _temporaries(keys, bq, math.ceil(bkv / keys), 5)
     dq = dq_vmem_bytes(chunk_rows, head_dim, dtype, group)

@@ -223,7 +223,9 @@ class Workload:
         # forward: read q, k, v, write o; backward adds read q, k, v, o, do, write dq, dk, dv
         heads = self.batch * (self.q_heads + self.kv_heads) * self.itemsize * self.seq_len
         once = heads * (self.head_dim + self.value_head_dim)  # q and k, o and v
-        bias = self.q_heads * self.seq_len**2 * self.itemsize if self.bias else 0
+        # the bias where a key is visible: causal hides half of it
+        bias = self.q_heads * self.seq_len**2 * self.itemsize / (2 if self.causal else 1)
+        bias = bias if self.bias else 0
         return (once + bias) * (1 if self.op == "forward" else 3)
 
     @property
