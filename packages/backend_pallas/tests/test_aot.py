@@ -186,6 +186,7 @@ BIAS_CASES = {
     # name: (q/k/v shape, bias shape, bias dtype, causal, bias differentiated)
     "causal-bf16-dbias": ((2, 8, 2048, 128), (1, 8, 2048, 2048), jnp.bfloat16, True, True),
     "unmasked-f32-constant": ((1, 8, 8192, 128), (1, 1, 8192, 8192), jnp.float32, False, False),
+    "causal-f32-dbias": ((1, 4, 2048, 128), (1, 4, 2048, 2048), jnp.float32, True, True),
 }
 
 

@@ -83,6 +83,24 @@ def _head_and_step(t: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
     return lax.div(t, jnp.int32(steps)), lax.rem(t, jnp.int32(steps))
 
 
+def _transposed(tile: jax.Array) -> jax.Array:
+    """``tile [m, n]`` (a bias's) transposed in VMEM, as float32.
+
+    Mosaic (libtpu 0.0.42) fails a RET_CHECK in its MXU-result pass when a float32 transpose
+    feeds the scores, so a float32 tile is split into three bfloat16 parts, ``x = a + b + c``
+    exactly (8 significant bits each; infinities in ``a`` alone), each transposed and summed
+    back ``a + (b + c)``; a bfloat16 tile transposes and converts."""
+    if tile.dtype != jnp.float32:
+        return tile.T.astype(_F32)
+    parts, rest = [], tile
+    for _ in range(3):
+        part = rest.astype(jnp.bfloat16)
+        parts.append(part)
+        rest = jnp.where(jnp.isfinite(rest), rest - part.astype(_F32), 0.0)
+    a, b, c = (part.T.astype(_F32) for part in parts)
+    return a + (b + c)
+
+
 def _kernel(
     *refs: jax.Ref,
     spec: AttentionSpec,
@@ -176,7 +194,7 @@ def _kernel(
         if segment_ids:
             ids = lanes(ids_ref[keys, :], block_q - first_row) == q_ids_ref[:, rows]
             visible = both(visible, ids)
-        logits = s_t + bias_ref[rows, keys].T.astype(_F32) if bias else s_t
+        logits = s_t + _transposed(bias_ref[rows, keys]) if bias else s_t
         p_t = jnp.exp(logits - lse_ref[:, rows])
         if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
             p_t = jnp.where(visible, p_t, 0.0)
