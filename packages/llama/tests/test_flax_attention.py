@@ -47,5 +47,10 @@ def test_unsupported_arguments_raise() -> None:
     q = jnp.ones((1, 8, 2, 16))
     with pytest.raises(pf.UnsupportedFeatureError, match="dropout_rate"):
         fn(q, q, q, dropout_rate=0.1, deterministic=False)
-    with pytest.raises(pf.UnsupportedFeatureError, match="mask"):
-        fn(q, q, q, mask=jnp.ones((1, 2, 8, 8), bool))
+
+
+def test_a_mask_runs_on_pallas_as_on_xla() -> None:
+    q = jax.random.normal(jax.random.key(2), (1, 8, 2, 16))
+    mask = jnp.tril(jnp.ones((1, 2, 8, 8), bool))
+    out = attention_fn("pallas")(q, q, q, mask=mask)
+    np.testing.assert_allclose(out, attention_fn("xla")(q, q, q, mask=mask), rtol=2e-5, atol=2e-5)

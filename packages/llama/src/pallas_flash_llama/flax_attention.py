@@ -24,8 +24,8 @@ def attention_fn(backend: str | None = None) -> Callable[..., jax.Array]:
 
     The scale is Flax's (``1 / sqrt(head_dim)``). Dropout is not supported: a call with
     ``dropout_rate > 0`` that is not ``deterministic`` raises, as does a ``bias`` or ``mask``
-    on a backend without those capabilities (``pallas``: use segment ids through
-    `pallas_flash.attention` instead).
+    on a backend without those capabilities (``xla`` and ``pallas`` have both; for packed
+    sequences segment ids through `pallas_flash.attention` skip the hidden blocks).
     """
 
     def attend(
