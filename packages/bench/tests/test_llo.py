@@ -474,3 +474,77 @@ def test_a_hardware_divide_is_evaluated() -> None:
     listing = bundle_listing.parse_bundles(text, "k.1")
     assert llo.executed_instruction(listing, 2, "%p47") == (3, 3)  # iterations 3, 4 and 5
     assert llo.executed_instruction(listing, 2, "%p48") == (4, 4)  # iterations 0, 3, 6 and 9
+
+
+NESTED = """\
+= control target key start
+LB: loop body
+PF: predicated region fallthrough
+= control target key end
+
+  0 :  { %s1 = smov 0 /* copy for cssa */ }
+0x1 LB: > { %s2 = sphi %s1, %s3 /* iteration index, stage = 0 */ } /* Start region 7 */
+0x2 : > { %s3 = sadd.s32 1, %s2  ;;  %p4 = scmp.eq.s32.totalorder %s2, 0 }
+0x3 : > { %p5 = scmp.lt.s32.totalorder %s3, 10  ;;  %6 = sbr.rel (%p4) target = $region9 }
+0x4 :  {}
+0x5 :  {}
+0x6 :  {}
+0x7 :  {}
+0x8 : > { %s20 = sand.u32 1, %s2  ;;  %p21 = scmp.eq.s32.totalorder (GUARD), %s20, 0 }
+0x9 : > { %22 = sbr.rel (%p21) target = $region10 }
+0xa :  {}
+0xb :  {}
+0xc :  {}
+0xd :  {}
+0xe : > { %7 = vmatmul.bf16.gmra.mxu0 %v1 }
+0xf PF: > {} /* Start/End empty region 10 */
+0x10 PF: > {} /* Start/End empty region 9 */
+0x11 :  { %10 = sbr.rel (%p5) target = $region7 }
+0x12 :  {}
+0x13 :  {}
+0x14 :  {}
+0x15 :  {}
+0x16 :  {} /* exit bundle: %k.1 = custom-call(%a) */
+"""
+
+
+@pytest.mark.parametrize(("guard", "runs"), [("!%p4", 5), ("%p4", None)])
+def test_a_predicate_defined_under_the_enclosing_regions_guard_is_decided(guard, runs):
+    """The inner region's skip predicate (counter even) is computed by a predicated compare.
+    Guarded by the outer region's own condition (it runs whenever the inner region can be
+    reached) it is exact there: the inner region runs on the odd counters 1..9. Guarded by
+    anything else it may hold a stale value: undecided."""
+    listing = bundle_listing.parse_bundles(NESTED.replace("GUARD", guard), "k.1")
+    (loop,) = listing.loops
+    outer, inner = sorted(loop.regions, key=lambda r: r.start)
+    assert (outer.start, outer.end, outer.executed_iterations) == (8, 15, 9)
+    assert (inner.start, inner.end, inner.executed_iterations) == (14, 14, runs)
+
+
+GRID_COUNTERS = """\
+    %s16 = sphi 0, %s42 /* iteration index, stage = 0 iter bound = 0 */
+    %s17 = sphi 0, %s38 /* iteration index, stage = 0 iter bound = 1 */
+    %s18 = sphi 0, %s34 /* iteration index, stage = 0 iter bound = 2 */
+    %s20 = sphi 0, %s16 /* iteration index, stage = 1 iter bound = 0 */
+    %s31 = sadd.s32 1, %s18
+    %p33 = scmp.ge.s32.totalorder %s31, 4
+    %s34 = scalar_select /*predicate=*/%p33, /*on_true=*/0, /*on_false=*/%s31
+    %s35 = sadd.s32 1, %s17
+    %s36 = scalar_select /*predicate=*/%p33, /*on_true=*/%s35, /*on_false=*/%s17
+    %p37 = scmp.ge.s32.totalorder %s36, 16
+    %s38 = scalar_select /*predicate=*/%p37, /*on_true=*/0, /*on_false=*/%s36
+    %s39 = sadd.s32 1, %s16
+    %s40 = scalar_select /*predicate=*/%p37, /*on_true=*/%s39, /*on_false=*/%s16
+    %p41 = scmp.ge.s32.totalorder %s40, 1
+    %s42 = scalar_select /*predicate=*/%p41, /*on_true=*/0, /*on_false=*/%s40
+"""
+
+
+def test_the_grid_is_read_from_the_index_counters():
+    """The first LLO pass's grid-index phis wrap at each dimension's size (lines as libtpu
+    writes them); a dimension whose wrap is missing leaves the grid unknown."""
+    assert dump_files.parse_grid(GRID_COUNTERS) == (1, 16, 4)
+    assert dump_files.parse_grid(GRID_COUNTERS.replace("%s40, 1\n", "%s40, %s9\n")) is None
+    assert dump_files.parse_grid("no counters") is None
+    # it stands in for the DMA descriptors' iteration bounds only when there are none
+    assert bundle_listing.parse_bundles(TINY, "k.1", counter_grid=(10,)).grid == (10,)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep
+from pallas_flash_bench.workloads import LLAMA_1B, Workload, default_sweep, quick_sweep
 
 
 def test_forward_flops_are_two_matmuls_and_causal_counts_half() -> None:
@@ -28,6 +28,13 @@ def test_mla_counts_each_matmul_at_its_own_head_dim() -> None:
     assert w.label == "forward_backward N=4096 causal D=192/128"
     with pytest.raises(ValueError, match="v_head_dim"):
         Workload("decode", 4096, v_head_dim=64)
+
+
+def test_head_dim_64_rows_name_their_head_dim() -> None:
+    w = Workload("forward", 4096, causal=True, **LLAMA_1B)
+    assert w.label == "forward N=4096 causal H32/8 D=64"
+    assert w.min_hbm_bytes == 2 * (32 + 8) * 4096 * 64 * 2  # q and o of 32 heads, k and v of 8
+    assert w in default_sweep()
 
 
 def test_a_bias_is_an_input_of_each_pass() -> None:

@@ -136,7 +136,7 @@ class BundleListing:
     bundles: tuple[Bundle, ...]
     loops: tuple[Loop, ...]
     regions: tuple[Region, ...]  # every predicated region, in loops or not
-    grid: tuple[int, ...] | None  # largest-product iteration_bounds of the DMA descriptors
+    grid: tuple[int, ...] | None  # DMA descriptors' largest iteration_bounds, else the counters'
     hlo: str | None  # the HLO instruction named by the entry/exit bundle comment
     warnings: tuple[str, ...]
     mxu_prefixes: dict[str, list[int]] = dataclasses.field(default_factory=dict, repr=False)
@@ -220,15 +220,22 @@ def _mxu_prefixes(bundles: tuple[Bundle, ...]) -> dict[str, list[int]]:
     )
 
 
-def parse_bundles(text: str, name: str) -> BundleListing:
-    """Parse a ``final_bundles`` text into bundles, loops and predicated regions."""
+def parse_bundles(
+    text: str, name: str, *, counter_grid: tuple[int, ...] | None = None
+) -> BundleListing:
+    """Parse a ``final_bundles`` text into bundles, loops and predicated regions.
+
+    The grid is the DMA descriptors' largest ``iteration_bounds``; ``counter_grid`` (the grid
+    read from the kernel's index counters, `pallas_flash_bench.dump_files.parse_grid`) stands in
+    for it when the kernel has no DMA descriptor.
+    """
     warnings: list[str] = []
     bundles = scan_bundles(text)
     if any(b.address != b.index for b in bundles):
         warnings.append("bundle addresses are not consecutive; indices are used")
     starts = _region_starts(bundles)
     defs = Defs(bundles)
-    grid = _grid(text)
+    grid = _grid(text) or counter_grid
     last = len(bundles) - 1
 
     back_edges: list[tuple[int, int, str]] = []  # (LB index, branch index, predicate)

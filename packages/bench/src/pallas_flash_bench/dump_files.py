@@ -31,6 +31,7 @@ __all__ = [
     "Utilization",
     "find_dump_files",
     "op_name",
+    "parse_grid",
     "parse_schedule_analysis",
     "parse_utilization",
     "parse_vmem_bytes",
@@ -48,6 +49,14 @@ _WRAPPER_OPS = ("TLP",)
 
 _CC_TARGET_RE = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 _VMEM_ALLOCATION_RE = re.compile(r"#allocation\d+ \[.*?space=vmem, size = 0x([0-9a-f]+)")
+_GRID_INDEX_RE = re.compile(
+    r"%s\d+ = sphi 0, (?P<next>%s\d+) /\* iteration index, stage = 0 iter bound = (?P<dim>\d+) \*/"
+)
+_WRAP_SELECT_RE = re.compile(
+    r"(?P<dst>%s\d+) = scalar_select /\*predicate=\*/(?P<pred>%p\d+), /\*on_true=\*/0, "
+    r"/\*on_false=\*/%s\d+"
+)
+_BOUND_TEST_RE = re.compile(r"(?P<dst>%p\d+) = scmp\.ge\.s32\.totalorder %s\d+, (?P<bound>\d+)\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +143,30 @@ def parse_vmem_bytes(text: str) -> int:
     (scratch operands, the double-buffered block windows, internal scratch), as listed in the
     ``...-original.txt`` pass of the dump."""
     return sum(int(size, 16) for size in _VMEM_ALLOCATION_RE.findall(text))
+
+
+def parse_grid(text: str) -> tuple[int, ...] | None:
+    """A Pallas kernel's grid, read from the grid-index counters of its ``...-original.txt``
+    pass, or None when they are not all found.
+
+    Each grid index ``D`` is a loop phi ``%sA = sphi 0, %sN /* iteration index, stage = 0 iter
+    bound = D */`` whose next value wraps to 0 at the dimension's size:
+    ``%sN = scalar_select /*predicate=*/%pP, /*on_true=*/0, ...`` with
+    ``%pP = scmp.ge.s32.totalorder %sI, SIZE``. Unlike the DMA descriptors' ``iteration_bounds``
+    this does not need the kernel to copy anything (XLA may place small operands in VMEM, and
+    the kernel then issues no DMA).
+    """
+    wraps = {m["dst"]: m["pred"] for m in _WRAP_SELECT_RE.finditer(text)}
+    bounds = {m["dst"]: int(m["bound"]) for m in _BOUND_TEST_RE.finditer(text)}
+    sizes: dict[int, int] = {}
+    for m in _GRID_INDEX_RE.finditer(text):
+        size = bounds.get(wraps.get(m["next"], ""))
+        if size is None:
+            return None
+        sizes[int(m["dim"])] = size
+    if not sizes or sorted(sizes) != list(range(len(sizes))):
+        return None
+    return tuple(sizes[d] for d in range(len(sizes)))
 
 
 def op_name(path: Path) -> str:

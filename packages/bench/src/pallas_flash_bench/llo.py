@@ -35,6 +35,7 @@ from pallas_flash_bench.dump_files import (
     Utilization,
     find_dump_files,
     op_name,
+    parse_grid,
     parse_schedule_analysis,
     parse_utilization,
     parse_vmem_bytes,
@@ -58,7 +59,7 @@ class KernelSchedule:
     name: str  # op name from the file name, e.g. "flash_attention.1"
     bundles: int  # total bundles
     loops: tuple[Loop, ...]
-    grid: tuple[int, ...] | None  # largest-product iteration_bounds of the DMA descriptors
+    grid: tuple[int, ...] | None  # see BundleListing.grid
     units: tuple[str, ...]  # from the utilization header (empty without a utilization file)
     capacity: dict[str, int]
     used: dict[str, int]  # slots used over the grid loop body (whole kernel without a loop)
@@ -302,8 +303,10 @@ def load_kernel(
     analysis_path: str | Path | None = None,
     *,
     name: str | None = None,
+    counter_grid: tuple[int, ...] | None = None,
 ) -> KernelSchedule:
-    """Load one kernel from its final_bundles file (and optional companions).
+    """Load one kernel from its final_bundles file (and optional companions); ``counter_grid``
+    as in `pallas_flash_bench.bundle_listing.parse_bundles`.
 
     Raises :class:`FileNotFoundError` naming the path when a given file is missing.
     """
@@ -314,7 +317,7 @@ def load_kernel(
         if analysis_path
         else None
     )
-    listing = parse_bundles(text, name or op_name(Path(bundles_path)))
+    listing = parse_bundles(text, name or op_name(Path(bundles_path)), counter_grid=counter_grid)
     return build_schedule(listing, util, ana)
 
 
@@ -329,12 +332,16 @@ def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
     out: dict[str, KernelSchedule] = {}
     for key, paths in files.items():
         name = key.split("@", 1)[0]
+        original = paths["allocations"].read_text() if "allocations" in paths else None
         schedule = load_kernel(
-            paths["bundles"], paths.get("utilization"), paths.get("analysis"), name=name
+            paths["bundles"],
+            paths.get("utilization"),
+            paths.get("analysis"),
+            name=name,
+            counter_grid=parse_grid(original) if original else None,
         )
-        if "allocations" in paths:
-            vmem = parse_vmem_bytes(paths["allocations"].read_text())
-            schedule = dataclasses.replace(schedule, vmem_bytes=vmem)
+        if original:
+            schedule = dataclasses.replace(schedule, vmem_bytes=parse_vmem_bytes(original))
         if "critical_path" in paths:
             blocks = critical_path.parse_critical_path(paths["critical_path"].read_text())
             schedule = dataclasses.replace(schedule, critical_path=blocks)

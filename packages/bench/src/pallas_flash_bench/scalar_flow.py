@@ -184,13 +184,24 @@ class Evaluator:
     S iter bound = D``), taken as index ``D`` of grid step ``counter - S`` in row-major order,
     and other ``sphi`` registers that start at a constant and step by an amount not depending
     on themselves (the pipeline's buffer-slot counters, `_recurrence`). Anything else (memory
-    loads, predicated definitions, unknown opcodes) is undecidable: None.
+    loads, unknown opcodes) is undecidable: None. So is a predicated definition, unless
+    ``assume_guards``: it is then computed as if it ran every iteration and its guard joins
+    :attr:`assumed`; the values are exact on the iterations where all those guards hold (the
+    caller checks which, `evaluate_loop`).
     """
 
     def __init__(
-        self, defs: Defs, counter: Counter, iters: np.ndarray, grid: tuple[int, ...] | None
+        self,
+        defs: Defs,
+        counter: Counter,
+        iters: np.ndarray,
+        grid: tuple[int, ...] | None,
+        *,
+        assume_guards: bool = False,
     ):
         self.defs = defs
+        self.assume_guards = assume_guards
+        self.assumed: set[str] = set()  # guards of the predicated definitions used
         self.counter = counter
         self.phi = counter.phi
         self.iters = iters  # counter values to evaluate at
@@ -211,9 +222,12 @@ class Evaluator:
         every = np.arange(start, int(self.iters[-1]) + 1, dtype=np.int64)
         afters, steps = [], []
         for probe in (0, 1 << 20):
-            sub = Evaluator(self.defs, self.counter, every, self.given_grid)
+            sub = Evaluator(
+                self.defs, self.counter, every, self.given_grid, assume_guards=self.assume_guards
+            )
             sub.cache[name] = np.full(every.shape, probe, dtype=np.int64)
             after = sub.value(nexts[0], depth + 1)
+            self.assumed |= sub.assumed
             if after is None:
                 return None
             afters.append(after)
@@ -249,11 +263,19 @@ class Evaluator:
         self.cache[name] = result
         return result
 
+    def _usable(self, ins: Instruction | None) -> Instruction | None:
+        """``ins`` when it can be evaluated (its guard recorded when assumed), else None."""
+        if ins is None or (ins.guard is not None and not self.assume_guards):
+            return None
+        if ins.guard is not None:
+            self.assumed.add(ins.guard)
+        return ins
+
     def _compute(self, name: str, depth: int) -> np.ndarray | None:
         if name == self.phi:
             return self.iters & _MASK32
-        ins = self.defs.defs.get(name)
-        if ins is None or ins.guard is not None:
+        ins = self._usable(self.defs.defs.get(name))
+        if ins is None:
             return None
         op, ops = ins.opcode, self.defs.operands(ins)
         if op == "sphi":
@@ -339,8 +361,8 @@ class Evaluator:
         return result
 
     def _compute_pred(self, name: str, depth: int) -> np.ndarray | None:
-        ins = self.defs.defs.get(name)
-        if ins is None or ins.guard is not None:
+        ins = self._usable(self.defs.defs.get(name))
+        if ins is None:
             return None
         ops = self.defs.operands(ins)
         m = _CMP_RE.match(ins.opcode)
@@ -408,6 +430,29 @@ class LoopContext:
         return evaluate_loop(self.defs, self.counter, self.trip, self.grid, predicates, parents)
 
 
+def _assuming_guards(
+    strict: Evaluator, predicate: str, parent_skips: list[np.ndarray | None]
+) -> np.ndarray | None:
+    """A region's skip predicate read through predicated definitions, where that is exact for
+    every iteration that reaches the region: each guard holds whenever no parent region is
+    skipped (e.g. a compare inside the pipeline's compute guard, `_GUARD_MAX_SKIP_FRACTION`).
+    On the other iterations the value is a guess, but an enclosing skipped region hides it."""
+    lax = Evaluator(
+        strict.defs, strict.counter, strict.iters, strict.given_grid, assume_guards=True
+    )
+    k = lax.pred(predicate)
+    if k is None or any(s is None for s in parent_skips):
+        return None
+    reached = np.ones(strict.iters.shape, dtype=bool)
+    for s in parent_skips:
+        reached &= ~s
+    for guard in lax.assumed:
+        ran = strict.pred(guard)
+        if ran is None or not np.all(ran[reached]):
+            return None
+    return k
+
+
 def evaluate_loop(
     defs: Defs,
     counter: Counter,
@@ -428,6 +473,10 @@ def evaluate_loop(
         iters = np.arange(counter.start + c0, counter.start + min(trip, c0 + _EVAL_CHUNK))
         ev = Evaluator(defs, counter, iters.astype(np.int64), grid)
         skips = [ev.pred(p) for p in predicates]
+        skips = [
+            k if k is not None else _assuming_guards(ev, p, [skips[j] for j in parents[i]])
+            for i, (k, p) in enumerate(zip(skips, predicates, strict=True))
+        ]
         if decided is None:  # decidability depends on the code only, not on the chunk
             decided = [i for i, k in enumerate(skips) if k is not None]
         for i, k in enumerate(skips):

@@ -81,7 +81,8 @@ class Workload:
             paged = f" paged/{self.page_size}" if self.cache == "paged" else ""
             int8 = " int8" if self.cache_dtype == "int8" else ""
             return f"decode L={self.seq_len}{heads}{batch}{ragged}{paged}{int8}{chips}"
-        dims = "" if self.v_head_dim is None else f" D={self.head_dim}/{self.v_head_dim}"
+        dims = f"/{self.v_head_dim}" if self.v_head_dim is not None else ""
+        dims = f" D={self.head_dim}{dims}" if dims or self.head_dim != 128 else ""
         bias = " bias" if self.bias else ""
         return f"{self.op} N={self.seq_len}{' causal' if self.causal else ''}{heads}{dims}{bias}"
 
@@ -248,11 +249,15 @@ partial blocks (a cliff a sweep of powers of two never shows)."""
 MLA = dict(head_dim=192, v_head_dim=128)
 """DeepSeek's multi-head latent attention head_dims: q and k 192, v 128."""
 
+LLAMA_1B = dict(q_heads=32, kv_heads=8, head_dim=64)
+"""Llama-3.2-1B's attention heads: 32 query heads over 8 kv heads of 64."""
+
 
 def default_sweep(chips: int = 1) -> list[Workload]:
     """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k (`POWERS_OF_TWO`), causal and
     not, forward and forward+backward, and forward at `OTHER_LENGTHS`; causal MLA head_dims
-    (`MLA`) at 4k and 16k, forward and forward+backward; a bias at 4k, causal and not,
+    (`MLA`) and head_dim 64 (`LLAMA_1B`) at 4k and 16k, forward and forward+backward; a
+    bias at 4k, causal and not,
     forward and forward+backward; decode 1k..128k cached
     tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
     over all of them; and the serving decode workloads (`serving_sweep`)."""
@@ -264,7 +269,8 @@ def default_sweep(chips: int = 1) -> list[Workload]:
     ]
     attention += [Workload("forward", n, causal) for n in OTHER_LENGTHS for causal in (False, True)]
     attention += [
-        Workload(op, n, causal=True, **MLA)
+        Workload(op, n, causal=True, **heads)
+        for heads in (MLA, LLAMA_1B)
         for op in ("forward", "forward_backward")
         for n in (4096, 16384)
     ]
