@@ -57,7 +57,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 10
+ANALYSIS_VERSION = 11
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 
