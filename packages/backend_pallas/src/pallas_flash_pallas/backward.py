@@ -69,6 +69,7 @@ from pallas_flash_pallas.kernel_helpers import (
     broadcast_block,
     lanes,
     mask_diagonal_tile,
+    recomputed_probabilities,
     when,
     zero_rows_from,
 )
@@ -195,11 +196,7 @@ def _kernel(
             ids = lanes(ids_ref[keys, :], block_q - first_row) == q_ids_ref[:, rows]
             visible = both(visible, ids)
         logits = s_t + _transposed(bias_ref[rows, keys]) if bias else s_t
-        p_t = jnp.exp(logits - lse_ref[:, rows])
-        if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
-            p_t = jnp.where(visible, p_t, 0.0)
-        if bias:  # a -inf bias hides a key; a row it hides wholly has lse -inf
-            p_t = jnp.where(logits == -jnp.inf, 0.0, p_t)
+        p_t = recomputed_probabilities(logits, lse_ref[:, rows], visible, bias)
         if kind == BlockKind.DIAGONAL:
             p_t = mask_diagonal_tile(p_t, 0, keys_on_rows=True, fill=0.0)
         dv_acc[keys, :] += lax.dot_general(

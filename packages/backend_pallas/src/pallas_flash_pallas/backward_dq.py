@@ -49,6 +49,7 @@ from pallas_flash_pallas.kernel_helpers import (
     broadcast_block,
     lanes,
     query_grid_maps,
+    recomputed_probabilities,
     when,
     zero_rows_from,
 )
@@ -119,11 +120,7 @@ def _kernel(
         if segment_ids:
             visible = both(visible, lanes(ids_ref[rows, :], block_kv) == kv_ids_ref[...])
         logits = s + bias_ref[rows, :].astype(_F32) if bias else s
-        p = jnp.exp(logits - lanes(lse_cols[rows, :], block_kv))
-        if visible is not None:  # also drops exp(-inf + inf) of rows that see no key
-            p = jnp.where(visible, p, 0.0)
-        if bias:  # a -inf bias hides a key; a row it hides wholly has lse -inf
-            p = jnp.where(logits == -jnp.inf, 0.0, p)
+        p = recomputed_probabilities(logits, lanes(lse_cols[rows, :], block_kv), visible, bias)
         dp = lax.dot_general(do, v, NT, preferred_element_type=_F32, precision=precision)
         ds = p * (dp - lanes(di_cols[rows, :], block_kv))
         if spec.softcap is not None:

@@ -66,6 +66,20 @@ def both(a: jax.Array | None, b: jax.Array) -> jax.Array:
     return b if a is None else a & b
 
 
+def recomputed_probabilities(
+    logits: jax.Array, lse: jax.Array, visible: jax.Array | None, bias: bool
+) -> jax.Array:
+    """The backward's ``p = exp(logits - lse)`` (a tile, either orientation), 0 where a pair is
+    hidden: by ``visible`` (which also drops ``exp(-inf + inf)`` of rows that see no key) and,
+    with a ``bias``, where the logit is ``-inf`` (a row the bias hides wholly has lse -inf)."""
+    p = jnp.exp(logits - lse)
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
+    if bias:
+        p = jnp.where(logits == -jnp.inf, 0.0, p)
+    return p
+
+
 def when(condition: bool | jax.Array, body: Callable[[], None]) -> None:
     """Runs ``body`` if ``condition`` is True, under ``pl.when`` if it is traced."""
     if condition is True:

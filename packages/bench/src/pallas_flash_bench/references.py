@@ -38,18 +38,21 @@ def _on_one_chip(
     return on_one_chip
 
 
-def _attention(workload: Workload, blocks: tuple[int, ...] = (), *, bias: bool = False) -> bool:
-    """Whether a reference attention kernel takes the workload: multi-head attention (not
-    decode, not grouped, v's head_dim q's: jax's kernels take head_dims that are multiples
-    of 128, so not MLA's 192) whose sequence every block divides (as splash requires; a
-    longer block, clamped, would repeat a configuration of shorter ones); with a bias only
-    if the kernel takes one (``bias``: jax ``flash_attention``'s ``ab``, whose batch axis
-    is the inputs', so batch 1 only: the workload's bias is shared by the batch)."""
+def _attention(
+    workload: Workload, blocks: tuple[int, ...] = (), *, bias: bool = False, grouped: bool = False
+) -> bool:
+    """Whether a reference attention kernel takes the workload: attention (not decode), with
+    as many kv heads as query heads unless the kernel takes groups (``grouped``: splash),
+    v's head_dim q's and a multiple of 64 (jax's kernels compile 64 and multiples of 128 for
+    v5e; MLA's 192/128 they do not take), a sequence every block divides (as splash
+    requires; a longer block, clamped, would repeat a configuration of shorter ones); with a
+    bias only if the kernel takes one (``bias``: jax ``flash_attention``'s ``ab``, whose batch
+    axis is the inputs', so batch 1 only: the workload's bias is shared by the batch)."""
     w = workload
-    same_dims = w.v_head_dim is None and w.head_dim % 128 == 0
+    same_dims = w.v_head_dim is None and w.head_dim % 64 == 0
     return (
         w.op != "decode"
-        and w.q_heads == w.kv_heads
+        and (grouped or w.q_heads == w.kv_heads)
         and same_dims
         and all(w.seq_len % b == 0 for b in blocks)
         and (not w.bias or (bias and w.batch == 1))
@@ -124,7 +127,7 @@ def _splash_build(blocks: SplashBlocks, workload: Workload) -> Callable[..., obj
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     w = workload
-    if not _attention(w, blocks[:3]) or (blocks.fused and w.op != "forward_backward"):
+    if not _attention(w, blocks[:3], grouped=True) or (blocks.fused and w.op != "forward_backward"):
         return None
     n = w.seq_len
     head_mask = sm.CausalMask((n, n)) if w.causal else sm.FullMask((n, n))
