@@ -82,6 +82,19 @@ def test_only_jax_flash_takes_a_bias() -> None:
     assert flash.build(Workload("forward", 4096, batch=2, bias=True), None) is None
 
 
+def test_grouped_heads_go_to_splash_and_head_dim_64_to_both() -> None:
+    """Splash takes fewer kv heads than query heads, jax ``flash_attention`` does not; both
+    take head_dim 64; neither takes MLA's 192/128."""
+    subjects = all_subjects("default", [], True)
+    flash, splash = subjects["jax-flash[blocks 1024]"], subjects["jax-splash[blocks 1024/1024]"]
+    grouped = Workload("forward", 4096, causal=True, q_heads=32, kv_heads=8, head_dim=64)
+    assert splash.build(grouped, None) is not None
+    assert flash.build(grouped, None) is None
+    assert flash.build(dataclasses.replace(grouped, kv_heads=32), None) is not None
+    mla = Workload("forward", 4096, causal=True, head_dim=192, v_head_dim=128)
+    assert splash.build(mla, None) is None and flash.build(mla, None) is None
+
+
 def test_the_quick_sweep_is_a_few_previous_bests_of_the_default_one() -> None:
     quick = all_subjects("quick", [], True)
     assert set(quick) <= set(all_subjects("default", [], True))
