@@ -4,6 +4,8 @@ the ICI model's figures."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pallas_flash_bench import hlo, ici, op_bytes, program_loops, whole_program
@@ -233,6 +235,22 @@ def test_ops_of_one_program_share_its_listing() -> None:
         whole_program.signature(ops[n], comps, shapes) for n in ("write", "write.1", "read")
     )
     assert first == second and first != read
+
+
+def test_kernels_with_other_bodies_do_not_share_a_listing() -> None:
+    """A causal and an unmasked kernel on the same shapes are two programs (their Mosaic
+    bodies differ); the same body called twice is one."""
+    comps = hlo.parse_computations(IN_PLACE_KERNEL)
+    ops = {op.name: op for comp in comps.values() for op in comp.ops}
+    shapes = {name: op.shape for name, op in ops.items()}
+    read = ops["read"]
+    same = dataclasses.replace(read, name="read.1")
+    other = dataclasses.replace(read, name="read.2", attributes=read.attributes.replace(
+        '"body": "x"', '"body": "y"'))  # fmt: skip
+    first, twin, changed = (
+        whole_program.signature(op, comps, shapes) for op in (read, same, other)
+    )
+    assert first == twin and first != changed
 
 
 IN_PLACE_KERNEL = """HloModule m, entry_computation_layout={()->bf16[8,2,256,128]{3,2,1,0}}

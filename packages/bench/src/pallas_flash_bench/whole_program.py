@@ -39,7 +39,7 @@ from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, progr
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
 
-ANALYSIS_VERSION = 10
+ANALYSIS_VERSION = 11
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
 
 TOP_OPS = 12
@@ -63,6 +63,7 @@ class OpTime:
         return self.runs * max(self.static_seconds, self.hbm_seconds)
 
 
+_KERNEL_BODY_RE = re.compile(r'"body"\s*:\s*"(?P<body>[^"]*)"')
 _NO_CODE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                       "after-all", "partition-id", "replica-id", "opt-barrier", "while",
                       "conditional", "call"})  # fmt: skip
@@ -76,12 +77,15 @@ def _stem(name: str) -> str:
 def signature(op: hlo.HloOp, comps: Mapping[str, hlo.Computation],
               shapes: Mapping[str, str]) -> tuple:  # fmt: skip
     """What makes two ops one compiled program: name stem, opcode, shapes of result and
-    operands and, for a fusion, its fused ops' opcodes and shapes. The LLO dump holds one
-    listing per distinct program (an unrolled layer's fusions share the first layer's)."""
+    operands, for a fusion its fused ops' opcodes and shapes and for a Pallas kernel its
+    serialized Mosaic body (a causal and an unmasked kernel on the same shapes are two
+    programs). The LLO dump holds one listing per distinct program (an unrolled layer's
+    fusions share the first layer's)."""
     fused = hlo.fused_computation(op, comps)
     body = tuple((o.opcode, o.shape) for o in fused.ops) if fused is not None else ()
+    kernel = _KERNEL_BODY_RE.search(op.attributes) if hlo.is_kernel_call(op) else None
     operands = tuple(shapes.get(n, "") for n in op.operands)
-    return (_stem(op.name), op.opcode, op.shape, operands, body)
+    return (_stem(op.name), op.opcode, op.shape, operands, body, kernel and kernel["body"])
 
 
 def _charged(op: hlo.HloOp) -> bool:
