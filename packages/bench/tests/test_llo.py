@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pallas_flash_bench import bundle_listing, dump_files, llo
+from pallas_flash_bench import bundle_listing, dump_files, llo, scalar_flow
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
 FLASH = SAMPLES / "flash_causal"
@@ -511,6 +511,21 @@ def test_a_predicate_defined_under_the_enclosing_regions_guard_is_decided(guard,
     outer, inner = sorted(loop.regions, key=lambda r: r.start)
     assert (outer.start, outer.end, outer.executed_iterations) == (8, 15, 9)
     assert (inner.start, inner.end, inner.executed_iterations) == (14, 14, runs)
+
+
+def test_a_guard_that_holds_in_one_chunk_of_iterations_only_decides_nothing(monkeypatch):
+    """Iterations are evaluated in chunks; a guard that covers the reached iterations of the
+    first chunk (counter < 5) but not of the second leaves the region undecided, not half
+    decided."""
+    monkeypatch.setattr(scalar_flow, "_EVAL_CHUNK", 4)
+    text = NESTED.replace("GUARD", "%p30").replace(
+        "%p4 = scmp.eq.s32.totalorder %s2, 0", "%p4 = scmp.eq.s32.totalorder %s2, 0  ;;  "
+        "%p30 = scmp.lt.s32.totalorder %s2, 5",
+    )  # fmt: skip
+    listing = bundle_listing.parse_bundles(text, "k.1")
+    (loop,) = listing.loops
+    outer, inner = sorted(loop.regions, key=lambda r: r.start)
+    assert (outer.executed_iterations, inner.executed_iterations) == (9, None)
 
 
 GRID_COUNTERS = """\

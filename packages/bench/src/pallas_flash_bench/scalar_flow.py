@@ -227,9 +227,8 @@ class Evaluator:
             )
             sub.cache[name] = np.full(every.shape, probe, dtype=np.int64)
             after = sub.value(nexts[0], depth + 1)
-            self.assumed |= sub.assumed
-            if after is None:
-                return None
+            if after is None or sub.assumed:  # through a guarded definition, one skipped
+                return None  # run would leave a stale value for every later iteration
             afters.append(after)
             steps.append((after - probe) & _MASK32)
         if np.array_equal(afters[0], afters[1]):
@@ -460,8 +459,12 @@ def evaluate_loop(
     grid: tuple[int, ...] | None,
     predicates: list[str],
     parents: list[list[int]],
+    *,
+    assume_guards: bool = True,
 ) -> LoopEval:
-    """Evaluate the branch predicates of a loop's regions, in chunks of iterations."""
+    """Evaluate the branch predicates of a loop's regions, in chunks of iterations; a
+    predicate computed under guards is decided where they hold (`_assuming_guards`) unless
+    that differs between chunks (then none is: the evaluation is redone without)."""
     probe = np.arange(counter.start, counter.start + 1, dtype=np.int64)
     no_grid = Evaluator(defs, counter, probe, None)
     counter_only = [no_grid.pred(p) is not None for p in predicates]
@@ -473,12 +476,17 @@ def evaluate_loop(
         iters = np.arange(counter.start + c0, counter.start + min(trip, c0 + _EVAL_CHUNK))
         ev = Evaluator(defs, counter, iters.astype(np.int64), grid)
         skips = [ev.pred(p) for p in predicates]
-        skips = [
-            k if k is not None else _assuming_guards(ev, p, [skips[j] for j in parents[i]])
-            for i, (k, p) in enumerate(zip(skips, predicates, strict=True))
-        ]
-        if decided is None:  # decidability depends on the code only, not on the chunk
+        if assume_guards:
+            skips = [
+                k if k is not None else _assuming_guards(ev, p, [skips[j] for j in parents[i]])
+                for i, (k, p) in enumerate(zip(skips, predicates, strict=True))
+            ]
+        if decided is None:  # without guards, decidability depends on the code only
             decided = [i for i, k in enumerate(skips) if k is not None]
+        elif any(skips[i] is None for i in decided):
+            return evaluate_loop(
+                defs, counter, trip, grid, predicates, parents, assume_guards=False
+            )
         for i, k in enumerate(skips):
             if k is None:
                 skipped[i] = executed[i] = None
