@@ -34,6 +34,7 @@ __all__ = [
     "HloOp",
     "cost_estimate",
     "find_copy_trap",
+    "kernel_body",
     "kernel_calls",
     "parse_computations",
     "parse_entry",
@@ -577,6 +578,15 @@ def collectives(text: str) -> list[HloOp]:
     return [
         op for comp in parse_computations(text).values() for op in comp.ops if is_collective(op)
     ]
+
+
+def kernel_body(op: HloOp) -> str | None:
+    """A Mosaic kernel call's serialized kernel (its ``custom_call_config`` ``body``): two
+    calls run one compiled program only if theirs are equal. None for any other op."""
+    if not is_kernel_call(op):
+        return None
+    m = re.search(r'"body"\s*:\s*"(?P<body>[^"]*)"', op.attributes)
+    return m["body"] if m else None
 
 
 def cost_estimate(op: HloOp) -> dict[str, int] | None:

@@ -63,7 +63,6 @@ class OpTime:
         return self.runs * max(self.static_seconds, self.hbm_seconds)
 
 
-_KERNEL_BODY_RE = re.compile(r'"body"\s*:\s*"(?P<body>[^"]*)"')
 _NO_CODE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                       "after-all", "partition-id", "replica-id", "opt-barrier", "while",
                       "conditional", "call"})  # fmt: skip
@@ -83,9 +82,8 @@ def signature(op: hlo.HloOp, comps: Mapping[str, hlo.Computation],
     fusions share the first layer's)."""
     fused = hlo.fused_computation(op, comps)
     body = tuple((o.opcode, o.shape) for o in fused.ops) if fused is not None else ()
-    kernel = _KERNEL_BODY_RE.search(op.attributes) if hlo.is_kernel_call(op) else None
     operands = tuple(shapes.get(n, "") for n in op.operands)
-    return (_stem(op.name), op.opcode, op.shape, operands, body, kernel and kernel["body"])
+    return (_stem(op.name), op.opcode, op.shape, operands, body, hlo.kernel_body(op))
 
 
 def _charged(op: hlo.HloOp) -> bool:
