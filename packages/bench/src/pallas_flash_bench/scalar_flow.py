@@ -436,11 +436,13 @@ def _assuming_guards(
     every iteration that reaches the region: each guard holds whenever no parent region is
     skipped (e.g. a compare inside the pipeline's compute guard, `_GUARD_MAX_SKIP_FRACTION`).
     On the other iterations the value is a guess, but an enclosing skipped region hides it."""
+    if any(s is None for s in parent_skips):
+        return None
     lax = Evaluator(
         strict.defs, strict.counter, strict.iters, strict.given_grid, assume_guards=True
     )
     k = lax.pred(predicate)
-    if k is None or any(s is None for s in parent_skips):
+    if k is None:
         return None
     reached = np.ones(strict.iters.shape, dtype=bool)
     for s in parent_skips:
