@@ -34,3 +34,17 @@ def test_every_causal_pair_is_counted_once(layout: str) -> None:
     assert sum(work) == chunks * (chunks + 1) // 2
     if layout == "zigzag":
         assert len(set(work)) == 1
+
+
+def test_ring_pair_kinds() -> None:
+    """Zigzag on 4 devices: every device meets 2 diagonal pairs (its own chunks at step 0),
+    7 unmasked and 7 skipped of its 16; contiguous loads the last device most (its own chunk,
+    then every earlier one unmasked) and the first least."""
+    for d in range(4):
+        assert context_layout.ring_pair_kinds(d, 4, "zigzag") == {
+            "skip": 7, "diagonal": 2, "unmasked": 7}  # fmt: skip
+    assert context_layout.ring_pair_kinds(3, 4, "contiguous") == {
+        "skip": 0, "diagonal": 1, "unmasked": 3}  # fmt: skip
+    assert context_layout.ring_pair_kinds(0, 4, "contiguous") == {
+        "skip": 3, "diagonal": 1, "unmasked": 0}  # fmt: skip
+    assert [int(context_layout.pair_kind(a, 2)) for a in (1, 2, 3)] == [0, 1, 2]

@@ -75,10 +75,11 @@ class _Ring:
         return chunk_ids(device, self.devices, self.layout)
 
     def case(self, q_chunk: jax.Array, k_chunk: jax.Array) -> jax.Array:
-        """0: skip (a later key chunk, causal), 1: causal (the same chunk), 2: no mask."""
+        """The pair's branch: its index in `context_layout.PAIR_KINDS` (skip, diagonal,
+        unmasked); every pair is unmasked without a causal mask."""
         if not self.spec.causal:
             return jnp.int32(2)
-        return jnp.where(q_chunk > k_chunk, 2, jnp.where(q_chunk == k_chunk, 1, 0))
+        return context_layout.pair_kind(q_chunk, k_chunk)
 
     def specs(self) -> tuple[AttentionSpec, AttentionSpec]:
         """The spec of a pair on the diagonal and of one without a mask."""
@@ -139,7 +140,7 @@ def _forward_pass(
     q_ids = _split_ids(None if ids is None else ids.q, ring.pieces)
 
     def attend(step, k, v, kv_ids, results: list) -> list:
-        theirs = ring.chunks((device - step) % ring.devices)
+        theirs = ring.chunks(context_layout.kv_device(device, step, ring.devices))
         kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces),
                              _split_ids(kv_ids, ring.pieces), strict=True))  # fmt: skip
         for a, q_piece in enumerate(q_pieces):
@@ -273,7 +274,7 @@ def _backward_pass(
     def gradients(step, k, v, kv_ids, dk, dv, dq):
         """One ring step's gradients added to the sums of dq (this device's queries) and of
         dk, dv (the K/V chunks it holds at ``step``)."""
-        theirs = ring.chunks((device - step) % ring.devices)
+        theirs = ring.chunks(context_layout.kv_device(device, step, ring.devices))
         dq = list(dq)
         dk_parts, dv_parts = _split(dk, ring.pieces), _split(dv, ring.pieces)
         kv_pieces = list(zip(_split(k, ring.pieces), _split(v, ring.pieces),

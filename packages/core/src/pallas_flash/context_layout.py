@@ -6,6 +6,10 @@
 device has the same number of visible query-key pairs. A zigzag layout is the order of the
 tokens in the arrays themselves: `to_zigzag` puts a sequence in it (once, e.g. in the data
 pipeline, with the positions that go with it), `from_zigzag` takes it back.
+
+A ring passes the K/V chunks one device on per step (`kv_device`), so each device meets
+every chunk once; under a causal mask a pair of chunks is of one of `PAIR_KINDS`
+(`pair_kind`), and `ring_pair_kinds` counts them for a device.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import jax.numpy as jnp
 ContextLayout = Literal["contiguous", "zigzag"]
 LAYOUTS = ("contiguous", "zigzag")
 
+PAIR_KINDS = ("skip", "diagonal", "unmasked")
+"""A causal pair of query and key chunks, by index (`pair_kind`): a later key chunk (no
+visible key: skipped), the same chunk (masked causally), an earlier one (every key visible)."""
+
 
 def pieces(layout: ContextLayout) -> int:
     """Chunks per device."""
@@ -29,6 +37,30 @@ def chunk_ids(device: jax.Array | int, devices: int, layout: ContextLayout) -> l
     if layout == "zigzag":
         return [device, 2 * devices - 1 - device]
     return [device]
+
+
+def kv_device(device: jax.Array | int, step: jax.Array | int, devices: int) -> jax.Array | int:
+    """The device whose K/V chunks ``device`` holds at a ring's step ``step`` (one hop a step,
+    device ``d``'s to ``d + 1``)."""
+    return (device - step) % devices
+
+
+def pair_kind(q_chunk: jax.Array | int, k_chunk: jax.Array | int) -> jax.Array:
+    """The index in `PAIR_KINDS` of a causal pair of chunks (their indices along the
+    sequence): 0 skip, 1 diagonal, 2 unmasked."""
+    return jnp.sign(jnp.asarray(q_chunk) - jnp.asarray(k_chunk)) + 1
+
+
+def ring_pair_kinds(device: int, devices: int, layout: ContextLayout) -> dict[str, int]:
+    """How many pairs of each of `PAIR_KINDS` ``device`` attends to over a causal ring's
+    ``devices`` steps (every query chunk it holds with every K/V chunk it is passed)."""
+    counts = dict.fromkeys(PAIR_KINDS, 0)
+    for step in range(devices):
+        theirs = chunk_ids(kv_device(device, step, devices), devices, layout)
+        for q_chunk in chunk_ids(device, devices, layout):
+            for k_chunk in theirs:
+                counts[PAIR_KINDS[int(pair_kind(q_chunk, k_chunk))]] += 1
+    return counts
 
 
 def _order(devices: int) -> list[int]:
