@@ -20,7 +20,9 @@ replays each sequential computation in program order on one chip:
   the copies queued before it, at the full bandwidth;
 - a ``while`` loop runs its body's steady-state iteration (the second of two replayed, so a
   collective started in one iteration and awaited in the next is counted as it runs) times
-  its trip count (`program_loops`).
+  its trip count (`program_loops`);
+- a ``conditional`` runs each branch in turn, its ops' times scaled by the branch's share of
+  the runs when `program_loops` has one (collectives in a branch are replayed whole).
 
 The replay rests on the ICI model's figures and on three more assumptions, stated where it is
 reported: a collective in flight does not slow the compute beside it (no HBM or core
@@ -118,7 +120,8 @@ class ScheduleReplay:
             clock.await_copy(name)
         return max([clock.now, *clock.in_flight.values()])
 
-    def _run(self, comp: Computation, clock: _Clock) -> None:
+    def _run(self, comp: Computation, clock: _Clock, share: float = 1.0) -> None:
+        """Replays ``comp``'s ops, each op's time scaled by ``share`` (a branch's share)."""
         for op in comp.ops:
             if op.opcode in ("while", "conditional"):
                 self._control(op, clock)
@@ -136,17 +139,20 @@ class ScheduleReplay:
                 begin = max(clock.now, clock.links_free)
                 clock.links_free = begin + self.collective_seconds.get(key, 0.0)
                 clock.in_flight[key] = clock.links_free
-            clock.advance(self.op_seconds.get(op.name, 0.0), self.op_hbm_seconds.get(op.name, 0.0))
+            clock.advance(share * self.op_seconds.get(op.name, 0.0),
+                          share * self.op_hbm_seconds.get(op.name, 0.0))  # fmt: skip
             if key is not None and role in ("done", "sync"):
                 clock.advance(max(clock.in_flight.pop(key, clock.now) - clock.now, 0.0))
 
     def _control(self, op: HloOp, clock: _Clock) -> None:
         """A loop: its steady-state iteration times its trips; a conditional: every branch
-        in turn (as `whole_program` charges them)."""
+        in turn, each its share of the runs (as `whole_program` charges them)."""
+        shares = self.runs.shares.get(op.name)
+        branches = [name for name, how in callees(op) if how == "branch"]
+        for i, name in enumerate(branches):
+            if name in self.comps:
+                self._run(self.comps[name], clock, 1.0 if shares is None else shares[i])
         parts = [(name, how) for name, how in callees(op) if name in self.comps]
-        for name, how in parts:
-            if how == "branch":
-                self._run(self.comps[name], clock)
         iteration = [self.comps[name] for how in ("condition", "body")
                      for name, part in parts if part == how]  # fmt: skip
         if not iteration:

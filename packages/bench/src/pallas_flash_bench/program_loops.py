@@ -10,13 +10,17 @@ constant and its body adds one to it. A loop of any other shape is *undetermined
 are counted once, and the caller says so.
 
 Branches of a ``conditional`` are counted as if taken every time (an upper bound; the model
-steps have none in their hot path). No JAX import: this module only reads text.
+steps have none in their hot path), unless the caller knows how often each is taken
+(``branch_shares``: a context-parallel ring's pairs of chunks, skipped, diagonal or
+unmasked, in shares its layout fixes): each branch then runs that share of the
+conditional's runs. No JAX import: this module only reads text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Sequence
 
 from pallas_flash_bench.hlo import (
     BRANCHES_RE,
@@ -46,20 +50,25 @@ class ProgramRuns:
 
     Attributes:
       computations: computation name -> how often it runs (ENTRY: 1; a loop body: its
-        caller's count times the trip count; a fused or called computation: its caller's).
+        caller's count times the trip count; a fused or called computation: its caller's;
+        a conditional's branch: its caller's, or that times the branch's share when
+        ``shares`` has one: then a mean, not a whole number).
       trips: ``while`` op name -> its trip count (None: undetermined, counted once).
       ops: op name -> how often it runs (its computation's count).
       sequential: the computations whose ops run one after another as programs of their
         own (ENTRY, loop bodies and conditions, conditional branches), not those fused into
         or applied by an op.
+      shares: ``conditional`` op name -> the share of its runs each branch takes, in branch
+        order (only the conditionals given ``branch_shares``).
     """
 
-    computations: dict[str, int]
+    computations: dict[str, float]
     trips: dict[str, int | None]
-    ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops: dict[str, float] = dataclasses.field(default_factory=dict)
     sequential: frozenset[str] = frozenset()
+    shares: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
-    def runs(self, op_name: str) -> int:
+    def runs(self, op_name: str) -> float:
         """Executions of the op called ``op_name`` (1 for a name the program lacks)."""
         return self.ops.get(op_name, 1)
 
@@ -180,32 +189,88 @@ def callees(op: HloOp) -> list[tuple[str, str]]:
     return out
 
 
-def program_runs(text: str, comps: dict[str, Computation] | None = None) -> ProgramRuns:
+BranchShares = Callable[[HloOp], Sequence[float] | None]
+"""A conditional op -> the share of its runs each branch takes (branch order), or None for
+every branch every time."""
+
+
+def program_runs(
+    text: str,
+    comps: dict[str, Computation] | None = None,
+    branch_shares: BranchShares | None = None,
+) -> ProgramRuns:
     """`ProgramRuns` of the optimised HLO ``text`` of one program (``compiled.as_text()``);
-    ``comps``: its `parse_computations`, when the caller has them already."""
+    ``comps``: its `parse_computations`, when the caller has them already; ``branch_shares``:
+    how often the branches of a conditional run (module doc; raises ValueError when the
+    shares given do not match its branches)."""
     comps = parse_computations(text) if comps is None else comps
     values = constants(text)
-    runs: dict[str, int] = {}
+    runs: dict[str, float] = {}
     trips: dict[str, int | None] = {}
+    shares: dict[str, tuple[float, ...]] = {}
     sequential = {c.name for c in comps.values() if c.entry}
-    pending = [(name, 1) for name in sequential]
+    pending: list[tuple[str, float]] = [(name, 1) for name in sequential]
     while pending:
         name, count = pending.pop()
         comp = comps.get(name)
-        if comp is None or runs.get(name, 0) >= count:
+        if comp is None or runs.get(name, -1) >= count:
             continue
         runs[name] = count
         for op in comp.ops:
             if op.opcode == "while" and op.name not in trips:
                 trips[op.name] = trip_count(op, comps, values)
+            if op.opcode == "conditional" and branch_shares is not None:
+                _record_shares(op, branch_shares, shares)
+            branch = 0
             for callee, how in callees(op):
-                n = trips.get(op.name) if how == "body" else 1
+                n: float | None = trips.get(op.name) if how == "body" else 1
+                if how == "branch":
+                    n = shares[op.name][branch] if op.name in shares else 1
+                    branch += 1
                 if how != "called" and name in sequential:
                     sequential.add(callee)
                 # a condition runs once more than the body; its ops are negligible
                 pending.append((callee, count * (n if n is not None else 1)))
     ops = {op.name: runs.get(comp.name, 1) for comp in comps.values() for op in comp.ops}
-    return ProgramRuns(runs, trips, ops, frozenset(sequential))
+    return ProgramRuns(runs, trips, ops, frozenset(sequential), shares)
+
+
+def _record_shares(op: HloOp, branch_shares: BranchShares, shares: dict) -> None:
+    given = branch_shares(op)
+    if given is None:
+        return
+    branches = sum(1 for _, how in callees(op) if how == "branch")
+    if len(given) != branches:
+        raise ValueError(
+            f"branch_shares: expected {branches} shares for {op.name}'s branches, got {given}"
+        )
+    shares[op.name] = tuple(given)
+
+
+def enclosing_branches(comps: dict[str, Computation]) -> dict[str, tuple[str, int]]:
+    """Op name -> (the innermost ``conditional`` it runs under, the index of its branch), for
+    the ops that run under one (in a branch, or in a computation a branch calls)."""
+    out: dict[str, tuple[str, int]] = {}
+    pending: list[tuple[str, tuple[str, int] | None]] = [
+        (c.name, None) for c in comps.values() if c.entry
+    ]
+    seen: set[str] = set()
+    while pending:
+        name, branch = pending.pop()
+        comp = comps.get(name)
+        if comp is None or name in seen:
+            continue
+        seen.add(name)
+        for op in comp.ops:
+            if branch is not None:
+                out[op.name] = branch
+            index = 0
+            for callee, how in callees(op):
+                inner = branch
+                if how == "branch":
+                    inner, index = (op.name, index), index + 1
+                pending.append((callee, inner))
+    return out
 
 
 def is_async_start(op: HloOp) -> bool:

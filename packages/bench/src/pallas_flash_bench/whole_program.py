@@ -5,7 +5,8 @@ Every op the program runs (a Pallas kernel, an XLA fusion, a copy) is charged
     runs x max(static seconds, HBM seconds)
 
 - ``runs``: how often the op executes in one step (`program_loops`: a scanned layer's ops
-  once per layer);
+  once per layer; an op in a conditional's branch, every time unless the caller gives the
+  branches' shares, then that share of the runs: a mean);
 - static seconds: the executed bundles of its listing in the LLO dump (`llo.load_dump`)
   over the clock, or its busiest MXU's cycles when those are more; a Pallas kernel as the
   kernel rows charge it (`spread.kernel_entry`, with the attention shape it runs, so a
@@ -52,7 +53,7 @@ class OpTime:
 
     name: str
     kind: str  # "kernel" (Pallas), "matmul" (MXU-bound XLA op) or "other"
-    runs: int
+    runs: float  # a mean where a branch's share counts it
     static_seconds: float  # one run
     hbm_seconds: float  # one run
     inner_loops_counted_once: bool = False  # its schedule has loops of unknown trip count
@@ -165,15 +166,17 @@ def program_estimate(
     kernel_workload: Callable[[str], Workload],
     target: Target,
     chips: int,
+    branch_shares: program_loops.BranchShares | None = None,
 ) -> dict:
-    """A step's static estimate on one chip of ``chips``: compute seconds by kind of op
+    """A step's static estimate on one chip of ``chips`` (``branch_shares``: how often a
+    conditional's branches run, `program_loops.program_runs`): compute seconds by kind of op
     (`op_times`; asynchronous copies charged in full), the compute with the copies
     overlapped as scheduled, the collectives (`ici`), the step as the schedule overlaps
     collectives and copies (`overlap`) and at both ends: collectives hidden under the compute
     with its copies as scheduled, and nothing hidden, copies serial; and what the estimate
     could not count."""
     comps = hlo.parse_computations(text)
-    runs = program_loops.program_runs(text, comps)
+    runs = program_loops.program_runs(text, comps, branch_shares)
     times, unmatched = op_times(comps, runs, schedules, kernel_workload, target)
     keys = program_loops.collective_keys(comps, runs)
     groups = program_loops.collective_groups(comps, runs, keys)
@@ -208,6 +211,7 @@ def program_estimate(
         "step_seconds_scheduled": scheduled,
         "ops": len(times),
         "loop_trips": runs.trips,
+        "branch_shares": runs.shares,
         "undetermined_loops": runs.undetermined,
         "ops_with_unknown_inner_loops": loops,
         "ops_without_listing": unmatched,
