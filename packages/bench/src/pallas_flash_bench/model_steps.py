@@ -2,28 +2,20 @@
 
 A train workload is one program, the LLaMa package's train step; a serving workload two, its
 prefill step (``prefill_batch`` prompts) and its decode step (one token per sequence, the cache
-donated). Each is compiled ahead of time with the LLO dump on, then estimated as a whole
-program (`whole_program`); a program the slice's HBM cannot hold is a result too: the
-compiler's error says how much it needed.
+donated). Each is compiled and estimated as a whole program (`programs.analyse_program`).
 """
 
 from __future__ import annotations
 
 import pathlib
-import re
-import shutil
-import time
 
 import jax
 import jax.numpy as jnp
 
-from pallas_flash_bench import aot, llo, whole_program
+from pallas_flash_bench import aot, programs, whole_program
 from pallas_flash_bench.model_workloads import ModelWorkload
 from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.workloads import Workload
-
-_NEEDED_RE = re.compile(r"memory required for HLO temporaries \((?P<size>[\d.]+)(?P<unit>[KMGT])\)")
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
@@ -80,52 +72,12 @@ def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
     }  # fmt: skip
 
 
-def needed_bytes(error: str) -> int | None:
-    """The HBM a program needed, from the compiler's out-of-memory message (None if absent)."""
-    m = _NEEDED_RE.search(error)
-    return None if m is None else int(float(m["size"]) * _UNITS[m["unit"]])
+def _estimate(w: ModelWorkload, program: str, target: Target) -> programs.Estimate:
+    def estimate(text: str, schedules) -> dict:
+        kernels = lambda _: _kernel_workload(w, program)  # noqa: E731 - one attention shape
+        return whole_program.program_estimate(text, schedules, kernels, target, w.chips)
 
-
-def _analyse_program(w, name, step, args, target: Target, dump_dir: pathlib.Path | None):
-    if dump_dir is not None:
-        shutil.rmtree(dump_dir, ignore_errors=True)
-        dump_dir.mkdir(parents=True)
-    start = time.perf_counter()
-    out: dict = {"program": name, "compiled": False, "error": None, "hbm": None,
-                 "estimate": None, "notes": []}  # fmt: skip
-    try:
-        with jax.default_device(aot.target_devices(target)[0]):
-            lowered = step.trace(*args).lower(lowering_platforms=("tpu",))
-        compiled = lowered.compile()
-    except Exception as exc:  # noqa: BLE001 - out of memory is a result, not a crash
-        out["compile_seconds"] = time.perf_counter() - start
-        text = " ".join(str(exc).split())
-        out["error"] = text[:600]
-        out["needed_bytes"] = needed_bytes(text)
-        return out
-    out["compile_seconds"] = time.perf_counter() - start
-    out["compiled"] = True
-    memory = compiled.memory_analysis()
-    out["hbm"] = {
-        "argument": memory.argument_size_in_bytes,
-        "output": memory.output_size_in_bytes,
-        "alias": memory.alias_size_in_bytes,
-        "temp": memory.temp_size_in_bytes,
-        # what the step holds at its peak: its inputs, the outputs not written in place of
-        # an input, and its temporaries
-        "peak": memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes,
-    }
-    if dump_dir is None:
-        out["notes"].append("no LLO dump was requested: no static schedule")
-        return out
-    schedules = llo.load_dump(dump_dir)
-    out["estimate"] = whole_program.program_estimate(
-        compiled.as_text(), schedules, lambda _: _kernel_workload(w, name), target, w.chips
-    )
-    return out
+    return estimate
 
 
 def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
@@ -136,7 +88,7 @@ def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     devices = aot.target_devices(target)
     mesh = make_mesh(*w.mesh, devices=devices[: w.chips])
     programs = [
-        _analyse_program(w, name, step, args, target, dump_dir)
+        programs.analyse_program(name, step, args, target, dump_dir, _estimate(w, name, target))
         for name, (step, args) in _programs(w, mesh).items()
     ]
     return {"workload": w.to_json(), "programs": programs}
