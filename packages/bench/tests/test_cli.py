@@ -173,7 +173,8 @@ def test_model_workloads_compile_and_are_estimated_as_whole_programs(tmp_path) -
                           generate_len=64)  # fmt: skip
     target = TARGETS[DEFAULT_TARGET]
     options = runner.BenchOptions(
-        target=target, sweep="quick", workloads=[], models=[train, serve], backends=None,
+        target=target, sweep="quick", workloads=[], models=[train, serve], context=[],
+        backends=None,
         references=False, fit=False, measure=False, price_per_chip_hour=1.2,
         out_dir=tmp_path, cache=runner.ResultCache(None), workers=1,
     )  # fmt: skip

@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
         help="only the model workloads: LLaMa train steps and serving runs on v5e slices "
         "against MaxText and JetStream, and the ablation (needs pallas-flash-llama)",
     )
+    bench.add_argument(
+        "--context",
+        action="store_true",
+        help="only the context-parallel workloads: one sequence's forward+backward over a v5e "
+        "slice against one chip's time per token pair",
+    )
     bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
     bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")
     bench.add_argument("--ops", help="comma-separated subset of forward,forward_backward,decode")
@@ -86,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 def _models(args: argparse.Namespace) -> list:
     """The model workloads: all with ``--models`` (or the full sweep), the quick sweep's one
     small row with ``--quick``; none when the LLaMa package is not installed (with a note)."""
-    if args.serving or args.ops or args.seq_lens:
+    if args.serving or args.ops or args.seq_lens or args.context:
         return []
     if importlib.util.find_spec("pallas_flash_llama") is None:
         print("pallas-flash bench: pallas-flash-llama is not installed: no model rows",
@@ -99,9 +105,21 @@ def _models(args: argparse.Namespace) -> list:
     return model_workloads.default_models()
 
 
+def _context(args: argparse.Namespace) -> list:
+    """The context-parallel workloads: the quick sweep's one small row with ``--quick``, else
+    all; none for a sweep of other rows only."""
+    from pallas_flash_bench import context_workloads
+
+    if args.serving or args.ops or args.seq_lens or args.models:
+        return []
+    if args.quick and not args.context:
+        return context_workloads.quick_context()
+    return context_workloads.default_context()
+
+
 def _workloads(args: argparse.Namespace) -> list[Workload]:
     chips = TARGETS[args.target].chips
-    if args.models:
+    if args.models or args.context:
         return []
     if args.serving:
         sweep = serving_sweep(chips)
@@ -131,9 +149,10 @@ def _bench(args: argparse.Namespace) -> int:
         sweep="quick" if args.quick else "default",
         workloads=_workloads(args),
         models=_models(args),
+        context=_context(args),
         backends=args.backends.split(",") if args.backends else None,
         references=not args.no_reference,
-        fit=not args.no_fit and not args.models,
+        fit=not args.no_fit and not args.models and not args.context,
         measure=not args.no_measure,
         price_per_chip_hour=args.price if args.price is not None else target.price_per_chip_hour,
         out_dir=args.out,
@@ -141,7 +160,7 @@ def _bench(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     results = run(options)
-    rows = results["rows"] + results["models"]
+    rows = results["rows"] + results["models"] + results["context"]
     compiled = sum(bool(r.get("compiled") or (r.get("figures") or {}).get("compiled"))
                    for r in rows)  # fmt: skip
     where = f" for {target.name}" if results["rows"] else ""

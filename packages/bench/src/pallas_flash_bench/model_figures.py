@@ -23,7 +23,8 @@ ENDS = ("overlapped", "scheduled", "exposed")
 """The collectives' overlap with the compute each figure assumes (module doc)."""
 
 
-def _seconds(program: Mapping[str, Any], end: str) -> float | None:
+def step_seconds(program: Mapping[str, Any], end: str) -> float | None:
+    """A program's estimated step at one of `ENDS` (None when it has no estimate)."""
     estimate = program.get("estimate")
     return None if estimate is None else estimate.get(f"step_seconds_{end}")
 
@@ -57,14 +58,17 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
         out[key] = dict.fromkeys(ENDS)
     for end in ENDS:
         if w.step == "train":
-            step = _seconds(programs["train"], end)
+            step = step_seconds(programs["train"], end)
             if step is None:
                 continue
             flops = model_flops.train_step_flops(config, w.batch, w.seq_len)
             out["step_seconds"][end] = step
             out["mfu"][end] = flops / step / peak_flops
         else:
-            prefill, decode = _seconds(programs["prefill"], end), _seconds(programs["decode"], end)
+            prefill, decode = (
+                step_seconds(programs["prefill"], end),
+                step_seconds(programs["decode"], end),
+            )
             if prefill is None or decode is None:
                 continue
             prefill *= w.prefill_calls

@@ -18,7 +18,7 @@ GiB = 1 << 30
 HBM_PER_CHIP = 16 * GiB
 
 
-def _ends(values: Mapping[str, Any] | None, render: Callable[[Any], str]) -> str:
+def ends_cell(values: Mapping[str, Any] | None, render: Callable[[Any], str]) -> str:
     """``s (a .. b)`` of a figure as the schedule overlaps the collectives and copies, all
     hidden and none hidden (``a .. b`` without the schedule's; one value when they agree)."""
     if not values or values.get("overlapped") is None:
@@ -73,7 +73,7 @@ def _reference(row: Mapping[str, Any], render: Callable[[Any], str]) -> tuple[st
     ref = f.get("reference")
     if ref is None:
         return "none published", MISSING
-    ratio = _ends(model_figures.against_reference(f), lambda x: f"{num(x)}x")
+    ratio = ends_cell(model_figures.against_reference(f), lambda x: f"{num(x)}x")
     return f"{render(ref['value'])} ({ref['source']})", ratio
 
 
@@ -93,9 +93,9 @@ def training_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         ref, ratio = _reference(row, percent)
         failed = _failed(row)
         rows.append([w["name"], _slice(w), f"{w['batch']} x {w['seq_len']}", w["remat"],
-                     failed or _ends(f.get("step_seconds"), _seconds),
-                     _ends(f.get("mfu"), percent),
-                     _ends(f.get("tokens_per_chip_second"), num), _hbm(row), ref,
+                     failed or ends_cell(f.get("step_seconds"), _seconds),
+                     ends_cell(f.get("mfu"), percent),
+                     ends_cell(f.get("tokens_per_chip_second"), num), _hbm(row), ref,
                      ratio])  # fmt: skip
     if not rows:
         return []
@@ -116,10 +116,11 @@ def serving_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         ref, ratio = _reference(row, lambda v: f"{num(v)} tok/s")
         rows.append([w["name"], _slice(w), w["batch"], f"{w['prompt_len']} / {w['generate_len']}",
                      f"{w.get('kv_dtype') or 'bfloat16'}, split over {_split(w)}",
-                     _failed(row) or _ends(f.get("prefill_seconds"), _seconds),
-                     _ends(f.get("decode_step_seconds"), _ms),
-                     _ends(f.get("tokens_per_second"), num),
-                     _ends(f.get("tokens_per_dollar"), num), _hbm(row), ref, ratio])  # fmt: skip
+                     _failed(row) or ends_cell(f.get("prefill_seconds"), _seconds),
+                     ends_cell(f.get("decode_step_seconds"), _ms),
+                     ends_cell(f.get("tokens_per_second"), num),
+                     ends_cell(f.get("tokens_per_dollar"), num), _hbm(row), ref,
+                     ratio])  # fmt: skip
     if not rows:
         return []
     header = ["workload", "slice", "batch", "prompt / generated", "KV cache", "prefill",
@@ -153,8 +154,8 @@ def ablation_table(
         seconds = "decode_step_seconds" if row["workload"]["step"] == "serve" else "step_seconds"
         render = _ms if row["workload"]["step"] == "serve" else _seconds
         rows.append([what, num(f.get("compile_seconds")),
-                     _failed(row) or _ends(f.get(seconds), render),
-                     _ends(f.get("mfu"), percent), _hbm(row)])  # fmt: skip
+                     _failed(row) or ends_cell(f.get(seconds), render),
+                     ends_cell(f.get("mfu"), percent), _hbm(row)])  # fmt: skip
     if not rows:
         return []
     header = ["change (each row adds one to the row before)", "compile s (this host)",
@@ -187,8 +188,8 @@ def breakdown_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
                          _seconds(kinds["kernel"]), _seconds(kinds["matmul"]),
                          _seconds(kinds["other"]), copies, _seconds(e["memory_bound_seconds"]),
                          _seconds(e["collective_seconds"]), len(e["collectives"]),
-                         _ends({end: e.get(f"step_seconds_{end}") for end in model_figures.ENDS},
-                               _seconds),
+                         ends_cell({end: e.get(f"step_seconds_{end}")
+                                    for end in model_figures.ENDS}, _seconds),
                          trips or MISSING, once, unlisted])  # fmt: skip
     if not rows:
         return []

@@ -33,6 +33,7 @@ from pallas_flash_bench.cells import (
     workload_of,
 )
 from pallas_flash_bench.comparison import against_references_table, mfu_range, spread_table
+from pallas_flash_bench.context_report import context_section
 from pallas_flash_bench.model_report import model_sections
 from pallas_flash_bench.workloads import Workload
 
@@ -476,6 +477,7 @@ def render_report(results: Mapping[str, Any]) -> str:
         *against_references_table(rows),
         *_decoding_table(results, rows),
         *model_sections(results),
+        *context_section(results),
         *_fits_table(list(results.get("fits") or [])),
         *_kernels_table(rows, (results.get("meta") or {}).get("target") or {}),
         *_copies_section(rows),

@@ -32,6 +32,7 @@ from pallas_flash_bench.worker import RESULT_PREFIX
 from pallas_flash_bench.workloads import Workload
 
 if TYPE_CHECKING:
+    from pallas_flash_bench.context_workloads import ContextWorkload
     from pallas_flash_bench.model_workloads import ModelWorkload
 
 FIT_LIMIT = 1 << 21
@@ -47,6 +48,8 @@ class BenchOptions:
     workloads: list[Workload]
     models: list[ModelWorkload]
     """Model workloads (`model_workloads`; they need the LLaMa package)."""
+    context: list[ContextWorkload]
+    """Context-parallel workloads (`context_workloads`)."""
     backends: list[str] | None
     references: bool
     fit: bool
@@ -104,6 +107,12 @@ def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
          "analysis": whole_program.ANALYSIS_VERSION}
         for w in options.models
     ]  # fmt: skip
+    jobs += [
+        {"kind": "context", "workload": w.to_json(), "target": w.target,
+         "topology": TARGETS[w.target].topology, "sweep": options.sweep, "backends": None,
+         "references": False, "analysis": whole_program.ANALYSIS_VERSION}
+        for w in options.context
+    ]  # fmt: skip
     for i, job in enumerate(jobs):
         job["id"] = i
     return jobs
@@ -115,8 +124,9 @@ def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dic
     if not jobs:
         return results
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="pallas-flash-bench-"))
-    # model programs are the longest compiles: each worker starts on its share of them
-    rows = [j for j in jobs if j["kind"] == "model"] + [j for j in jobs if j["kind"] == "row"]
+    # whole programs are the longest compiles: each worker starts on its share of them
+    rows = [j for j in jobs if j["kind"] in ("model", "context")]
+    rows += [j for j in jobs if j["kind"] == "row"]
     fits = [j for j in jobs if j["kind"] == "fit"]
     groups = [(rows[i::workers], True) for i in range(workers)] + [(fits, False)]
     lines: queue.Queue[str | None] = queue.Queue()
@@ -225,11 +235,12 @@ def run(options: BenchOptions) -> dict:
             options.cache.put(ResultCache.key(job, toolchain), result)
     results.update(fresh)
 
-    rows, fits, models = [], [], []
+    rows, fits, models, context = [], [], [], []
     for job in jobs:
         result = results.get(job["id"])
-        if job["kind"] == "model":
-            models.append(_model_row(job, result, options))
+        if job["kind"] in ("model", "context"):
+            row = _program_row(job, result, options)
+            (models if job["kind"] == "model" else context).append(row)
             continue
         if job["kind"] == "fit":
             if result is not None and "job_error" not in result:
@@ -254,11 +265,14 @@ def run(options: BenchOptions) -> dict:
             else "given with --price",
             "measured_on": measure.platform() if options.measure else None,
             "notes": notes,
-            "model_analysis": whole_program.ANALYSIS_VERSION if options.models else None,
+            "model_analysis": whole_program.ANALYSIS_VERSION
+            if options.models or options.context
+            else None,
         },
         "rows": rows,
         "fits": fits,
         "models": models,
+        "context": context,
     }
     options.out_dir.mkdir(parents=True, exist_ok=True)
     (options.out_dir / "results.json").write_text(json.dumps(output, indent=1))
@@ -267,15 +281,19 @@ def run(options: BenchOptions) -> dict:
     return output
 
 
-def _model_row(job: dict, result: dict | None, options: BenchOptions) -> dict:
-    """A model workload's analysis with its figures (`model_figures`), or its error."""
-    from pallas_flash_bench import model_figures
+def _program_row(job: dict, result: dict | None, options: BenchOptions) -> dict:
+    """A model (`model_figures`) or context-parallel (`context_figures`) workload's analysis
+    with its figures, or its error."""
+    from pallas_flash_bench import context_figures, model_figures
 
     if result is None or "job_error" in result:
         error = "libtpu is not installed" if result is None else result["job_error"]
         return {"workload": job["workload"], "programs": [], "error": error, "figures": None}
     target = TARGETS[job["target"]]
-    figures = model_figures.derive(result, target, options.price_per_chip_hour)
+    if job["kind"] == "context":
+        figures = context_figures.derive(result, target)
+    else:
+        figures = model_figures.derive(result, target, options.price_per_chip_hour)
     return {**result, "error": None, "figures": figures}
 
 

@@ -218,7 +218,7 @@ def main(argv: list[str]) -> None:
     subjects_by_config: dict[tuple, dict] = {}
     for job in jobs:
         key = (job["sweep"], tuple(job["backends"] or ()), job["references"])
-        if job["kind"] != "model" and key not in subjects_by_config:
+        if job["kind"] not in ("model", "context") and key not in subjects_by_config:
             subjects_by_config[key] = all_subjects(job["sweep"], job["backends"], job["references"])
         target = TARGETS[job["target"]]
         os.environ[GENERATION_ENV_VAR] = target.generation  # kernels sized for the target
@@ -228,6 +228,11 @@ def main(argv: list[str]) -> None:
 
                 model = model_workloads.ModelWorkload(**job["workload"])
                 result = model_steps.analyse_model(model, dump_dir)
+            elif job["kind"] == "context":
+                from pallas_flash_bench import context_steps, context_workloads
+
+                context = context_workloads.ContextWorkload(**job["workload"])
+                result = context_steps.analyse_context(context, dump_dir)
             elif job["kind"] == "row":
                 workload = Workload(**job["workload"])
                 subject = subjects_by_config[key][job["subject"]]
