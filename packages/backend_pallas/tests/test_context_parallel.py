@@ -27,15 +27,25 @@ def test_the_fewest_head_groups_that_fit_a_v5e_4_chip(tokens: int, groups: int) 
     assert context_parallel.head_groups(q, 16, 4, tpu.GENERATIONS["v5e"]) == groups
 
 
+@pytest.mark.parametrize(("tokens", "groups"), [(262_144, 1), (524_288, 4), (1_048_576, 16)])
+def test_all_gathered_k_v_take_more_groups(tokens: int, groups: int) -> None:
+    """Every device's K/V and float32 dK/dV of a group on each chip: more groups for the same
+    tokens (AOT, v5e-4: 262,144 tokens in one group 11.5 GiB a chip, 1M in 16 12.3 GiB)."""
+    q = jax.ShapeDtypeStruct((1, 16, tokens, 128), jnp.bfloat16)
+    v5e = tpu.GENERATIONS["v5e"]
+    assert context_parallel.head_groups(q, 16, 4, v5e, "all_gather") == groups
+
+
 def test_groups_divide_the_kv_heads() -> None:
     q = jax.ShapeDtypeStruct((1, 12, 1 << 22, 128), jnp.bfloat16)
     assert context_parallel.head_groups(q, 6, 4, tpu.GENERATIONS["v5e"]) in (1, 2, 3, 6)
     assert context_parallel.head_groups(q, 6, 4, tpu.GENERATIONS["v5e"]) == 6
 
 
-def test_one_kv_head_a_group_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With no HBM to spare each kv head (and its query heads) runs its own ring: the output
-    and every gradient, the sinks' included, still match the whole sequence's."""
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
+def test_one_kv_head_a_group_changes_nothing(monkeypatch: pytest.MonkeyPatch, exchange) -> None:
+    """With no HBM to spare each kv head (and its query heads) runs its own ring (or gather):
+    the output and every gradient, the sinks' included, still match the whole sequence's."""
     monkeypatch.setattr(context_parallel, "HBM_SHARE", 0.0)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("seq",))
     seq = 128 * 2 * len(jax.devices())
@@ -47,7 +57,8 @@ def test_one_kv_head_a_group_changes_nothing(monkeypatch: pytest.MonkeyPatch) ->
     def attention(q, k, v, sinks):
         zigzag = [pf.to_zigzag(x, devices) for x in (q, k, v)]
         out = pf.attention(*zigzag, causal=True, sinks=sinks, mesh=mesh,
-                           context_layout="zigzag", backend="pallas")  # fmt: skip
+                           context_layout="zigzag", context_exchange=exchange,
+                           backend="pallas")  # fmt: skip
         return pf.from_zigzag(out, devices)
 
     out, vjp = jax.vjp(attention, q, k, v, sinks)

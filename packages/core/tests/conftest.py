@@ -82,7 +82,7 @@ class ToyBackend(pf.Backend):
 
     def attention(
         self, q, k, v, spec, *, segment_ids=None, bias=None, mask=None, sinks=None, mesh=None,
-        context_layout="contiguous",
+        context_layout="contiguous", context_exchange="ring",
     ):  # fmt: skip
         self.calls.append(
             dict(
@@ -96,6 +96,7 @@ class ToyBackend(pf.Backend):
                 sinks=sinks,
                 mesh=mesh,
                 context_layout=context_layout,
+                context_exchange=context_exchange,
             )
         )
         return self.fn(q, k, v, spec, segment_ids=segment_ids, bias=bias, mask=mask)

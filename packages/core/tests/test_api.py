@@ -538,3 +538,12 @@ def test_attention_works_under_jit(toy):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_a_context_parallel_call_passes_its_layout_and_exchange(toy):
+    q, k, v = _qkv(batch=1, q_heads=2, kv_heads=2, q_len=4, kv_len=4)
+    pf.attention(q, k, v, mesh=_ONE_DEVICE_MESH, context_layout="zigzag",
+                 context_exchange="all_gather")  # fmt: skip
+    (call,) = toy.calls
+    assert call["mesh"] is _ONE_DEVICE_MESH
+    assert (call["context_layout"], call["context_exchange"]) == ("zigzag", "all_gather")

@@ -85,6 +85,7 @@ class PallasBackend(pf.Backend):
         sinks: jax.Array | None = None,
         mesh: jax.sharding.Mesh | None = None,
         context_layout: pf.context_layout.ContextLayout = "contiguous",
+        context_exchange: pf.context_layout.ContextExchange = "ring",
     ) -> jax.Array:
         if mesh is None:
             bias = kernel_bias(bias, mask, q.shape[2], k.shape[2])
@@ -98,6 +99,6 @@ class PallasBackend(pf.Backend):
                 "(context parallelism) yet"
             )
         return context_parallel_attention(
-            q, k, v, spec=spec, mesh=mesh, layout=context_layout, block_sizes=self.block_sizes,
-            sinks=sinks, segment_ids=segment_ids,
+            q, k, v, spec=spec, mesh=mesh, layout=context_layout, exchange=context_exchange,
+            block_sizes=self.block_sizes, sinks=sinks, segment_ids=segment_ids,
         )  # fmt: skip

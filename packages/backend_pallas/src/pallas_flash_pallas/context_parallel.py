@@ -5,10 +5,14 @@ all the mesh's devices (its axes flattened, in mesh order), each device holding 
 chunks of ``seq / (devices x pieces)`` tokens (`pallas_flash.context_layout`): chunk ``d``
 (``contiguous``) or chunks ``d`` and ``2 devices - 1 - d`` (``zigzag``, which gives every
 device the same share of causal work). Each device keeps its queries and passes its K/V
-chunks round a ring (``ppermute``, one hop a step, ``devices`` steps), so it attends to every
-chunk once; the per-pair results, each a normalised output and a log-sum-exp, merge exactly
-(`pallas_flash.merge`). Sinks join last, each a part with the head's sink for its
-log-sum-exp and no value.
+chunks round a ring (``ppermute``, one hop a step, ``devices`` steps) or, with
+``exchange="all_gather"``, gathers every device's K/V at once (``all_gather``) and takes them a
+device's worth a step, so it attends to every chunk once; the per-pair results, each a
+normalised output and a log-sum-exp, merge exactly (`pallas_flash.merge`). Sinks join last,
+each a part with the head's sink for its log-sum-exp and no value. (XLA's schedule for v5e
+sends the forward's next K/V while a step's kernels run, the backward's after them, with
+dK/dV; passing dK/dV a step behind would overlap those too but held 6-10 more q-sized
+buffers a chip, AOT.)
 
 A pair of chunks is attended to with the one-chip kernels (`forward`, `backward`): without a
 mask as is; causal, by the chunks' order along the sequence: an earlier key chunk entirely
@@ -22,7 +26,8 @@ gradient exact on its own (`backward.flash_backward` with the global statistics,
 included; the sinks' own gradient is each device's rows' share, which ``shard_map`` sums over
 the mesh, the sinks being replicated). dq stays
 on its device; dk and dv travel round the ring with their K/V, and the hop after the last
-step brings them home (K/V, needed no more, stay).
+step brings them home (K/V, needed no more, stay); gathered, each device sums its share of
+every device's dk and dv, and a reduce-scatter (``psum_scatter``) adds them up at home.
 Partial results are summed in float32. Both passes loop over the ring's steps
 (``lax.fori_loop``), so one step's buffers are alive at a time. When even those would not
 fit beside the arrays, the heads are split into groups (whole GQA groups) that run their
@@ -42,7 +47,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from pallas_flash import context_layout, tpu
-from pallas_flash.context_layout import ContextLayout, chunk_ids
+from pallas_flash.context_layout import ContextExchange, ContextLayout, chunk_ids
 from pallas_flash.merge import merge
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.attention import sinks_gradient
@@ -56,8 +61,8 @@ _F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class _Ring:
     """The static settings of one call: its spec, the mesh's axes and size, the layout's
-    pieces per device, the kernels' block sizes and the head groups run one after another
-    (`head_groups`)."""
+    pieces per device, the kernels' block sizes, the head groups run one after another
+    (`head_groups`) and how K/V reach every device (``ring`` or ``all_gather``)."""
 
     spec: AttentionSpec
     axes: tuple[str, ...]
@@ -65,6 +70,7 @@ class _Ring:
     layout: ContextLayout
     block_sizes: BlockSizes
     head_groups: int = 1
+    exchange: ContextExchange = "ring"
 
     @property
     def pieces(self) -> int:
@@ -90,6 +96,27 @@ class _Ring:
         """Each array one hop round the ring: device ``d``'s to ``d + 1`` (None stays None)."""
         perm = [(i, (i + 1) % self.devices) for i in range(self.devices)]
         return [None if x is None else lax.ppermute(x, self.axes, perm) for x in xs]
+
+    def gather(self, *xs: jax.Array | None) -> list[jax.Array | None]:
+        """Every device's arrays along the sequence (axis 2; segment ids ``[batch, rows]``:
+        axis 1), device by device (None stays None)."""
+        return [None if x is None else lax.all_gather(x, self.axes, axis=_sequence_axis(x),
+                                                      tiled=True) for x in xs]  # fmt: skip
+
+    def device_share(self, device: jax.Array, *xs: jax.Array | None) -> list[jax.Array | None]:
+        """``device``'s share of each gathered array (`gather`)."""
+        return [None if x is None else _device_rows(x, device, self.devices) for x in xs]
+
+
+def _sequence_axis(x: jax.Array) -> int:
+    """The sequence axis: 2 of ``[batch, heads, seq, dim]``, 1 of segment ids ``[batch, seq]``."""
+    return 2 if x.ndim == 4 else 1
+
+
+def _device_rows(x: jax.Array, device: jax.Array, devices: int) -> jax.Array:
+    axis = _sequence_axis(x)
+    size = x.shape[axis] // devices
+    return lax.dynamic_slice_in_dim(x, device * size, size, axis=axis)
 
 
 def _split(x: jax.Array, pieces: int) -> list[jax.Array]:
@@ -162,13 +189,22 @@ def _forward_pass(
         sink = jnp.broadcast_to(sinks.astype(_F32)[0, None, :, None], lse.shape)
         return merge(jnp.stack([out, jnp.zeros_like(out)]), jnp.stack([lse, sink]), 0)
 
+    def step_from_gathered(step, results):
+        source = context_layout.kv_device(device, step, ring.devices)
+        return tuple(attend(step, *ring.device_share(source, *gathered), list(results)))
+
     shape = (*q_pieces[0].shape[:3], v.shape[3])
     empty = (jnp.zeros(shape, _F32), jnp.full(shape[:3], -jnp.inf, _F32))
     kv_ids = None if ids is None else ids.kv
-    k, v, kv_ids, results = lax.fori_loop(
-        0, ring.devices - 1, step_and_pass, (k, v, kv_ids, (empty,) * ring.pieces)
-    )
-    results = attend(ring.devices - 1, k, v, kv_ids, list(results))
+    if ring.exchange == "all_gather":
+        gathered = ring.gather(k, v, kv_ids)
+        start = (empty,) * ring.pieces
+        results = list(lax.fori_loop(0, ring.devices, step_from_gathered, start))
+    else:
+        k, v, kv_ids, results = lax.fori_loop(
+            0, ring.devices - 1, step_and_pass, (k, v, kv_ids, (empty,) * ring.pieces)
+        )
+        results = attend(ring.devices - 1, k, v, kv_ids, list(results))
     if sinks is not None:
         results = [with_sink(*result) for result in results]
     out = jnp.concatenate([o for o, _ in results], axis=2).astype(q.dtype)
@@ -295,12 +331,30 @@ def _backward_pass(
         dk, dv, dq = gradients(step, k, v, kv_ids, dk, dv, dq)
         return (*ring.rotate(k, v, kv_ids, dk, dv), dq)
 
+    def step_from_gathered(step, carry):
+        """A step's gradients from the gathered K/V, added to the sums of every device's
+        chunks (dk and dv for all the sequence)."""
+        dk_all, dv_all, dq = carry
+        source = context_layout.kv_device(device, step, ring.devices)
+        dk, dv = ring.device_share(source, dk_all, dv_all)
+        dk, dv, dq = gradients(step, *ring.device_share(source, *gathered), dk, dv, dq)
+        start = source * dk.shape[2]
+        return (lax.dynamic_update_slice_in_dim(dk_all, dk, start, axis=2),
+                lax.dynamic_update_slice_in_dim(dv_all, dv, start, axis=2), dq)  # fmt: skip
+
     dq = tuple(jnp.zeros(q_piece.shape, _F32) for q_piece, *_ in rows)
-    zeros = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
     kv_ids = None if ids is None else ids.kv
-    carry = lax.fori_loop(0, ring.devices - 1, step_and_pass, (k, v, kv_ids, *zeros, dq))
-    dk, dv, dq = gradients(ring.devices - 1, *carry)
-    dk, dv = ring.rotate(dk, dv)  # the last hop brings dk and dv home; K/V stay
+    if ring.exchange == "all_gather":
+        gathered = ring.gather(k, v, kv_ids)
+        sums = (jnp.zeros(gathered[0].shape, _F32), jnp.zeros(gathered[1].shape, _F32))
+        dk, dv, dq = lax.fori_loop(0, ring.devices, step_from_gathered, (*sums, dq))
+        # every device's sums of one device's chunks go to that device, added on the way
+        dk, dv = (lax.psum_scatter(x, ring.axes, scatter_dimension=2, tiled=True) for x in (dk, dv))
+    else:
+        zeros = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+        carry = lax.fori_loop(0, ring.devices - 1, step_and_pass, (k, v, kv_ids, *zeros, dq))
+        dk, dv, dq = gradients(ring.devices - 1, *carry)
+        dk, dv = ring.rotate(dk, dv)  # the last hop brings dk and dv home; K/V stay
     dq = jnp.concatenate(dq, axis=2)
     dsinks = None  # or this device's rows' share: shard_map sums a replicated input's
     if sinks is not None:
@@ -324,24 +378,34 @@ bfloat16, forward and backward, from above: 720,896 tokens in one group took 23.
 0.69 GiB a chip (bound 26), 786,432 in two groups 20.0 units of 0.75 GiB (bound 20),
 1,048,576 in four 14.5 units of 1 GiB (bound 17)."""
 
+GATHERED_PER_DEVICE = 6
+"""What the ``all_gather`` exchange holds besides, per device of the mesh, in those units over
+the head groups: every device's K and V and float32 sums of their dK and dV."""
+
 HBM_SHARE = 0.95
 """The share of a chip's HBM `head_groups` fills at most."""
 
 
-def head_groups(q: jax.Array, kv_heads: int, devices: int, generation: tpu.TpuGeneration) -> int:
+def head_groups(
+    q: jax.Array, kv_heads: int, devices: int, generation: tpu.TpuGeneration,
+    exchange: ContextExchange = "ring",
+) -> int:  # fmt: skip
     """How many groups of heads the ring runs one after another: the fewest (a divisor of
-    ``kv_heads``) whose ring buffers fit beside the arrays, `RING_ARRAYS` plus
-    `RING_TEMPORARIES` over the groups, in `HBM_SHARE` of the chip's HBM (else one kv head a
-    group). Each group's ring moves its share of the bytes; groups cost only the ring's
-    per-step latency again. ``q``: the whole ``[batch, q_heads, seq, head_dim]``."""
+    ``kv_heads``) whose buffers fit beside the arrays, `RING_ARRAYS` plus `RING_TEMPORARIES`
+    (and `GATHERED_PER_DEVICE` per device for ``all_gather``) over the groups, in `HBM_SHARE`
+    of the chip's HBM (else one kv head a group). Each group moves its share of the bytes;
+    groups cost only the per-step latency again. ``q``: the whole ``[batch, q_heads, seq,
+    head_dim]``."""
     unit = q.size * q.dtype.itemsize / devices
+    temporaries = RING_TEMPORARIES + (GATHERED_PER_DEVICE * devices if exchange == "all_gather"
+                                      else 0)  # fmt: skip
     for groups in (g for g in range(1, kv_heads + 1) if kv_heads % g == 0):
-        if (RING_ARRAYS + RING_TEMPORARIES / groups) * unit <= HBM_SHARE * generation.hbm_bytes:
+        if (RING_ARRAYS + temporaries / groups) * unit <= HBM_SHARE * generation.hbm_bytes:
             return groups
     return kv_heads
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "mesh", "layout", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("spec", "mesh", "layout", "exchange", "block_sizes"))
 def context_parallel_attention(
     q: jax.Array,
     k: jax.Array,
@@ -351,6 +415,7 @@ def context_parallel_attention(
     mesh: Mesh,
     layout: ContextLayout,
     block_sizes: BlockSizes,
+    exchange: ContextExchange = "ring",
     sinks: jax.Array | None = None,
     segment_ids: SegmentIds | None = None,
 ) -> jax.Array:
@@ -360,8 +425,8 @@ def context_parallel_attention(
     like q) or None, differentiable with respect to q, k, v and sinks; returns ``[batch,
     q_heads, seq, v_head_dim]`` split like q."""
     axes = tuple(mesh.axis_names)
-    groups = head_groups(q, k.shape[1], mesh.size, tpu.current_generation())
-    ring = _Ring(spec, axes, mesh.size, layout, block_sizes, groups)
+    groups = head_groups(q, k.shape[1], mesh.size, tpu.current_generation(), exchange)
+    ring = _Ring(spec, axes, mesh.size, layout, block_sizes, groups, exchange)
     split = PartitionSpec(None, None, axes, None)
     sequence = PartitionSpec(None, axes)  # segment ids [batch, seq]
 

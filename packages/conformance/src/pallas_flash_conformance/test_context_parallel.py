@@ -1,5 +1,6 @@
 """Context parallelism: ``pf.attention(..., mesh=...)`` over every device against the float64
-reference of the whole sequence, forward and gradients, contiguous and zigzag.
+reference of the whole sequence, forward and gradients, contiguous and zigzag, K/V passed
+round a ring or all gathered.
 
 Run with one device (a mesh of one: nothing exchanged) and, by ``nox -s conformance``, again
 with 4 host devices (`HOST_DEVICES_FLAG`), where the K/V chunks go round a ring of 4.
@@ -26,16 +27,17 @@ def _mesh() -> jax.sharding.Mesh:
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A `Case` of self-attention whose sequence is ``chunk`` tokens a chunk, split over every
-    device in ``layout``."""
+    device in ``layout``, K/V exchanged by ``exchange``."""
 
     case: Case
     layout: str
+    exchange: str = "ring"
 
     @classmethod
-    def of(cls, chunk: int, layout: str, **kwargs) -> Split:
+    def of(cls, chunk: int, layout: str, exchange: str = "ring", **kwargs) -> Split:
         pieces = 2 if layout == "zigzag" else 1
         seq = chunk * pieces * len(jax.devices())
-        return cls(Case(kv_len=seq, q_len=seq, **kwargs), layout)
+        return cls(Case(kv_len=seq, q_len=seq, **kwargs), layout, exchange)
 
     def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.case.arrays()
@@ -52,7 +54,8 @@ class Split:
             ids = None if ids is None else pf.SegmentIds(*(to(x, devices, 1) for x in ids))
         out = pf.attention(
             q, k, v, causal=self.case.causal, softcap=self.case.softcap, sinks=sinks,
-            segment_ids=ids, mesh=_mesh(), context_layout=self.layout, backend=backend,
+            segment_ids=ids, mesh=_mesh(), context_layout=self.layout,
+            context_exchange=self.exchange, backend=backend,
         )  # fmt: skip
         return out if back is None else back(out, devices)
 
@@ -76,6 +79,28 @@ CASES = {
     ),
     "full-contiguous-segments-gqa": Split.of(
         64, "contiguous", batch=1, q_heads=4, kv_heads=2, head_dim=64, segments=4
+    ),
+    "causal-zigzag-sinks-segments-gathered": Split.of(
+        96,
+        "zigzag",
+        "all_gather",
+        batch=2,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=64,
+        causal=True,
+        sinks=True,
+        segments=3,
+    ),
+    "full-contiguous-mla-gathered": Split.of(
+        64,
+        "contiguous",
+        "all_gather",
+        batch=1,
+        q_heads=2,
+        kv_heads=1,
+        head_dim=64,
+        v_head_dim=32,
     ),
 }
 
@@ -127,9 +152,16 @@ def test_gradients_match_the_whole_sequence(backend, split: Split) -> None:
         ("q", {"context_layout": "zigzag"}, ((1, 2, 2 * len(jax.devices()) + 1, 64),) * 3),
         ("k", {}, ((1, 2, 8 * len(jax.devices()), 64), (1, 2, 16 * len(jax.devices()), 64))),
         ("context_layout", {"context_layout": "striped"}, ((1, 2, 8, 64),) * 3),
+        ("context_exchange", {"context_exchange": "ulysses"}, ((1, 2, 8, 64),) * 3),
         ("mesh", {"mesh": "seq"}, ((1, 2, 8, 64),) * 3),
     ],
-    ids=["seq-not-divisible", "kv-len-not-q-len", "unknown-layout", "mesh-not-a-mesh"],
+    ids=[
+        "seq-not-divisible",
+        "kv-len-not-q-len",
+        "unknown-layout",
+        "unknown-exchange",
+        "mesh-not-a-mesh",
+    ],
 )
 def test_bad_split_names_the_argument(backend, argument: str, kwargs: dict, shapes) -> None:
     q_shape, k_shape = shapes[0], shapes[1]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_flash import validation
 from pallas_flash.capabilities import Capability, as_capabilities
-from pallas_flash.context_layout import ContextLayout
+from pallas_flash.context_layout import ContextExchange, ContextLayout
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.decode_validation import check_decode
 from pallas_flash.errors import UnsupportedFeatureError
@@ -32,6 +32,7 @@ def attention(
     bias: jax.Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     context_layout: ContextLayout = "contiguous",
+    context_exchange: ContextExchange = "ring",
     backend: str | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention, ``softmax(q @ k^T * sm_scale) @ v``.
@@ -66,6 +67,12 @@ def attention(
         ``d`` and ``2 devices - 1 - d`` of twice as many, which balances causal work; the
         arrays' tokens must be in that order, segment ids too: `to_zigzag`, ``axis=1`` for
         ids).
+      context_exchange: with ``mesh``, how the K/V chunks reach every device: ``"ring"``
+        (passed one device on per step, the next step's chunks in flight while a step's
+        kernels run; each device holds two steps' chunks) or ``"all_gather"`` (gathered at
+        once and their gradients reduce-scattered home: fewer, larger collectives that
+        `jax.lax` spreads over every link, holding the whole sequence's K/V and float32
+        dK/dV per head group).
       backend: backend name; default: ``$PALLAS_FLASH_BACKEND``, else the best installed
         backend for the current platform.
 
@@ -97,8 +104,9 @@ def attention(
         bias = validation.check_bias(bias, dims)
     context = None
     if mesh is not None:
-        validation.check_context_parallel(mesh, context_layout, dims)
-        context = {"mesh": mesh, "context_layout": context_layout}
+        validation.check_context_parallel(mesh, context_layout, context_exchange, dims)
+        context = {"mesh": mesh, "context_layout": context_layout,
+                   "context_exchange": context_exchange}  # fmt: skip
     return run_attention(
         q, k, v, spec, dims, backend=backend, segment_ids=segment_ids, bias=bias, sinks=sinks,
         context=context,

@@ -49,6 +49,7 @@ class Backend:
         sinks: jax.Array | None = None,
         mesh: jax.sharding.Mesh | None = None,
         context_layout: str = "contiguous",
+        context_exchange: str = "ring",
     ) -> jax.Array:
         """Attention output ``[batch, q_heads, q_len, v_head_dim]`` in the dtype of q.
 
@@ -69,6 +70,8 @@ class Backend:
             and chunks) are split along the sequence over all the mesh's devices.
           context_layout: with ``mesh``, which chunks each device holds (``contiguous`` or
             ``zigzag``: `pallas_flash.context_layout`).
+          context_exchange: with ``mesh``, how K/V reach every device (``ring`` or
+            ``all_gather``: `pallas_flash.context_layout`).
         """
         raise UnsupportedFeatureError(f"backend {self.name!r} does not implement attention")
 

@@ -7,9 +7,11 @@ device has the same number of visible query-key pairs. A zigzag layout is the or
 tokens in the arrays themselves: `to_zigzag` puts a sequence in it (once, e.g. in the data
 pipeline, with the positions that go with it), `from_zigzag` takes it back.
 
-A ring passes the K/V chunks one device on per step (`kv_device`), so each device meets
-every chunk once; under a causal mask a pair of chunks is of one of `PAIR_KINDS`
-(`pair_kind`), and `ring_pair_kinds` counts them for a device.
+The K/V chunks reach every device one of two ways (`EXCHANGES`): round a ring, one device
+on per step (`kv_device`: at step ``s`` a device holds those of the device ``s`` before it),
+or all gathered at once (their gradients then reduce-scattered home); either way each device
+meets every chunk once, in the same order. Under a causal mask a pair of chunks is of one of
+`PAIR_KINDS` (`pair_kind`), and `ring_pair_kinds` counts them for a device.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import jax.numpy as jnp
 
 ContextLayout = Literal["contiguous", "zigzag"]
 LAYOUTS = ("contiguous", "zigzag")
+
+ContextExchange = Literal["ring", "all_gather"]
+EXCHANGES = ("ring", "all_gather")
 
 PAIR_KINDS = ("skip", "diagonal", "unmasked")
 """A causal pair of query and key chunks, by index (`pair_kind`): a later key chunk (no

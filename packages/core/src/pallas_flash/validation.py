@@ -146,14 +146,16 @@ def check_segment_ids(segment_ids: Any, dims: AttentionDims) -> SegmentIds:
     return SegmentIds(*checked)
 
 
-def check_context_parallel(mesh: Any, layout: Any, dims: AttentionDims) -> None:
-    """Checks a context-parallel call: a ``jax.sharding.Mesh``, a known layout, and queries
-    and keys of one sequence that the mesh's devices (times the layout's chunks per device)
-    divide."""
+def check_context_parallel(mesh: Any, layout: Any, exchange: Any, dims: AttentionDims) -> None:
+    """Checks a context-parallel call: a ``jax.sharding.Mesh``, a known layout and exchange,
+    and queries and keys of one sequence that the mesh's devices (times the layout's chunks
+    per device) divide."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise fail("mesh", type(mesh).__name__, "a jax.sharding.Mesh or None")
     if layout not in context_layout.LAYOUTS:
         raise fail("context_layout", repr(layout), f"one of {context_layout.LAYOUTS}")
+    if exchange not in context_layout.EXCHANGES:
+        raise fail("context_exchange", repr(exchange), f"one of {context_layout.EXCHANGES}")
     if dims.kv_len != dims.q_len:
         raise fail("k", f"kv_len {dims.kv_len}", f"kv_len == q_len ({dims.q_len}) with a mesh")
     parts = mesh.size * context_layout.pieces(layout)
