@@ -47,9 +47,10 @@ def context_section(results: Mapping[str, Any]) -> list[str]:
               "collectives per chip (bytes, model)", "peak HBM per chip"]  # fmt: skip
     return ["## Context parallelism (v5e slices)", "",
             "One sequence, batch 1, bfloat16, split over every chip of the slice (zigzag: each "
-            "chip an early and a late chunk), K/V passed round a ring (`pallas` backend). The "
-            "ring's branches (a pair of chunks skipped, diagonal or unmasked) are charged as "
-            "often as the busiest chip takes them. Held against one chip's forward+backward at "
-            "N tokens (`context_workloads`), scaled by the token pairs and divided by the chips: "
-            "the step a split that cost nothing would take. " + OVERLAP_NOTE, "",
+            "chip an early and a late chunk), K/V passed round a ring or all gathered (`pallas`"
+            " backend). The ring's branches (a pair of chunks skipped, diagonal or unmasked) "
+            "are charged as often as the busiest chip takes them. Held against one chip's "
+            "forward+backward at N tokens (`context_workloads`), scaled by the token pairs and "
+            "divided by the chips: the step a split that cost nothing would take. "
+            + OVERLAP_NOTE, "",
             *markdown_table(header, [_row(r) for r in rows]), ""]  # fmt: skip

@@ -1,13 +1,14 @@
 """Compile a context-parallel workload's two programs and estimate them (in the worker).
 
-``ring``: forward and backward of ``pf.attention(..., mesh=, context_layout=)`` on the
-``pallas`` backend, the sequence split over every chip of the slice (a 1-D mesh in
-``jax.make_mesh``'s order, a ring of neighbours on v5e), the output's gradient donated.
-``one chip``: the same call without a mesh at the reference's length. Both are estimated as
-whole programs (`whole_program`), the ring's ``lax.switch`` over a pair of chunks weighed by
-how often the busiest device takes each branch (`context_layout.ring_pair_kinds`; with
-zigzag every device takes the same) and each kernel charged as the pair it attends to: a
-diagonal pair causally, the others without a mask.
+``ring`` (its name whichever the exchange): forward and backward of ``pf.attention(...,
+mesh=, context_layout=, context_exchange=)`` on the ``pallas`` backend, the sequence split
+over every chip of the slice (a 1-D mesh in ``jax.make_mesh``'s order, a ring of neighbours
+on v5e), the output's gradient donated. ``one chip``: the same call without a mesh at the
+reference's length. Both are estimated as whole programs (`whole_program`), the ring's
+``lax.switch`` over a pair of chunks weighed by how often the busiest device takes each
+branch (`context_layout.ring_pair_kinds`; with zigzag every device takes the same) and each
+kernel charged as the pair it attends to: a diagonal pair causally, the others without a
+mask.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _step(mesh: jax.sharding.Mesh | None, w: ContextWorkload):
 
     def attention(q, k, v):
         return pf.attention(q, k, v, causal=w.causal, backend="pallas", mesh=mesh,
-                            context_layout=w.layout)  # fmt: skip
+                            context_layout=w.layout, context_exchange=w.exchange)  # fmt: skip
 
     def step(q, k, v, do):
         out, vjp = jax.vjp(attention, q, k, v)
@@ -102,7 +103,8 @@ def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
     target = TARGETS[w.target]
     mesh = jax.make_mesh((w.chips,), (aot.MESH_AXIS,), devices=aot.target_devices(target))
     ring_args = _arguments(w, w.seq_len, mesh)
-    groups = head_groups(ring_args[0], w.kv_heads, w.chips, tpu.current_generation())
+    groups = head_groups(ring_args[0], w.kv_heads, w.chips, tpu.current_generation(),
+                         w.exchange)  # fmt: skip
     return {
         "workload": w.to_json(),
         "head_groups": groups,

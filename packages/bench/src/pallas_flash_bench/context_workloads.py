@@ -2,16 +2,17 @@
 slice, and the one-chip run each is held against.
 
 The sequence is split over the slice's chips (`pallas_flash.context_layout`), K/V passed
-round a ring (the ``pallas`` backend's context parallelism). Held against a quarter (one
-over the chips) of one chip's time per query-key pair: the one-chip forward+backward at
-``reference_len`` tokens scaled by the pairs, the work a perfect split would give each chip.
+round a ring or all gathered (the ``pallas`` backend's context parallelism). Held against a
+quarter (one over the chips) of one chip's time per query-key pair: the one-chip
+forward+backward at ``reference_len`` tokens scaled by the pairs, the work a perfect split
+would give each chip.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash.context_layout import LAYOUTS, ContextLayout
+from pallas_flash.context_layout import EXCHANGES, LAYOUTS, ContextExchange, ContextLayout
 from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
 
@@ -25,8 +26,9 @@ it into a dk/dv and a dq pass: 262,144 tokens take 6.60 s, static, 1.26x the pai
 @dataclasses.dataclass(frozen=True)
 class ContextWorkload:
     """Forward+backward attention of one sequence of ``seq_len`` tokens (``[1, heads, seq,
-    head_dim]``, bfloat16) over every chip of ``target``, in ``layout``; its reference the
-    same attention on one chip at ``reference_len`` tokens (module doc)."""
+    head_dim]``, bfloat16) over every chip of ``target``, in ``layout``, K/V exchanged by
+    ``exchange``; its reference the same attention on one chip at ``reference_len`` tokens
+    (module doc)."""
 
     target: str
     seq_len: int
@@ -35,6 +37,7 @@ class ContextWorkload:
     head_dim: int = 128
     causal: bool = True
     layout: ContextLayout = "zigzag"
+    exchange: ContextExchange = "ring"
     reference_len: int = ONE_PASS_REFERENCE_LEN
 
     def __post_init__(self) -> None:
@@ -42,6 +45,8 @@ class ContextWorkload:
             raise ValueError(f"target: expected a slice of several chips, got {self.target!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange: expected one of {EXCHANGES}, got {self.exchange!r}")
 
     @property
     def chips(self) -> int:
@@ -52,7 +57,8 @@ class ContextWorkload:
         heads = "" if self.q_heads == 16 == self.kv_heads else f" H{self.q_heads}/{self.kv_heads}"
         dims = f" D={self.head_dim}" if self.head_dim != 128 else ""
         mask = " causal" if self.causal else ""
-        return f"N={self.seq_len:,}{mask}{heads}{dims} {self.layout} on {self.target}"
+        exchange = " all-gather" if self.exchange == "all_gather" else ""
+        return f"N={self.seq_len:,}{mask}{heads}{dims} {self.layout}{exchange} on {self.target}"
 
     def attention(self, seq_len: int) -> Workload:
         """The same attention on one chip at ``seq_len`` tokens (its flops, its kernels)."""
@@ -72,14 +78,15 @@ class ContextWorkload:
 
 
 def default_context() -> list[ContextWorkload]:
-    """262,144 and 1,048,576 causal tokens (16 heads of 128) on a v5e-4, 1,048,576 on a
-    v5e-16; and 1,048,576 tokens of Llama-3-8B-like heads (32 over 8) on a v5e-4."""
+    """Causal, 16 heads of 128: 262,144 and 1,048,576 tokens on a v5e-4, K/V round a ring
+    and all gathered; 1,048,576 on a v5e-16 (ring); and 1,048,576 tokens of Llama-3-8B-like
+    heads (32 over 8) on a v5e-4 (ring)."""
     return [
-        ContextWorkload("v5e-4", 262_144),
-        ContextWorkload("v5e-4", 1_048_576),
+        *(ContextWorkload("v5e-4", n, exchange=e) for n in (262_144, 1_048_576)
+          for e in EXCHANGES),
         ContextWorkload("v5e-16", 1_048_576),
         ContextWorkload("v5e-4", 1_048_576, q_heads=32, kv_heads=8),
-    ]
+    ]  # fmt: skip
 
 
 def quick_context() -> list[ContextWorkload]:
