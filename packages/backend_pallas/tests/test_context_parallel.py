@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
-from pallas_flash import tpu
+from pallas_flash import context_layout, tpu
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import assert_gradient_close
 from pallas_flash_pallas import context_parallel
+from pallas_flash_pallas.chunk_pairs import ChunkPairs
 
 
 @pytest.mark.parametrize(
@@ -70,15 +71,38 @@ def test_one_kv_head_a_group_changes_nothing(monkeypatch: pytest.MonkeyPatch, ex
         assert_gradient_close(got, wanted, "float32", name=name)
 
 
-@pytest.mark.parametrize(
-    ("feature", "kwargs"),
-    [
-        ("sliding_window", {"sliding_window": 16}),
-        ("bias", {"bias": np.zeros((1, 2, 256, 256), np.float32)}),
-    ],
-)
-def test_what_the_ring_lacks_raises_and_names_it(feature: str, kwargs: dict) -> None:
+def test_a_bias_over_a_mesh_raises_and_names_it() -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("seq",))
     q = inputs.normal(0, (1, 2, 256, 64))
-    with pytest.raises(pf.UnsupportedFeatureError, match=feature):
-        pf.attention(q, q, q, mesh=mesh, backend="pallas", **kwargs)
+    bias = np.zeros((1, 2, 256, 256), np.float32)
+    with pytest.raises(pf.UnsupportedFeatureError, match="bias with a mesh"):
+        pf.attention(q, q, q, mesh=mesh, backend="pallas", bias=bias)
+
+
+def test_causal_pairs_are_the_layout_s_pair_kinds() -> None:
+    """Under a causal mask alone the branches are skipped, diagonal, unmasked, as
+    `context_layout.pair_kind` (which the bench weighs them by) names them."""
+    spec = pf.AttentionSpec(sm_scale=1.0, causal=True)
+    pairs = ChunkPairs.of(spec, chunk=64, chunks=8)
+    assert [s if s is None else (s.causal, s.q_offset) for s in pairs.branches] == [
+        None, (True, 0), (False, 0)]  # fmt: skip
+    for a in range(8):
+        for b in range(8):
+            assert int(pairs.branch(a, b)) == int(context_layout.pair_kind(a, b))
+
+
+def test_a_window_masks_the_pairs_it_cuts_at_their_offset() -> None:
+    """Chunks of 64, a causal window of 100 keys: a pair 1 chunk apart is cut (its keys
+    64..127 tokens back), 2 apart too (128..191 back, the window reaching 100), 3 or more
+    apart skipped, as are later keys; no pair is wholly visible."""
+    spec = pf.AttentionSpec(sm_scale=1.0, causal=True, window=(100, 0))
+    pairs = ChunkPairs.of(spec, chunk=64, chunks=8)
+    offsets = [s.q_offset for s in pairs.branches if s is not None]
+    assert pairs.branches[0] is None and offsets == [0, 64, 128]
+    kinds = [pairs.branches[int(pairs.branch(5, b))] for b in range(8)]
+    assert [k if k is None else k.q_offset for k in kinds] == [
+        None, None, None, 128, 64, 0, None, None]  # fmt: skip
+    wide = pf.AttentionSpec(sm_scale=1.0, window=(200, 200))  # both sides, not causal
+    pairs = ChunkPairs.of(wide, chunk=64, chunks=8)
+    full = pairs.branches[int(pairs.branch(4, 4))]  # 63 back and ahead at most: all visible
+    assert full.window is None and not full.causal

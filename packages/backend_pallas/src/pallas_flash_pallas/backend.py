@@ -90,13 +90,13 @@ class PallasBackend(pf.Backend):
         if mesh is None:
             bias = kernel_bias(bias, mask, q.shape[2], k.shape[2])
             return flash_attention(q, k, v, segment_ids, sinks, bias, spec, self.block_sizes)
-        unsupported = {"sliding_window": spec.window, "bias": bias is not None,
-                       "mask": mask is not None}  # fmt: skip
+        unsupported = {"bias": bias is not None, "mask": mask is not None}
         used = [name for name, given in unsupported.items() if given]
         if used:
             raise pf.UnsupportedFeatureError(
                 f"backend {self.name!r} does not support {', '.join(used)} with a mesh "
-                "(context parallelism) yet"
+                "(context parallelism): scores' worth of values for a sequence longer than a "
+                "chip; segment ids and a sliding window are supported"
             )
         return context_parallel_attention(
             q, k, v, spec=spec, mesh=mesh, layout=context_layout, exchange=context_exchange,

@@ -14,10 +14,12 @@ sends the forward's next K/V while a step's kernels run, the backward's after th
 dK/dV; passing dK/dV a step behind would overlap those too but held 6-10 more q-sized
 buffers a chip, AOT.)
 
-A pair of chunks is attended to with the one-chip kernels (`forward`, `backward`): without a
-mask as is; causal, by the chunks' order along the sequence: an earlier key chunk entirely
-(no mask), the same chunk causally, a later one not at all (its work skipped, its weight 0).
-The chunk indices are traced (each device's own), so the choice is a ``lax.switch``. With
+A pair of chunks is attended to with the one-chip kernels (`forward`, `backward`), as
+`ChunkPairs` says from their distance along the sequence: without a mask as is; causal, an
+earlier key chunk entirely (no mask), the same chunk causally, a later one not at all (its
+work skipped, its weight 0); a sliding window likewise, the pairs it cuts with the mask at
+their offset. The chunk indices are traced (each device's own), so the choice is a
+``lax.switch``. With
 ``zigzag``, every ring step after the first leaves each device exactly two of its four pairs
 to compute.
 
@@ -53,6 +55,7 @@ from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.attention import sinks_gradient
 from pallas_flash_pallas.backward import flash_backward
 from pallas_flash_pallas.block_sizes import BlockSizes
+from pallas_flash_pallas.chunk_pairs import ChunkPairs
 from pallas_flash_pallas.forward import flash_forward
 
 _F32 = jnp.float32
@@ -80,17 +83,9 @@ class _Ring:
         """The sequence chunks ``device`` holds, in its order."""
         return chunk_ids(device, self.devices, self.layout)
 
-    def case(self, q_chunk: jax.Array, k_chunk: jax.Array) -> jax.Array:
-        """The pair's branch: its index in `context_layout.PAIR_KINDS` (skip, diagonal,
-        unmasked); every pair is unmasked without a causal mask."""
-        if not self.spec.causal:
-            return jnp.int32(2)
-        return context_layout.pair_kind(q_chunk, k_chunk)
-
-    def specs(self) -> tuple[AttentionSpec, AttentionSpec]:
-        """The spec of a pair on the diagonal and of one without a mask."""
-        diagonal = dataclasses.replace(self.spec, q_offset=0)
-        return diagonal, dataclasses.replace(diagonal, causal=False)
+    def pairs(self, chunk: int) -> ChunkPairs:
+        """How each pair of this call's chunks (``chunk`` tokens) is attended to."""
+        return ChunkPairs.of(self.spec, chunk, self.devices * self.pieces)
 
     def rotate(self, *xs: jax.Array | None) -> list[jax.Array | None]:
         """Each array one hop round the ring: device ``d``'s to ``d + 1`` (None stays None)."""
@@ -134,23 +129,29 @@ def _pair_ids(q_ids: jax.Array | None, kv_ids: jax.Array | None) -> SegmentIds |
 
 def _pair_forward(
     ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, ids: SegmentIds | None,
-    case: jax.Array, running: tuple[jax.Array, jax.Array],
+    branch: jax.Array, running: tuple[jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """``running`` (the query chunk's float32 output and log-sum-exp ``[batch, heads, rows]``
-    so far) merged with one pair of chunks'. It goes through the branch, so the pairs run one
-    after another and only the running result stays alive."""
-    diagonal, unmasked = ring.specs()
+    so far) merged with one pair of chunks' (``branch`` of `ChunkPairs`). It goes through the
+    branch, so the pairs run one after another and only the running result stays alive."""
 
-    def attend(spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
+    def attend(spec: AttentionSpec | None) -> tuple[jax.Array, jax.Array]:
+        if spec is None:  # no key visible
+            return running
         out, lse = flash_forward(
             q, k, v, ids, spec=spec, block_sizes=ring.block_sizes, devices=ring.devices
         )
         part = (out.astype(_F32), lse[:, :, 0, :])
         return merge(*(jnp.stack(x) for x in zip(running, part, strict=True)), 0)
 
-    if not ring.spec.causal:
-        return attend(unmasked)
-    return lax.switch(case, [lambda: running, lambda: attend(diagonal), lambda: attend(unmasked)])
+    return _switch(ring.pairs(q.shape[2]), branch, attend)
+
+
+def _switch(pairs: ChunkPairs, branch: jax.Array, run: Callable):
+    """``run(spec)`` of the pair's branch (no switch when every pair takes the same)."""
+    if len(pairs.branches) == 1:
+        return run(pairs.branches[0])
+    return lax.switch(branch, [functools.partial(run, spec) for spec in pairs.branches])
 
 
 def _forward_pass(
@@ -172,10 +173,10 @@ def _forward_pass(
                              _split_ids(kv_ids, ring.pieces), strict=True))  # fmt: skip
         for a, q_piece in enumerate(q_pieces):
             for b, (k_piece, v_piece, kv_ids_piece) in enumerate(kv_pieces):
-                case = ring.case(mine[a], theirs[b])
+                branch = ring.pairs(q_piece.shape[2]).branch(mine[a], theirs[b])
                 pair_ids = _pair_ids(q_ids[a], kv_ids_piece)
                 results[a] = _pair_forward(
-                    ring, q_piece, k_piece, v_piece, pair_ids, case, results[a]
+                    ring, q_piece, k_piece, v_piece, pair_ids, branch, results[a]
                 )
         return results
 
@@ -263,24 +264,24 @@ def _ring_forward(ring: _Ring, q, k, v, sinks, ids):
 
 def _pair_backward(
     ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, ids: SegmentIds | None,
-    out: jax.Array, lse: jax.Array, dout: jax.Array, case: jax.Array,
+    out: jax.Array, lse: jax.Array, dout: jax.Array, branch: jax.Array,
     sums: tuple[jax.Array, jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """``sums`` (float32 dq, dk, dv of the pair's chunks) plus the pair's gradients, from the
-    merged output and log-sum-exp ``[batch, heads, 1, rows]`` of the query chunk. The sums go
-    through the branch, so the pairs run one after another and only their sums stay alive."""
-    diagonal, unmasked = ring.specs()
+    """``sums`` (float32 dq, dk, dv of the pair's chunks) plus the pair's gradients (``branch``
+    of `ChunkPairs`), from the merged output and log-sum-exp ``[batch, heads, 1, rows]`` of
+    the query chunk. The sums go through the branch, so the pairs run one after another and
+    only their sums stay alive."""
 
-    def add(spec: AttentionSpec) -> tuple[jax.Array, ...]:
+    def add(spec: AttentionSpec | None) -> tuple[jax.Array, ...]:
+        if spec is None:  # no key visible
+            return sums
         *grads, _ = flash_backward(
             q, k, v, ids, out, lse, dout,
             spec=spec, block_sizes=ring.block_sizes, devices=ring.devices,
         )  # fmt: skip
         return tuple(total + g.astype(_F32) for total, g in zip(sums, grads, strict=True))
 
-    if not ring.spec.causal:
-        return add(unmasked)
-    return lax.switch(case, [lambda: sums, lambda: add(diagonal), lambda: add(unmasked)])
+    return _switch(ring.pairs(q.shape[2]), branch, add)
 
 
 def _ring_backward(ring: _Ring, residuals, dout: jax.Array):
@@ -319,7 +320,8 @@ def _backward_pass(
             for b, (k_piece, v_piece, kv_ids_piece) in enumerate(kv_pieces):
                 dq[a], dk_parts[b], dv_parts[b] = _pair_backward(
                     ring, q_piece, k_piece, v_piece, _pair_ids(q_ids[a], kv_ids_piece),
-                    out_piece, lse_piece, do_piece, ring.case(mine[a], theirs[b]),
+                    out_piece, lse_piece, do_piece,
+                    ring.pairs(q_piece.shape[2]).branch(mine[a], theirs[b]),
                     (dq[a], dk_parts[b], dv_parts[b]),
                 )  # fmt: skip
         dk, dv = jnp.concatenate(dk_parts, axis=2), jnp.concatenate(dv_parts, axis=2)

@@ -1,6 +1,6 @@
 """Context parallelism: ``pf.attention(..., mesh=...)`` over every device against the float64
 reference of the whole sequence, forward and gradients, contiguous and zigzag, K/V passed
-round a ring or all gathered.
+round a ring or all gathered, under causal masks, windows, segment ids and sinks.
 
 Run with one device (a mesh of one: nothing exchanged) and, by ``nox -s conformance``, again
 with 4 host devices (`HOST_DEVICES_FLAG`), where the K/V chunks go round a ring of 4.
@@ -54,6 +54,7 @@ class Split:
             ids = None if ids is None else pf.SegmentIds(*(to(x, devices, 1) for x in ids))
         out = pf.attention(
             q, k, v, causal=self.case.causal, softcap=self.case.softcap, sinks=sinks,
+            sliding_window=self.case.sliding_window,
             segment_ids=ids, mesh=_mesh(), context_layout=self.layout,
             context_exchange=self.exchange, backend=backend,
         )  # fmt: skip
@@ -91,6 +92,27 @@ CASES = {
         causal=True,
         sinks=True,
         segments=3,
+    ),
+    # a window crossing chunk boundaries: pairs it cuts are masked at their offset
+    "causal-zigzag-window": Split.of(
+        64,
+        "zigzag",
+        batch=1,
+        q_heads=2,
+        kv_heads=2,
+        head_dim=64,
+        causal=True,
+        sliding_window=100,
+    ),
+    "full-contiguous-window-gathered": Split.of(
+        64,
+        "contiguous",
+        "all_gather",
+        batch=1,
+        q_heads=2,
+        kv_heads=1,
+        head_dim=64,
+        sliding_window=(70, 30),
     ),
     "full-contiguous-mla-gathered": Split.of(
         64,
