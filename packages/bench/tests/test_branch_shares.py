@@ -108,3 +108,17 @@ def test_the_replay_charges_each_branch_its_share() -> None:
 
     assert replay(None) == pytest.approx(4 * (1.0 + 2.0 + 0.5))
     assert replay(_three_branches) == pytest.approx(4 * (2 / 16 + 2 * 7 / 16 + 0.5))
+
+
+def test_a_copy_in_a_branch_is_charged_its_share() -> None:
+    text = RING.replace(
+        '''  ROOT %kernel.full = f32[8]{0} custom-call(%u.0), custom_call_target="tpu_custom_call"''',
+        '''  %copy-start.1 = (f32[8]{0}, f32[8]{0}, u32[]) copy-start(%u.0)
+  %copy-done.1 = f32[8]{0} copy-done(%copy-start.1)
+  ROOT %kernel.full = f32[8]{0} custom-call(%copy-done.1), custom_call_target="tpu_custom_call"''',
+    )
+    comps = hlo.parse_computations(text)
+    runs = program_loops.program_runs(text, comps, _three_branches)
+    keys = program_loops.collective_keys(comps, runs)
+    replay = overlap.ScheduleReplay(comps, runs, keys, {}, {}, copy_seconds={"copy-start.1": 1.0})
+    assert replay.replay() == pytest.approx(4 * 7 / 16)  # nothing to hide it: awaited in full

@@ -87,8 +87,8 @@ def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     target = TARGETS[w.target]
     devices = aot.target_devices(target)
     mesh = make_mesh(*w.mesh, devices=devices[: w.chips])
-    programs = [
+    analysed = [
         programs.analyse_program(name, step, args, target, dump_dir, _estimate(w, name, target))
         for name, (step, args) in _programs(w, mesh).items()
     ]
-    return {"workload": w.to_json(), "programs": programs}
+    return {"workload": w.to_json(), "programs": analysed}

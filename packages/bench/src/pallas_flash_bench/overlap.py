@@ -21,8 +21,9 @@ replays each sequential computation in program order on one chip:
 - a ``while`` loop runs its body's steady-state iteration (the second of two replayed, so a
   collective started in one iteration and awaited in the next is counted as it runs) times
   its trip count (`program_loops`);
-- a ``conditional`` runs each branch in turn, its ops' times scaled by the branch's share of
-  the runs when `program_loops` has one (collectives in a branch are replayed whole).
+- a ``conditional`` runs each branch in turn, its ops' and copies' times scaled by the
+  branch's share of the runs when `program_loops` has one (collectives in a branch are
+  replayed whole).
 
 The replay rests on the ICI model's figures and on three more assumptions, stated where it is
 reported: a collective in flight does not slow the compute beside it (no HBM or core
@@ -127,7 +128,7 @@ class ScheduleReplay:
                 self._control(op, clock)
                 continue
             if op.name in self.copy_seconds:
-                clock.copies.append([op.name, self.copy_seconds[op.name]])
+                clock.copies.append([op.name, share * self.copy_seconds[op.name]])
                 continue
             if op.opcode.endswith("-done") and op.operands and op.operands[0] in self.copy_seconds:
                 clock.await_copy(op.operands[0])

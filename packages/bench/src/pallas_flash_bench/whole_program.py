@@ -40,7 +40,7 @@ from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, progr
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
 
-ANALYSIS_VERSION = 11
+ANALYSIS_VERSION = 12
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
 
 TOP_OPS = 12
