@@ -350,11 +350,8 @@ def _backward_pass(
         gathered = ring.gather(k, v, kv_ids)
         sums = (jnp.zeros(gathered[0].shape, _F32), jnp.zeros(gathered[1].shape, _F32))
         dk, dv, dq = lax.fori_loop(0, ring.devices, step_from_gathered, (*sums, dq))
-        # every device's sums of one device's chunks go to that device, added on the way in
-        # float32: the barrier keeps XLA from moving the cast to dk's dtype before the sum
-        dk, dv = lax.optimization_barrier(tuple(
-            lax.psum_scatter(x, ring.axes, scatter_dimension=2, tiled=True) for x in (dk, dv)
-        ))  # fmt: skip
+        # every device's sums of one device's chunks go to that device, added on the way
+        dk, dv = (lax.psum_scatter(x, ring.axes, scatter_dimension=2, tiled=True) for x in (dk, dv))
     else:
         zeros = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
         carry = lax.fori_loop(0, ring.devices - 1, step_and_pass, (k, v, kv_ids, *zeros, dq))
