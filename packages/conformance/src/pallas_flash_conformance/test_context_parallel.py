@@ -82,49 +82,19 @@ CASES = {
         64, "contiguous", batch=1, q_heads=4, kv_heads=2, head_dim=64, segments=4
     ),
     "causal-zigzag-sinks-segments-gathered": Split.of(
-        96,
-        "zigzag",
-        "all_gather",
-        batch=2,
-        q_heads=4,
-        kv_heads=2,
-        head_dim=64,
-        causal=True,
-        sinks=True,
-        segments=3,
-    ),
-    # a window crossing chunk boundaries: pairs it cuts are masked at their offset
+        96, "zigzag", "all_gather", batch=2, q_heads=4, kv_heads=2, head_dim=64, causal=True,
+        sinks=True, segments=3),
+    # a window crossing chunk boundaries: the pairs it cuts are masked at their offset
     "causal-zigzag-window": Split.of(
-        64,
-        "zigzag",
-        batch=1,
-        q_heads=2,
-        kv_heads=2,
-        head_dim=64,
-        causal=True,
-        sliding_window=100,
-    ),
+        64, "zigzag", batch=1, q_heads=2, kv_heads=2, head_dim=64, causal=True,
+        sliding_window=100),
     "full-contiguous-window-gathered": Split.of(
-        64,
-        "contiguous",
-        "all_gather",
-        batch=1,
-        q_heads=2,
-        kv_heads=1,
-        head_dim=64,
-        sliding_window=(70, 30),
-    ),
+        64, "contiguous", "all_gather", batch=1, q_heads=2, kv_heads=1, head_dim=64,
+        sliding_window=(70, 30)),
     "full-contiguous-mla-gathered": Split.of(
-        64,
-        "contiguous",
-        "all_gather",
-        batch=1,
-        q_heads=2,
-        kv_heads=1,
-        head_dim=64,
-        v_head_dim=32,
-    ),
-}
+        64, "contiguous", "all_gather", batch=1, q_heads=2, kv_heads=1, head_dim=64,
+        v_head_dim=32),
+}  # fmt: skip
 
 
 def _param(name: str, *extra: str):
