@@ -19,9 +19,8 @@ A pair of chunks is attended to with the one-chip kernels (`forward`, `backward`
 earlier key chunk entirely (no mask), the same chunk causally, a later one not at all (its
 work skipped, its weight 0); a sliding window likewise, the pairs it cuts with the mask at
 their offset. The chunk indices are traced (each device's own), so the choice is a
-``lax.switch``. With
-``zigzag``, every ring step after the first leaves each device exactly two of its four pairs
-to compute.
+``lax.switch``. With ``zigzag`` and a causal mask, every ring step after the first leaves
+each device exactly two of its four pairs to compute.
 
 Backward (a custom VJP): the forward's merged output and log-sum-exp make every pair's
 gradient exact on its own (`backward.flash_backward` with the global statistics, the sinks
