@@ -8,19 +8,12 @@ from typing import Any
 
 from pallas_flash_bench.cells import MISSING, byte_size, markdown_table, num, percent
 from pallas_flash_bench.context_workloads import ContextWorkload
-from pallas_flash_bench.model_report import OVERLAP_NOTE, ends_cell
-
-
-def _seconds(value: Any) -> str:
-    return f"{num(value)} s"
-
-
-def _hbm(f: Mapping[str, Any]) -> str:
-    if f.get("peak_hbm") is None:
-        return MISSING
-    if not f.get("fits"):
-        return f"does not fit: needs {byte_size(f['peak_hbm'])}"
-    return byte_size(f["peak_hbm"])
+from pallas_flash_bench.model_report import (
+    OVERLAP_NOTE,
+    ends_cell,
+    peak_hbm_cell,
+    seconds_cell,
+)
 
 
 def _row(row: Mapping[str, Any]) -> list[str]:
@@ -29,12 +22,13 @@ def _row(row: Mapping[str, Any]) -> list[str]:
     if row.get("error"):
         return [name, f"not analysed: {row['error'][:120]}", *[MISSING] * 6]
     collectives = (row["programs"][0].get("estimate") or {}).get("collective_seconds")
-    share = f"{ends_cell(f.get('share_seconds'), _seconds)} (N={w['reference_len']:,})"
-    return [name, str(f.get("head_groups") or MISSING), ends_cell(f.get("step_seconds"), _seconds),
+    share = f"{ends_cell(f.get('share_seconds'), seconds_cell)} (N={w['reference_len']:,})"
+    return [name, str(f.get("head_groups") or MISSING),
+            ends_cell(f.get("step_seconds"), seconds_cell),
             ends_cell(f.get("mfu"), percent), share,
             ends_cell(f.get("against_share"), lambda x: f"{num(x)}x"),
-            f"{byte_size(f.get('collective_bytes'))}, {_seconds(collectives)}",
-            _hbm(f)]  # fmt: skip
+            f"{byte_size(f.get('collective_bytes'))}, {seconds_cell(collectives)}",
+            peak_hbm_cell(row)]  # fmt: skip
 
 
 def context_section(results: Mapping[str, Any]) -> list[str]:

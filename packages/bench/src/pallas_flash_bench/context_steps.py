@@ -69,8 +69,8 @@ def _ring_estimate(w: ContextWorkload, target: Target, groups: int) -> programs.
     chunk = w.seq_len // (w.chips * context_layout.pieces(w.layout))
 
     def branch_shares(op: HloOp):
-        branches = sum(1 for _, how in program_loops.callees(op) if how == "branch")
-        return shares if w.causal and branches == len(shares) else None
+        ring_switch = len(program_loops.branches(op)) == len(shares)
+        return shares if w.causal and ring_switch else None
 
     def estimate(text: str, schedules) -> dict:
         branch = program_loops.enclosing_branches(hlo.parse_computations(text))
@@ -83,14 +83,6 @@ def _ring_estimate(w: ContextWorkload, target: Target, groups: int) -> programs.
         return whole_program.program_estimate(
             text, schedules, kernel_workload, target, w.chips, branch_shares
         )
-
-    return estimate
-
-
-def _one_chip_estimate(w: ContextWorkload, target: Target) -> programs.Estimate:
-    def estimate(text: str, schedules) -> dict:
-        kernels = lambda _: w.attention(w.reference_len)  # noqa: E731 - one attention shape
-        return whole_program.program_estimate(text, schedules, kernels, target, 1)
 
     return estimate
 
@@ -114,6 +106,7 @@ def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
                                      _ring_estimate(w, target, groups)),
             programs.analyse_program("one chip", _step(None, w),
                                      _arguments(w, w.reference_len, None), target, dump_dir,
-                                     _one_chip_estimate(w, target)),
+                                     programs.one_shape_estimate(
+                                         w.attention(w.reference_len), target, 1)),
         ],
     }  # fmt: skip

@@ -40,7 +40,8 @@ OVERLAP_NOTE = (
 )
 
 
-def _seconds(value: Any) -> str:
+def seconds_cell(value: Any) -> str:
+    """A time in seconds, ``1.23 s``."""
     return f"{num(value)} s"
 
 
@@ -48,7 +49,9 @@ def _ms(value: Any) -> str:
     return f"{num(value * 1e3)} ms"
 
 
-def _hbm(row: Mapping[str, Any]) -> str:
+def peak_hbm_cell(row: Mapping[str, Any]) -> str:
+    """A row's peak HBM a chip and its share of the chip's, or what it needed when it does
+    not fit (from ``row["figures"]``: ``peak_hbm``, ``fits``)."""
     f = row.get("figures") or {}
     peak = f.get("peak_hbm")
     if peak is None:
@@ -93,9 +96,9 @@ def training_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         ref, ratio = _reference(row, percent)
         failed = _failed(row)
         rows.append([w["name"], _slice(w), f"{w['batch']} x {w['seq_len']}", w["remat"],
-                     failed or ends_cell(f.get("step_seconds"), _seconds),
+                     failed or ends_cell(f.get("step_seconds"), seconds_cell),
                      ends_cell(f.get("mfu"), percent),
-                     ends_cell(f.get("tokens_per_chip_second"), num), _hbm(row), ref,
+                     ends_cell(f.get("tokens_per_chip_second"), num), peak_hbm_cell(row), ref,
                      ratio])  # fmt: skip
     if not rows:
         return []
@@ -116,10 +119,10 @@ def serving_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         ref, ratio = _reference(row, lambda v: f"{num(v)} tok/s")
         rows.append([w["name"], _slice(w), w["batch"], f"{w['prompt_len']} / {w['generate_len']}",
                      f"{w.get('kv_dtype') or 'bfloat16'}, split over {_split(w)}",
-                     _failed(row) or ends_cell(f.get("prefill_seconds"), _seconds),
+                     _failed(row) or ends_cell(f.get("prefill_seconds"), seconds_cell),
                      ends_cell(f.get("decode_step_seconds"), _ms),
                      ends_cell(f.get("tokens_per_second"), num),
-                     ends_cell(f.get("tokens_per_dollar"), num), _hbm(row), ref,
+                     ends_cell(f.get("tokens_per_dollar"), num), peak_hbm_cell(row), ref,
                      ratio])  # fmt: skip
     if not rows:
         return []
@@ -152,10 +155,10 @@ def ablation_table(
             continue
         f = row.get("figures") or {}
         seconds = "decode_step_seconds" if row["workload"]["step"] == "serve" else "step_seconds"
-        render = _ms if row["workload"]["step"] == "serve" else _seconds
+        render = _ms if row["workload"]["step"] == "serve" else seconds_cell
         rows.append([what, num(f.get("compile_seconds")),
                      _failed(row) or ends_cell(f.get(seconds), render),
-                     ends_cell(f.get("mfu"), percent), _hbm(row)])  # fmt: skip
+                     ends_cell(f.get("mfu"), percent), peak_hbm_cell(row)])  # fmt: skip
     if not rows:
         return []
     header = ["change (each row adds one to the row before)", "compile s (this host)",
@@ -183,13 +186,14 @@ def breakdown_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
             once = len(e["undetermined_loops"]) + len(e["ops_with_unknown_inner_loops"])
             unlisted = len(e.get("ops_without_listing", []))
             hidden = e["compute_seconds"] - e["compute_seconds_copies_overlapped"]
-            copies = f"{_seconds(e['async_copy_seconds'])} ({_seconds(hidden)})"
-            rows.append([row["workload"]["name"], p["program"], _seconds(e["compute_seconds"]),
-                         _seconds(kinds["kernel"]), _seconds(kinds["matmul"]),
-                         _seconds(kinds["other"]), copies, _seconds(e["memory_bound_seconds"]),
-                         _seconds(e["collective_seconds"]), len(e["collectives"]),
+            copies = f"{seconds_cell(e['async_copy_seconds'])} ({seconds_cell(hidden)})"
+            rows.append([row["workload"]["name"], p["program"], seconds_cell(e["compute_seconds"]),
+                         seconds_cell(kinds["kernel"]), seconds_cell(kinds["matmul"]),
+                         seconds_cell(kinds["other"]), copies,
+                         seconds_cell(e["memory_bound_seconds"]),
+                         seconds_cell(e["collective_seconds"]), len(e["collectives"]),
                          ends_cell({end: e.get(f"step_seconds_{end}")
-                                    for end in model_figures.ENDS}, _seconds),
+                                    for end in model_figures.ENDS}, seconds_cell),
                          trips or MISSING, once, unlisted])  # fmt: skip
     if not rows:
         return []

@@ -12,9 +12,9 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from pallas_flash_bench import aot, programs, whole_program
+from pallas_flash_bench import aot, programs
 from pallas_flash_bench.model_workloads import ModelWorkload
-from pallas_flash_bench.targets import TARGETS, Target
+from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
 
 
@@ -72,14 +72,6 @@ def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
     }  # fmt: skip
 
 
-def _estimate(w: ModelWorkload, program: str, target: Target) -> programs.Estimate:
-    def estimate(text: str, schedules) -> dict:
-        kernels = lambda _: _kernel_workload(w, program)  # noqa: E731 - one attention shape
-        return whole_program.program_estimate(text, schedules, kernels, target, w.chips)
-
-    return estimate
-
-
 def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     """Every program of ``w`` compiled and estimated: ``{"workload", "programs": [...]}``."""
     from pallas_flash_llama.sharding import make_mesh
@@ -87,8 +79,8 @@ def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     target = TARGETS[w.target]
     devices = aot.target_devices(target)
     mesh = make_mesh(*w.mesh, devices=devices[: w.chips])
-    analysed = [
-        programs.analyse_program(name, step, args, target, dump_dir, _estimate(w, name, target))
-        for name, (step, args) in _programs(w, mesh).items()
-    ]
+    analysed = []
+    for name, (step, args) in _programs(w, mesh).items():
+        estimate = programs.one_shape_estimate(_kernel_workload(w, name), target, w.chips)
+        analysed.append(programs.analyse_program(name, step, args, target, dump_dir, estimate))
     return {"workload": w.to_json(), "programs": analysed}

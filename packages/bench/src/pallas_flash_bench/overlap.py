@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from pallas_flash_bench.hlo import COLLECTIVES, Computation, HloOp
-from pallas_flash_bench.program_loops import ProgramRuns, callees, is_async_start
+from pallas_flash_bench.program_loops import ProgramRuns, branches, callees, is_async_start
 
 
 def _role(op: HloOp) -> str:
@@ -149,8 +149,7 @@ class ScheduleReplay:
         """A loop: its steady-state iteration times its trips; a conditional: every branch
         in turn, each its share of the runs (as `whole_program` charges them)."""
         shares = self.runs.shares.get(op.name)
-        branches = [name for name, how in callees(op) if how == "branch"]
-        for i, name in enumerate(branches):
+        for i, name in enumerate(branches(op)):
             if name in self.comps:
                 self._run(self.comps[name], clock, 1.0 if shares is None else shares[i])
         parts = [(name, how) for name, how in callees(op) if name in self.comps]

@@ -194,6 +194,11 @@ BranchShares = Callable[[HloOp], Sequence[float] | None]
 every branch every time."""
 
 
+def branches(op: HloOp) -> list[str]:
+    """The branch computations of a ``conditional`` op, in branch order (none for others)."""
+    return [name for name, how in callees(op) if how == "branch"]
+
+
 def program_runs(
     text: str,
     comps: dict[str, Computation] | None = None,
@@ -239,10 +244,10 @@ def _record_shares(op: HloOp, branch_shares: BranchShares, shares: dict) -> None
     given = branch_shares(op)
     if given is None:
         return
-    branches = sum(1 for _, how in callees(op) if how == "branch")
-    if len(given) != branches:
+    count = len(branches(op))
+    if len(given) != count:
         raise ValueError(
-            f"branch_shares: expected {branches} shares for {op.name}'s branches, got {given}"
+            f"branch_shares: expected {count} shares for {op.name}'s branches, got {given}"
         )
     shares[op.name] = tuple(given)
 

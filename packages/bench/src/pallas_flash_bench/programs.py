@@ -17,14 +17,25 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from pallas_flash_bench import aot, llo
+from pallas_flash_bench import aot, llo, whole_program
 from pallas_flash_bench.targets import Target
+from pallas_flash_bench.workloads import Workload
 
 _NEEDED_RE = re.compile(r"memory required for HLO temporaries \((?P<size>[\d.]+)(?P<unit>[KMGT])\)")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 Estimate = Callable[[str, Mapping[str, llo.KernelSchedule]], dict]
 """(optimised HLO text, the dump's listings by op name) -> the program's estimate."""
+
+
+def one_shape_estimate(kernels: Workload, target: Target, chips: int) -> Estimate:
+    """`whole_program.program_estimate` of a program whose Pallas kernels all run the
+    attention ``kernels`` (one chip's shape) on one chip of ``chips``."""
+
+    def estimate(text: str, schedules: Mapping[str, llo.KernelSchedule]) -> dict:
+        return whole_program.program_estimate(text, schedules, lambda _: kernels, target, chips)
+
+    return estimate
 
 
 def needed_bytes(error: str) -> int | None:
