@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         help="only the context-parallel workloads: one sequence's forward+backward over a v5e "
         "slice against one chip's time per token pair",
     )
+    bench.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="only the calibration: compile every program with a published v5e time, fit what "
+        "the static estimate misses and print each kind's error band (calibration.json, .md)",
+    )
     bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
     bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")
     bench.add_argument("--ops", help="comma-separated subset of forward,forward_backward,decode")
@@ -73,6 +79,28 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--dtype", default="bfloat16")
     inspect.add_argument("--target", choices=sorted(TARGETS), default=DEFAULT_TARGET)
 
+    estimate = commands.add_parser(
+        "estimate", help="estimate any program: a function at the top level of a module"
+    )
+    estimate.add_argument("function", help="MODULE:FUNCTION, e.g. my_kernels:matmul")
+    estimate.add_argument(
+        "--arg", action="append", metavar="DTYPE[D0,D1,...]",
+        help="an array argument's dtype and shape, e.g. bfloat16[4096,4096]; once per argument",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--kwarg", action="append", metavar="NAME=VALUE",
+        help="a static keyword argument (VALUE read as JSON, else as a string)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--trips",
+        action="append",
+        metavar="KERNEL=N[,N...]",
+        help="a Pallas kernel whose grid is sized at run time: how often its loops run, "
+        "outermost first",
+    )
+    estimate.add_argument("--target", choices=sorted(TARGETS), default="v5e-1")
+    estimate.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
     readme = commands.add_parser(
         "readme", help="rewrite the README's report block from a run's results.json"
     )
@@ -85,6 +113,16 @@ def _parser() -> argparse.ArgumentParser:
         help="a `pallas-flash bench --models` run's results.json: rewrite the models block too",
     )
     readme.add_argument("--only-models", action="store_true", help="leave the main block as it is")
+    readme.add_argument(
+        "--calibration",
+        type=pathlib.Path,
+        help="a `pallas-flash bench --calibrate` run's calibration.json: rewrite the calibration "
+        "page's block (--page) from it and leave the README alone",
+    )
+    readme.add_argument(
+        "--page", type=pathlib.Path, default=pathlib.Path("docs/calibration.md"),
+        help="the calibration page (with --calibration)",
+    )  # fmt: skip
     readme.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
     return parser
 
@@ -144,6 +182,8 @@ def _bench(args: argparse.Namespace) -> int:
     from pallas_flash_bench.runner import BenchOptions, run
 
     target = TARGETS[args.target]
+    if args.calibrate:
+        return _calibrate(args)
     options = BenchOptions(
         target=target,
         sweep="quick" if args.quick else "default",
@@ -169,6 +209,55 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from pallas_flash_bench import calibration_report, calibration_run
+    from pallas_flash_bench.runner import versions
+
+    cache = ResultCache(None if args.no_cache else args.cache_dir)
+    found = calibration_run.run(TARGETS[args.target], versions(), cache, args.workers, args.out)
+    print("\n".join(calibration_report.section(found)))
+    print(f"wrote {args.out}/calibration.json and calibration.md")
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from pallas_flash_bench import any_program
+    from pallas_flash_bench.program_refs import ProgramRef, parse_array
+
+    try:
+        kwargs = dict(_keyword(text) for text in args.kwarg or ())
+        trips = tuple(_trips(text) for text in args.trips or ())
+        ref = ProgramRef(args.function, tuple(parse_array(a) for a in args.arg or ()),
+                         tuple(sorted(kwargs.items())), trips)  # fmt: skip
+        ref.function_object()
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise SystemExit(f"pallas-flash estimate: {exc}") from exc
+    found = any_program.estimate_ref(ref, TARGETS[args.target])
+    print(json.dumps(dataclasses.asdict(found), indent=1) if args.json else found.summary())
+    return 0
+
+
+def _keyword(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--kwarg: expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+def _trips(text: str) -> tuple[str, tuple[int, ...]]:
+    name, sep, counts = text.partition("=")
+    try:
+        parsed = tuple(int(n) for n in counts.split(","))
+    except ValueError:
+        parsed = ()
+    if not sep or not name or not parsed:
+        raise ValueError(f"--trips: expected KERNEL=N[,N...], got {text!r}")
+    return name, parsed
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from pallas_flash_bench.inspection import inspect_kernel
 
@@ -184,6 +273,10 @@ def _inspect(args: argparse.Namespace) -> int:
 def _readme(args: argparse.Namespace) -> int:
     from pallas_flash_bench import readme
 
+    if args.calibration is not None:
+        readme.update_calibration_page(args.page, json.loads(args.calibration.read_text()))
+        print(f"{args.page}: rewritten from {args.calibration}")
+        return 0
     results = None if args.only_models else json.loads(args.results.read_text())
     models = None if args.models is None else json.loads(args.models.read_text())
     readme.update(args.readme, results, models)
@@ -194,7 +287,7 @@ def _readme(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"bench": _bench, "inspect": _inspect, "readme": _readme}
+    commands = {"bench": _bench, "estimate": _estimate, "inspect": _inspect, "readme": _readme}
     return commands[args.command](args)
 
 

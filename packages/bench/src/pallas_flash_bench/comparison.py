@@ -104,9 +104,32 @@ AGAINST_REFERENCES_HEADER = (
     "Its MFU",
     "Speed-up",
     "Speed-up, no overlap",
+    "Speed-up, calibrated",
     "Lead under every estimate?",
 )
 """Columns of `against_references_table`."""
+
+
+def row_band(row: Mapping[str, Any]) -> float:
+    """The relative error within which a row's lead is level: the calibrated band of its
+    kind of program (`runner.calibrated_latency`), or `LEVEL` where it has none."""
+    calibrated = (row.get("figures") or {}).get("calibrated_latency_seconds") or {}
+    band = finite_number(calibrated.get("band"))
+    return LEVEL if band is None else max(band, LEVEL)
+
+
+def _calibrated(row: Mapping[str, Any]) -> float | None:
+    return figure(row, "calibrated_latency_seconds")[0]
+
+
+def _calibrated_speedup(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
+    """The fastest reference's calibrated latency over the row's, with the row's band;
+    ``unknown`` where the row or a reference has none."""
+    mine = _calibrated(row)
+    theirs = [_calibrated(r) for r in references]
+    if mine is None or None in theirs:
+        return "unknown"
+    return f"{min(theirs) / mine:.2f}x ±{row_band(row):.0%}"
 
 
 def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -116,17 +139,17 @@ def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         groups.setdefault(json.dumps(workload_of(row), sort_keys=True), []).append(row)
     table = []
     for group in groups.values():
-        timed = [r for r in group if figure(r, "latency_seconds")[0] is not None]
-        references = [r for r in timed if r.get("kind") == "reference"]
-        if not references:
+        references = [r for r in group if r.get("kind") == "reference"]
+        timed = [r for r in references if figure(r, "latency_seconds")[0] is not None]
+        if not timed:
             continue
-        fastest = min(references, key=lambda r: figure(r, "latency_seconds")[0])
+        fastest = min(timed, key=lambda r: figure(r, "latency_seconds")[0])
         fastest_latency = figure(fastest, "latency_seconds")[0]
-        serial = [figure(r, "latency_no_overlap_seconds")[0] for r in references]
+        serial = [figure(r, "latency_no_overlap_seconds")[0] for r in timed]
         fastest_serial = min((t for t in serial if t is not None), default=None)
-        for row in sorted((r for r in timed if r.get("kind") != "reference"), key=sort_key):
+        ours = [r for r in group if r.get("kind") != "reference"]
+        for row in sorted((r for r in ours if figure(r, "latency_seconds")[0]), key=sort_key):
             latency = figure(row, "latency_seconds")[0]
-            lead = _lead(row, references)
             row_serial = figure(row, "latency_no_overlap_seconds")[0]
             table.append(
                 [
@@ -141,7 +164,8 @@ def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
                     f"{fastest_serial / row_serial:.2f}x"
                     if fastest_serial and row_serial
                     else MISSING,
-                    lead,
+                    _calibrated_speedup(row, references),
+                    _lead(row, references),
                 ]
             )
     if not table:
@@ -150,14 +174,18 @@ def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     intro = (
         "Each backend against the fastest of jax's own kernels on the same workload, through "
         "the same analysis (speed-up: the jax kernel's estimated latency over the backend's). "
-        "The estimate takes a kernel's HBM transfers and its compute to overlap fully; the last "
-        "column takes them not to overlap at all (latency: compute + memory time, against the "
-        "jax kernel with the least of it). A kernel that overlaps them in part lies between "
-        "the two: memory-bound kernels tie in the first and differ by their compute in the "
-        "second. The last column redoes the speed-up under each estimate of the section "
-        "above, against the jax kernel fastest under that estimate: whether the lead (or the "
-        "deficit) holds under all of them, or under which it turns; within "
-        f"{LEVEL:.1%} of 1x the two are level."
+        "The estimate takes a kernel's HBM transfers and its compute to overlap fully; the "
+        "no-overlap column takes them not to overlap at all (latency: compute + memory time, "
+        "against the jax kernel with the least of it). The calibrated column holds both "
+        "through the calibration (see *Calibration against published measurements*): "
+        "their static time plus what the published v5e measurements say a static estimate "
+        "misses, with the band of the backend's kind of program. The last column redoes the "
+        "speed-up under each estimate of the section above, against the jax kernel fastest "
+        "under that estimate: whether the lead (or the deficit) holds under all of them, or "
+        "under which it turns. A speed-up within the calibrated band of 1x is *level* (no "
+        f"estimate is known to be closer than that; {LEVEL:.1%} where a row has no "
+        "calibration), and where any reference has no figure under an estimate the verdict "
+        "under it is *unknown*, never a comparison with the others alone."
     )
     return ["## Against jax's kernels", "", intro, "", *markdown_table(header, table), ""]
 
@@ -174,21 +202,26 @@ ASSUMPTIONS = {
 
 
 LEVEL = 0.005
-"""A speed-up within this of 1 is a tie ("level"): no estimate is that exact."""
+"""The least band of a tie: a speed-up within it of 1 is level even where a row has no
+calibrated band (`row_band`)."""
 
 
 def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
     """Whether a backend's row beats the fastest reference under every estimate, or which
-    estimates its lead rests on (speed-ups under the others); within `LEVEL` of 1 is level."""
-    verdicts: dict[str, list[str]] = {"ahead": [], "level": [], "behind": []}
+    estimates its lead rests on (speed-ups under the others); within the row's band of 1
+    (`row_band`) is level, and an estimate under which the row or any reference has no
+    figure is unknown."""
+    band = row_band(row)
+    verdicts: dict[str, list[str]] = {"ahead": [], "level": [], "behind": [], "unknown": []}
     turns: list[str] = []
     for name, title in ESTIMATE_TITLES.items():
         mine = _estimate(row, name, "latency_seconds")
-        theirs = [t for r in references if (t := _estimate(r, name, "latency_seconds"))]
-        if not mine or not theirs:
+        theirs = [_estimate(r, name, "latency_seconds") for r in references]
+        if not mine or not all(theirs):
+            verdicts["unknown"].append(title)
             continue
         speedup = min(theirs) / mine
-        verdict = "ahead" if speedup >= 1 + LEVEL else "level" if speedup > 1 - LEVEL else "behind"
+        verdict = "ahead" if speedup >= 1 + band else "level" if speedup > 1 - band else "behind"
         verdicts[verdict].append(f"{title} {speedup:.2f}x")
         if verdict == "behind" and ASSUMPTIONS[name] not in turns:
             turns.append(ASSUMPTIONS[name])

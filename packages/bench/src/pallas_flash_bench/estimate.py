@@ -7,13 +7,45 @@ schedule), ``model`` (roofline arithmetic), ``compiler`` (its memory or cost ana
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
 
 Figure = dict[str, object]
+
+
+class Occupancy(Protocol):
+    """What the estimator needs to know of a kernel call beyond its listing: whether a causal
+    mask skips blocks (``causal``), and, for a decode (``op == "decode"``) of ragged
+    ``lengths``, which blocks hold cached tokens (`Workload` is one)."""
+
+    @property
+    def causal(self) -> bool: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def lengths(self) -> tuple[int, int] | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FullGrid:
+    """The occupancy of a kernel the estimator knows nothing about (any user's kernel): no
+    mask skips a block, every region the schedule cannot decide runs on every grid step, and
+    every block it copies is read. ``loop_trips``: for a kernel whose loops' trip counts
+    read memory (a grid sized at run time), how often each runs over the whole kernel,
+    outermost first (`spread.kernel_entry`); None: each runs once."""
+
+    causal: bool = False
+    op: str = "kernel"
+    lengths: None = None
+    loop_trips: tuple[int, ...] | None = None
+
+
+FULL_GRID = FullGrid()
 
 
 def figure(value: float | None, source: str) -> Figure:
@@ -30,7 +62,7 @@ def causal_active_fraction(q_blocks: int, kv_blocks: int) -> float:
 
 
 def undecided_fraction(
-    grid: tuple[int, ...] | None, causal: bool, workload: Workload | None = None
+    grid: tuple[int, ...] | None, causal: bool, workload: Occupancy | None = None
 ) -> float:
     """Fraction of the grid steps taken to run a region the schedule cannot decide (its
     predicate reads memory, like splash attention's block mask): the steps a causal mask
@@ -54,7 +86,7 @@ pages that hold a token, by name: the positions of a contiguous cache's page (No
 cache's own pages)."""
 
 
-def copied_fraction(name: str, grid: tuple[int, ...] | None, workload: Workload | None) -> float:
+def copied_fraction(name: str, grid: tuple[int, ...] | None, workload: Occupancy | None) -> float:
     """Fraction of its operands' bytes the kernel ``name`` reads: a page-copying decode kernel
     (`PAGE_COPYING_KERNELS`) of ragged lengths, the pages that hold a token
     (`Workload.copied_fraction`); any other, the whole blocks a ragged decode's lengths fill
@@ -82,7 +114,7 @@ def kernel_cycles(
     causal: bool,
     mxu_min: int | None = None,
     mxu_max: int | None = None,
-    workload: Workload | None = None,
+    workload: Occupancy | None = None,
 ) -> tuple[int, str]:
     """Headline static cycles of one kernel and how they were obtained.
 

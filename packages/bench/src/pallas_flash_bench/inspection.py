@@ -5,9 +5,9 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from pallas_flash_bench import estimate, hlo
-from pallas_flash_bench.runner import run_workers
 from pallas_flash_bench.subjects import all_subjects
 from pallas_flash_bench.targets import Target
+from pallas_flash_bench.workers import run_workers
 from pallas_flash_bench.workloads import Workload
 
 GiB = 1 << 30

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from pallas_flash_bench import aot, llo, whole_program
+from pallas_flash_bench import aot, hlo, llo, whole_program
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
 
@@ -52,10 +52,11 @@ def analyse_program(
     dump_dir: pathlib.Path | None,
     estimate: Estimate,
 ) -> dict:
-    """``{"program": name, "compiled", "error", "hbm", "estimate", "notes", ...}`` of the
-    jitted ``step`` on abstract ``args`` (shardings on the target's devices) compiled for
-    ``target``; ``dump_dir``: where this process's libtpu writes its LLO dump (None: no
-    dump, no estimate)."""
+    """``{"program": name, "compiled", "error", "hbm", "copies", "flops", "estimate",
+    "notes", ...}`` of the jitted ``step`` on abstract ``args`` (shardings on the target's
+    devices) compiled for ``target``; ``dump_dir``: where this process's libtpu writes its LLO
+    dump (None: no dump, no estimate). ``copies``: the entry computation's copies that change
+    a layout (`hlo.find_copy_trap`); ``flops``: the compiler's count (`cost_analysis`)."""
     if dump_dir is not None:
         shutil.rmtree(dump_dir, ignore_errors=True)
         dump_dir.mkdir(parents=True)
@@ -87,8 +88,21 @@ def analyse_program(
         - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes,
     }
+    text = compiled.as_text()
+    out["copies"] = [{"name": op.name, "opcode": op.opcode, "shape": op.shape, "bytes": op.bytes}
+                     for op in hlo.find_copy_trap(text) if op.relayout is not False]  # fmt: skip
+    out["flops"] = _flops(compiled)
     if dump_dir is None:
         out["notes"].append("no LLO dump was requested: no static schedule")
         return out
-    out["estimate"] = estimate(compiled.as_text(), llo.load_dump(dump_dir))
+    out["estimate"] = estimate(text, llo.load_dump(dump_dir))
     return out
+
+
+def _flops(compiled: jax.stages.Compiled) -> float | None:
+    """The compiler's flop count of a compiled program (for a Pallas kernel, its own
+    ``CostEstimate``), None where it gives none."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    return float(cost["flops"]) if cost and "flops" in cost else None

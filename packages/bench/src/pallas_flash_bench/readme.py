@@ -11,12 +11,14 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_flash_bench import cells, comparison, model_report
+from pallas_flash_bench import calibration_report, cells, comparison, model_report
 
 BEGIN = "<!-- pallas-flash readme: begin -->"
 END = "<!-- pallas-flash readme: end -->"
 MODELS_BEGIN = "<!-- pallas-flash readme models: begin -->"
 MODELS_END = "<!-- pallas-flash readme models: end -->"
+CALIBRATION_BEGIN = "<!-- pallas-flash calibration: begin -->"
+CALIBRATION_END = "<!-- pallas-flash calibration: end -->"
 
 
 def render_block(results: Mapping[str, Any]) -> str:
@@ -28,7 +30,11 @@ def render_block(results: Mapping[str, Any]) -> str:
     target = (meta.get("target") or {}).get("name", "unknown target")
     quick = " --quick" if meta.get("sweep") == "quick" else ""
     rows = [r for r in results.get("rows", []) if r.get("compiled")]
-    sections = comparison.against_references_table(rows) + comparison.spread_table(rows)
+    sections = [
+        *calibration_report.summary_section(results.get("calibration")),
+        *comparison.against_references_table(rows),
+        *comparison.spread_table(rows),
+    ]
     lines = [
         BEGIN,
         "",
@@ -62,6 +68,13 @@ def render_models_block(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_calibration_block(found: Mapping[str, Any]) -> str:
+    """The calibration page's block (markers included): `calibration_report.section` of a
+    ``pallas-flash bench --calibrate`` run's ``calibration.json``."""
+    lines = calibration_report.section(found)
+    return "\n".join([CALIBRATION_BEGIN, "", *lines, CALIBRATION_END]) + "\n"
+
+
 def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
     """``text`` with its block (from ``begin`` to ``end``) replaced by ``block``.
 
@@ -73,6 +86,13 @@ def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> 
         raise ValueError(f"expected the markers {begin!r} and {end!r}, in that order")
     rest = text[stop + len(end) :]
     return text[:start] + block + rest.removeprefix("\n")
+
+
+def update_calibration_page(page: pathlib.Path, found: Mapping[str, Any]) -> None:
+    """Rewrites the calibration page's block from a ``calibration.json``."""
+    text = replace_block(page.read_text(), render_calibration_block(found), CALIBRATION_BEGIN,
+                         CALIBRATION_END)  # fmt: skip
+    page.write_text(text)
 
 
 def update(

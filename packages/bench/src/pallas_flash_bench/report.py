@@ -11,6 +11,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pallas_flash_bench import calibration_report
 from pallas_flash_bench.cells import (
     MISSING,
     OPS,
@@ -474,6 +475,7 @@ def render_report(results: Mapping[str, Any]) -> str:
         *_header(results),
         *_results_tables(rows),
         *spread_table(rows),
+        *calibration_report.summary_section(results.get("calibration")),
         *against_references_table(rows),
         *_decoding_table(results, rows),
         *model_sections(results),

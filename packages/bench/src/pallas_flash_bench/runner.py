@@ -7,20 +7,15 @@ import datetime
 import importlib.metadata
 import json
 import math
-import os
 import pathlib
-import queue
-import subprocess
 import sys
-import tempfile
-import threading
 from typing import TYPE_CHECKING
 
 import jax
 from tqdm import tqdm
 
 import pallas_flash as pf
-from pallas_flash_bench import aot, estimate, measure, whole_program
+from pallas_flash_bench import aot, calibration, estimate, measure, whole_program
 from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.references import reference_notes
 from pallas_flash_bench.report import write_report
@@ -28,7 +23,7 @@ from pallas_flash_bench.roofline import write_roofline
 from pallas_flash_bench.spread import ESTIMATES
 from pallas_flash_bench.subjects import Subject, all_subjects
 from pallas_flash_bench.targets import TARGETS, Target
-from pallas_flash_bench.worker import RESULT_PREFIX
+from pallas_flash_bench.workers import run_workers
 from pallas_flash_bench.workloads import Workload
 
 if TYPE_CHECKING:
@@ -116,62 +111,6 @@ def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
     for i, job in enumerate(jobs):
         job["id"] = i
     return jobs
-
-
-def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict]:
-    """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by id."""
-    results: dict[int, dict] = {}
-    if not jobs:
-        return results
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="pallas-flash-bench-"))
-    # whole programs are the longest compiles: each worker starts on its share of them
-    rows = [j for j in jobs if j["kind"] in ("model", "context")]
-    rows += [j for j in jobs if j["kind"] == "row"]
-    fits = [j for j in jobs if j["kind"] == "fit"]
-    groups = [(rows[i::workers], True) for i in range(workers)] + [(fits, False)]
-    lines: queue.Queue[str | None] = queue.Queue()
-    processes = []
-    for index, (group, dump) in enumerate(groups):
-        if not group:
-            continue
-        jobs_file = scratch / f"jobs-{index}.json"
-        jobs_file.write_text(json.dumps(group))
-        # Several compile workers run at once: libtpu's lock file would refuse all but one.
-        env = dict(os.environ, PALLAS_FLASH_INTERPRET="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        args = [sys.executable, "-m", "pallas_flash_bench.worker", str(jobs_file)]
-        if dump:
-            dump_dir = scratch / f"dump-{index}"
-            env["LIBTPU_INIT_ARGS"] = (
-                f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_jf_dump_to={dump_dir}"
-            )
-            args.append(str(dump_dir))
-        log = open(scratch / f"worker-{index}.log", "w")  # noqa: SIM115 - closed below
-        process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-        processes.append((process, log))
-        threading.Thread(target=_forward_lines, args=(process, lines), daemon=True).start()
-    finished = 0
-    while finished < len(processes):
-        line = lines.get()
-        if line is None:
-            finished += 1
-            continue
-        message = json.loads(line[len(RESULT_PREFIX) :])
-        results[message["job"]] = message["result"]
-        progress.update(1)
-    for process, log in processes:
-        process.wait()
-        log.close()
-    missing = [j for j in jobs if j["id"] not in results]
-    for job in missing:
-        results[job["id"]] = {"job_error": f"worker exited early; see logs in {scratch}"}
-    return results
-
-
-def _forward_lines(process: subprocess.Popen, lines: queue.Queue) -> None:
-    for line in process.stdout:
-        if line.startswith(RESULT_PREFIX):
-            lines.put(line.strip())
-    lines.put(None)
 
 
 def _measure(row: dict, subject: Subject, workload: Workload) -> dict | None:
@@ -269,6 +208,7 @@ def run(options: BenchOptions) -> dict:
             if options.models or options.context
             else None,
         },
+        "calibration": calibration.load(options.target.generation),
         "rows": rows,
         "fits": fits,
         "models": models,
@@ -359,6 +299,32 @@ def program_estimates(row: dict, target: Target) -> dict[str, int | None]:
     return out
 
 
+def calibrated_latency(row: dict, workload: Workload, target: Target) -> dict | None:
+    """A row's latency by the committed calibration of its target's generation
+    (`calibration`): its static compute time made a device time (its kernels' grid steps
+    and first blocks charged), or its memory time if longer, plus its collectives; with the
+    band of its kind and the MFU it gives. None without a static figure or a calibration."""
+    figures = row["figures"]
+    compute = figures["compute_seconds"]
+    if compute["source"] != "static":
+        return None
+    kernels = charged_kernels(row)
+    steps = sum(k["steps"] for k in kernels)
+    fill = sum((k.get("dma_bytes") or 0) / max(k["steps"], 1) for k in kernels)
+    memory = figures["memory_seconds"]["value"]
+    program = calibration.ProgramFeatures(
+        compute["value"], steps, fill / target.hbm_bandwidth,
+        memory if memory > compute["value"] else 0.0,
+    )  # fmt: skip
+    found = calibration.calibrate(program, target.generation)
+    if found is None:
+        return None
+    seconds = max(found.seconds, memory) + figures["collective_seconds"]["value"]
+    mfu = workload.useful_flops / seconds / (target.peak_flops * workload.chips)
+    return {"value": seconds, "source": "calibrated", "band": found.band, "kind": found.kind,
+            "mfu": mfu}  # fmt: skip
+
+
 def _dma_notes(row: dict, target: Target) -> list[str]:
     """A note per kernel whose block copies take longer than its compute: it cannot hide them,
     so it runs below its static figure."""
@@ -390,6 +356,9 @@ def _with_figures(row: dict, subject: Subject, workload: Workload, options: Benc
             collectives=[(c["opcode"], c["bytes"]) for c in row.get("collectives", [])],
             min_hbm_bytes=subject.min_hbm_bytes(workload) if subject.min_hbm_bytes else None,
         )
+        calibrated = calibrated_latency(row, workload, options.target)
+        if calibrated is not None:
+            row["figures"]["calibrated_latency_seconds"] = calibrated
         row["notes"] += _dma_notes(row, options.target)
         row["estimates"] = estimate.spread(
             workload,

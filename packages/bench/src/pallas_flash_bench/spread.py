@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_flash_bench import bundle_listing, critical_path, dma, estimate, llo, loop_trips
-from pallas_flash_bench.workloads import Workload
 
 __all__ = ["ESTIMATES", "KernelEstimates", "kernel_entry", "kernel_estimates"]
 
@@ -103,7 +102,7 @@ def _larger(a: Range | None, b: Range | None) -> Range | None:
 
 
 def kernel_entry(
-    schedule: llo.KernelSchedule, workload: Workload, trips: tuple[int, ...] | None = None
+    schedule: llo.KernelSchedule, workload: estimate.Occupancy, trips: tuple[int, ...] | None = None
 ) -> dict:
     """One Pallas kernel's row entry: its static schedule, headline ``cycles`` (see
     `estimate.kernel_cycles`), ``estimates`` (cycles per estimate, `ESTIMATES`), ``dma_bytes``
@@ -164,10 +163,16 @@ def _entry(
         "cycles": cycles,
         "cycles_from": how,
         "estimates": {name: estimate.between(found.ranges[name], fraction) for name in ESTIMATES},
+        # bundles in regions the schedule cannot decide (run on ``fraction`` of the steps)
+        "undecided_bundles": _span(found.ranges["schedule"]),
         # at most: a copy whose predicate the schedule cannot decide is taken to run
         "dma_bytes": dma_bytes,
         "warnings": [*schedule.warnings, *found.warnings],
     }
+
+
+def _span(bounds: Range | None) -> int | None:
+    return None if bounds is None else bounds[1] - bounds[0]
 
 
 def _entry_with_trips(

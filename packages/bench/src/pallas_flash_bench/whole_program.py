@@ -38,9 +38,8 @@ from collections.abc import Callable, Mapping
 
 from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, program_loops, spread
 from pallas_flash_bench.targets import Target
-from pallas_flash_bench.workloads import Workload
 
-ANALYSIS_VERSION = 12
+ANALYSIS_VERSION = 13
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
 
 TOP_OPS = 12
@@ -57,6 +56,9 @@ class OpTime:
     static_seconds: float  # one run
     hbm_seconds: float  # one run
     inner_loops_counted_once: bool = False  # its schedule has loops of unknown trip count
+    grid_steps: int = 0  # a Pallas kernel's grid steps in one run (0: not a kernel)
+    dma_bytes: int = 0  # a Pallas kernel's block copies in one run, at most
+    undecided_seconds: float = 0.0  # a kernel's regions the schedule cannot decide, one run
 
     @property
     def seconds(self) -> float:
@@ -100,7 +102,7 @@ def op_times(
     comps: Mapping[str, hlo.Computation],
     runs: program_loops.ProgramRuns,
     schedules: Mapping[str, llo.KernelSchedule],
-    kernel_workload: Callable[[str], Workload],
+    kernel_workload: Callable[[str], estimate.Occupancy],
     target: Target,
 ) -> tuple[list[OpTime], list[str]]:
     """`OpTime` of every op the program runs but its collectives (``comps`` and ``runs``: its
@@ -125,28 +127,45 @@ def op_times(
         if schedule.name not in cycles_of:
             kernel = hlo.is_kernel_call(op)
             cycles_of[schedule.name] = _cycles(schedule, kernel, kernel_workload)
-        cycles, kind, read = cycles_of[schedule.name]
-        once = kind != "kernel" and schedule.executed_bundles_max is None
-        out.append(OpTime(op.name, kind, runs.runs(op.name), cycles / target.clock_hz,
-                          memory * read, once))  # fmt: skip
+        c = cycles_of[schedule.name]
+        once = c.kind != "kernel" and schedule.executed_bundles_max is None
+        out.append(OpTime(op.name, c.kind, runs.runs(op.name), c.cycles / target.clock_hz,
+                          memory * c.read, once, c.grid_steps, c.dma_bytes,
+                          c.undecided_cycles / target.clock_hz))  # fmt: skip
     return out, unmatched
 
 
+@dataclasses.dataclass(frozen=True)
+class _ListingCost:
+    cycles: int  # static cycles of one run
+    kind: str  # see `OpTime.kind`
+    read: float  # the share of its operands' bytes it reads
+    grid_steps: int = 0
+    dma_bytes: int = 0
+    undecided_cycles: int = 0  # in regions the schedule cannot decide
+
+
 def _cycles(
-    schedule: llo.KernelSchedule, kernel: bool, kernel_workload: Callable[[str], Workload]
-) -> tuple[int, str, float]:
-    """(static cycles of one run, kind of op, share of its operands' bytes it reads) of a
-    listing: a kernel as the kernel rows charge it, reading the share of its cache a ragged
-    decode's lengths fill, by the block or by the page as it copies (`estimate.copied_fraction`)."""
+    schedule: llo.KernelSchedule,
+    kernel: bool,
+    kernel_workload: Callable[[str], estimate.Occupancy],
+) -> _ListingCost:
+    """The cost of one run of a listing: a kernel as the kernel rows charge it, reading the
+    share of its cache a ragged decode's lengths fill, by the block or by the page as it
+    copies (`estimate.copied_fraction`), with its grid steps and block copies."""
     if kernel:
         workload = kernel_workload(schedule.name)
-        cycles = spread.kernel_entry(schedule, workload)["cycles"]
-        return cycles, "kernel", estimate.copied_fraction(schedule.name, schedule.grid, workload)
+        trips = workload.loop_trips if isinstance(workload, estimate.FullGrid) else None
+        entry = spread.kernel_entry(schedule, workload, trips)
+        read = estimate.copied_fraction(schedule.name, schedule.grid, workload)
+        steps = trips[0] if trips else entry["steps"]  # a grid sized at run time: as given
+        return _ListingCost(entry["cycles"], "kernel", read, steps, entry["dma_bytes"] or 0,
+                            entry["undecided_bundles"] or 0)  # fmt: skip
     if schedule.executed_bundles_max is None:
-        return schedule.bundles, "other", 1.0
+        return _ListingCost(schedule.bundles, "other", 1.0)
     mxu = schedule.executed_mxu_cycles_max or 0
     kind = "matmul" if mxu > schedule.executed_bundles_max else "other"
-    return max(schedule.executed_bundles_max, mxu), kind, 1.0
+    return _ListingCost(max(schedule.executed_bundles_max, mxu), kind, 1.0)
 
 
 ASYNC_COPIES = ("copy-start", "slice-start")
@@ -163,7 +182,7 @@ def _async_copies(comps: Mapping[str, hlo.Computation],
 def program_estimate(
     text: str,
     schedules: Mapping[str, llo.KernelSchedule],
-    kernel_workload: Callable[[str], Workload],
+    kernel_workload: Callable[[str], estimate.Occupancy],
     target: Target,
     chips: int,
     branch_shares: program_loops.BranchShares | None = None,
@@ -199,6 +218,8 @@ def program_estimate(
     memory_bound = sum(t.seconds for t in times if t.hbm_seconds > t.static_seconds)
     loops = [t.name for t in times if t.inner_loops_counted_once]
     heaviest = sorted(times, key=lambda t: -t.seconds)[:TOP_OPS]
+    kernels = [t for t in times if t.kind == "kernel"]
+    fill = sum(t.runs * t.dma_bytes / max(t.grid_steps, 1) for t in kernels)
     return {
         "compute_seconds": compute,
         "compute_seconds_copies_overlapped": copies_overlapped,
@@ -216,5 +237,11 @@ def program_estimate(
         "ops_with_unknown_inner_loops": loops,
         "ops_without_listing": unmatched,
         "collectives": collectives,
+        "kernel_grid_steps": sum(t.runs * t.grid_steps for t in kernels),
+        "kernel_dma_seconds": sum(t.runs * t.dma_bytes for t in kernels) / target.hbm_bandwidth,
+        # each kernel run's first block, which nothing before it hides: its copies over a step
+        "kernel_fill_seconds": fill / target.hbm_bandwidth,
+        # charged in full where the kernel's occupancy does not say how often they run
+        "kernel_undecided_seconds": sum(t.runs * t.undecided_seconds for t in kernels),
         "top_ops": [dict(dataclasses.asdict(t), seconds=t.seconds) for t in heaviest],
     }

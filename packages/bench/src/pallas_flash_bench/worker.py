@@ -218,7 +218,7 @@ def main(argv: list[str]) -> None:
     subjects_by_config: dict[tuple, dict] = {}
     for job in jobs:
         key = (job["sweep"], tuple(job["backends"] or ()), job["references"])
-        if job["kind"] not in ("model", "context") and key not in subjects_by_config:
+        if job["kind"] in ("row", "fit") and key not in subjects_by_config:
             subjects_by_config[key] = all_subjects(job["sweep"], job["backends"], job["references"])
         target = TARGETS[job["target"]]
         os.environ[GENERATION_ENV_VAR] = target.generation  # kernels sized for the target
@@ -233,6 +233,12 @@ def main(argv: list[str]) -> None:
 
                 context = context_workloads.ContextWorkload(**job["workload"])
                 result = context_steps.analyse_context(context, dump_dir)
+            elif job["kind"] == "program":
+                from pallas_flash_bench import any_program
+                from pallas_flash_bench.program_refs import ProgramRef
+
+                ref = ProgramRef.from_json(job["program"])
+                result = any_program.analyse(ref, target, dump_dir)
             elif job["kind"] == "row":
                 workload = Workload(**job["workload"])
                 subject = subjects_by_config[key][job["subject"]]

@@ -1,0 +1,167 @@
+"""Estimate any JAX program for a TPU target: ``estimate_program(fn, *abstract_args)``.
+
+For a kernel writer without a TPU: the program is compiled for one chip of the target with
+libtpu on this host (in a worker process, whose libtpu writes the LLO dump) and estimated as
+a whole (`whole_program`): every op by its own listing, a Pallas kernel that is not one of
+ours by its own listing and grid (`estimate.FULL_GRID`: every step and every region the
+schedule cannot decide charged), its memory from the compiler's analysis. The calibration
+(`calibration`) turns the static figure into the time the published v5e measurements say
+such a program takes, with the error band of its kind of program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from pallas_flash_bench import calibration
+from pallas_flash_bench.program_refs import ProgramRef
+from pallas_flash_bench.targets import TARGETS, Target
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramEstimate:
+    """One program's estimate on one chip of ``target``; every time is in seconds.
+
+    ``seconds``: the static estimate as the compiled schedule places the ops and their
+    asynchronous copies (one bundle a cycle, an MXU-bound op at its busiest MXU, a
+    memory-bound op at its HBM bytes over the bandwidth); ``bracket``: the same with every
+    copy hidden and with none. ``calibrated``: what the calibration makes of it (None: no
+    calibration for the target). ``seconds_by_kind``: Pallas kernels, MXU-bound XLA ops and
+    other ops; ``grid_steps``: the Pallas kernels' grid steps; ``ops``: the heaviest ops
+    (name, kind, runs, static and HBM seconds of one run); ``hbm``: argument, output, alias,
+    temp and peak bytes; ``copies``: ops that change a layout; ``flops``: the compiler's
+    count; ``notes``: what the estimate could not count.
+    """
+
+    program: str
+    target: str
+    seconds: float
+    bracket: tuple[float, float]
+    calibrated: calibration.CalibratedTime | None
+    seconds_by_kind: Mapping[str, float]
+    grid_steps: float
+    ops: Sequence[Mapping[str, object]]
+    hbm: Mapping[str, int]
+    copies: Sequence[Mapping[str, object]]
+    flops: float | None
+    notes: Sequence[str]
+
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        lo, hi = self.bracket
+        lines = [f"{self.program} on one chip of {self.target}",
+                 f"static estimate: {_ms(self.seconds)} (copies all hidden {_ms(lo)}, "
+                 f"none hidden {_ms(hi)})"]  # fmt: skip
+        if self.calibrated is not None:
+            c = self.calibrated
+            band = "no point of its kind" if c.band is None else f"± {c.band:.1%}"
+            lines.append(f"calibrated: {_ms(c.seconds)} {band} ({c.kind}; {c.calibration})")
+        kinds = ", ".join(f"{k} {_ms(v)}" for k, v in self.seconds_by_kind.items() if v)
+        lines.append(f"by kind: {kinds}; Pallas grid steps: {self.grid_steps:,.0f}")
+        lines.append(f"HBM at peak: {self.hbm['peak'] / 2**20:,.1f} MiB")
+        for o in self.ops:
+            one = max(o["static_seconds"], o["hbm_seconds"])
+            lines.append(f"  {o['name']}: {o['runs']:g} x {_ms(one)} ({o['kind']})")
+        lines += [f"copy: {c['name']} {c['opcode']} {c['shape']}" for c in self.copies]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def program_job(ref: ProgramRef, target: Target, analysis: int) -> dict:
+    """The worker job that compiles and estimates ``ref`` (`analyse`)."""
+    return {"kind": "program", "program": ref.to_json(), "target": target.name,
+            "topology": target.topology, "analysis": analysis, "sweep": None,
+            "backends": None, "references": False}  # fmt: skip
+
+
+def analyse(ref: ProgramRef, target: Target, dump_dir) -> dict:
+    """In the worker: ``ref`` compiled for one chip of ``target`` and estimated
+    (`programs.analyse_program` with every Pallas kernel on its full grid)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_flash_bench import aot, estimate, programs, whole_program
+
+    device = SingleDeviceSharding(aot.target_devices(target)[0])
+    args = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype), sharding=device) for a in ref.args]
+
+    def occupancy(kernel: str) -> estimate.FullGrid:
+        return estimate.FullGrid(loop_trips=ref.trips_of(kernel))
+
+    def estimate_whole(text: str, schedules) -> dict:
+        return whole_program.program_estimate(text, schedules, occupancy, target, 1)
+
+    return programs.analyse_program(
+        ref.label, jax.jit(ref.resolve()), args, target, dump_dir, estimate_whole
+    )
+
+
+def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEstimate:
+    """The `ProgramEstimate` of a worker's `analyse` result; raises the compiler's error."""
+    if "job_error" in result:
+        raise RuntimeError(f"{ref.label}: the worker failed: {result['job_error']}")
+    if not result["compiled"]:
+        raise RuntimeError(f"{ref.label} did not compile for {target.name}: {result['error']}")
+    e = result["estimate"]
+    notes = list(result["notes"])
+    if e["ops_without_listing"]:
+        notes.append(f"ops without a listing, charged their HBM bytes only: "
+                     f"{', '.join(e['ops_without_listing'])}")  # fmt: skip
+    if e["ops_with_unknown_inner_loops"]:
+        notes.append(f"ops with loops of unknown trip count, counted once (a lower bound): "
+                     f"{', '.join(e['ops_with_unknown_inner_loops'])}")  # fmt: skip
+    if e["undetermined_loops"]:
+        notes.append(f"loops of unknown trip count, run once: {', '.join(e['undetermined_loops'])}")
+    return ProgramEstimate(
+        program=ref.label,
+        target=target.name,
+        seconds=e["step_seconds_scheduled"],
+        bracket=(e["step_seconds_overlapped"], e["step_seconds_exposed"]),
+        calibrated=calibration.calibrate(
+            calibration.ProgramFeatures.of_estimate(e), target.generation
+        ),
+        seconds_by_kind=e["seconds_by_kind"],
+        grid_steps=e["kernel_grid_steps"],
+        ops=e["top_ops"],
+        hbm=result["hbm"],
+        copies=result["copies"],
+        flops=result["flops"],
+        notes=notes,
+    )
+
+
+def estimate_program(
+    fn: Callable, *args: object, target: str | Target = "v5e-1", **kwargs: object
+) -> ProgramEstimate:
+    """The static estimate of ``fn(*args, **kwargs)`` on one chip of ``target``.
+
+    ``fn``: a function defined at the top level of an importable module (plain or jitted;
+    it is compiled in a worker process, which imports it); ``args``: abstract arrays
+    (``jax.ShapeDtypeStruct``) or arrays, whose shapes and dtypes are all that is used;
+    ``kwargs``: static keyword arguments (JSON values). Needs libtpu (``jax[tpu]``); no TPU.
+    """
+    if isinstance(target, str):
+        if target not in TARGETS:
+            known = ", ".join(sorted(TARGETS))
+            raise ValueError(f"target: expected one of {known}, got {target!r}")
+        target = TARGETS[target]
+    return estimate_ref(ProgramRef.of(fn, args, kwargs), target)
+
+
+def estimate_ref(ref: ProgramRef, target: Target) -> ProgramEstimate:
+    """`estimate_program` of a program given by reference (``pallas-flash estimate``)."""
+    from tqdm import tqdm
+
+    from pallas_flash_bench import whole_program
+    from pallas_flash_bench.workers import run_workers
+
+    job = dict(program_job(ref, target, whole_program.ANALYSIS_VERSION), id=0)
+    with tqdm(total=1, desc=f"compiling for {target.name}", leave=False) as progress:
+        result = run_workers([job], 1, progress)[0]
+    return from_analysis(result, ref, target)

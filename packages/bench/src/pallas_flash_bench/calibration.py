@@ -1,0 +1,208 @@
+"""The estimator held against published v5e measurements: a small model of what the static
+estimate misses, fitted on some points and validated on the others, and the error band it
+leaves per kind of program.
+
+A static estimate is the schedule's floor: it misses the cost of each Pallas grid step on
+the scalar core and the DMA engines (issuing, waiting on semaphores, a step too short to
+hide its copies), the first block's copy that nothing before it hides, the MXU's own stalls,
+and, for a program timed from the host, the dispatch and synchronisation around the call.
+The model charges them as
+
+    measured = static_factor x static seconds + step_seconds x grid steps
+               + fill_factor x first-block copy seconds (+ host_call_seconds if timed
+               from the host)
+
+with non-negative coefficients, fitted by least squares on the relative error over the
+points whose ``role`` is ``fit`` (`calibration_points`). Every point is then classified by
+what its calibrated time is made of (`kind`), and a kind's band is the largest relative
+error of the calibrated time over its points (fitted and held-out alike): a lead smaller
+than the band is level, and every absolute figure carries it.
+
+The fitted calibration is committed (``data/calibration-<generation>.json``, written by
+``pallas-flash bench --calibrate``); `calibrate` applies it to any estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+COEFFICIENTS = ("static_factor", "step_seconds", "fill_factor", "host_call_seconds")
+"""The model's coefficients, in the order of `ProgramFeatures.values`."""
+
+KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent")
+"""Kinds of program a band is given for (`kind`)."""
+
+UNDECIDED_SHARE = 0.1
+"""A program whose kernels spend more than this share of its static time in regions the
+schedule cannot decide (branches on data, charged as if every step took them) is of kind
+``data-dependent``: its estimate is an upper bound, not a calibrated figure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibratedTime:
+    """A static estimate made a device time by the calibration: ``seconds``, give or take
+    ``band`` (relative; None: no point of its ``kind`` was measured), ``calibration`` names
+    the fit (points, libtpu)."""
+
+    seconds: float
+    band: float | None
+    kind: str
+    calibration: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramFeatures:
+    """What the calibration reads of a program's static estimate (seconds on one chip)."""
+
+    static_seconds: float
+    grid_steps: float  # its Pallas kernels' grid steps
+    fill_seconds: float  # each kernel run's first block of copies at the HBM bandwidth
+    memory_bound_seconds: float = 0.0  # its ops whose HBM bytes outlast their schedule
+    undecided_seconds: float = 0.0  # kernel regions charged though data decides them
+
+    @classmethod
+    def of_estimate(cls, estimate: Mapping[str, float]) -> ProgramFeatures:
+        """The features of a whole-program estimate (`whole_program.program_estimate`)."""
+        return cls(estimate["step_seconds_scheduled"], estimate["kernel_grid_steps"],
+                   estimate["kernel_fill_seconds"], estimate["memory_bound_seconds"],
+                   estimate.get("kernel_undecided_seconds", 0.0))  # fmt: skip
+
+    def values(self, host_call: bool = False) -> list[float]:
+        """In the order of `COEFFICIENTS`; ``host_call``: the program was timed from the host."""
+        return [self.static_seconds, self.grid_steps, self.fill_seconds, float(host_call)]
+
+
+def kind(program: ProgramFeatures, coefficients: Mapping[str, float]) -> str:
+    """What a program's calibrated device time is mostly made of: kernel regions taken on
+    data the schedule cannot see (``data-dependent``, `UNDECIDED_SHARE`), its grid steps'
+    cost (``grid-step-bound``: small blocks), ops waiting on HBM (``memory-bound``) or
+    compute (``MXU-bound``, the rest)."""
+    if program.undecided_seconds > UNDECIDED_SHARE * program.static_seconds:
+        return "data-dependent"
+    steps = coefficients["step_seconds"] * program.grid_steps
+    if steps >= device_seconds(program, coefficients) / 2:
+        return "grid-step-bound"
+    if program.memory_bound_seconds >= program.static_seconds / 2:
+        return "memory-bound"
+    return "MXU-bound"
+
+
+def device_seconds(program: ProgramFeatures, coefficients: Mapping[str, float]) -> float:
+    """The calibrated device time of a program (no host call around it)."""
+    return predicted_seconds(program.values(), coefficients)
+
+
+def fit(rows: Sequence[tuple[list[float], float]]) -> dict[str, float]:
+    """Non-negative least squares on the relative error: ``rows`` of
+    (`ProgramFeatures.values`, measured seconds). A coefficient whose feature no row has
+    stays at its neutral value (1 for a factor, 0 for a cost)."""
+    from scipy.optimize import nnls
+
+    a = np.array([f for f, _ in rows], dtype=float)
+    measured = np.array([m for _, m in rows], dtype=float)
+    used = a.any(axis=0)
+    neutral = np.array([1.0, 0.0, 1.0, 0.0])
+    rest = measured - a[:, ~used] @ neutral[~used]
+    solution, _ = nnls(a[:, used] / measured[:, None], rest / measured)
+    values = neutral.copy()
+    values[used] = solution
+    return dict(zip(COEFFICIENTS, (float(v) for v in values), strict=True))
+
+
+def predicted_seconds(values: list[float], coefficients: Mapping[str, float]) -> float:
+    """The calibrated time of `ProgramFeatures.values` (the host call's cost included when
+    they say the program was timed from the host)."""
+    return sum(coefficients[c] * v for c, v in zip(COEFFICIENTS, values, strict=True))
+
+
+def calibrate_points(points: Sequence[Mapping], versions: Mapping[str, str | None]) -> dict:
+    """The calibration of analysed ``points`` (``{"point": CalibrationPoint.to_json(),
+    "estimate": whole-program estimate or None, "error": ...}``): coefficients fitted on
+    the ``fit`` points, each point's static and calibrated ratio to its measurement, and
+    each kind's band. Points without an estimate are listed with their error."""
+    estimated = [p for p in points if p.get("estimate")]
+    programs = [ProgramFeatures.of_estimate(p["estimate"]) for p in estimated]
+    rows = [(f.values(p["point"]["timing"] == "host"), p["point"]["measured_seconds"])
+            for f, p in zip(programs, estimated, strict=True)]  # fmt: skip
+    training = [r for r, p in zip(rows, estimated, strict=True) if p["point"]["role"] == "fit"]
+    coefficients = fit(training)
+    table = []
+    for (values, measured), p, f in zip(rows, estimated, programs, strict=True):
+        calibrated = predicted_seconds(values, coefficients)
+        table.append({"name": p["point"]["name"], "role": p["point"]["role"],
+                      "timing": p["point"]["timing"], "source": p["point"]["source"],
+                      "kind": kind(f, coefficients), "measured_seconds": measured,
+                      "static_seconds": p["estimate"]["step_seconds_scheduled"],
+                      "calibrated_seconds": calibrated,
+                      "static_ratio": p["estimate"]["step_seconds_scheduled"] / measured,
+                      "calibrated_ratio": calibrated / measured})  # fmt: skip
+    failed = [{"name": p["point"]["name"], "error": p.get("error") or "no estimate"}
+              for p in points if not p.get("estimate")]  # fmt: skip
+    return {"coefficients": coefficients, "bands": bands(table), "points": table,
+            "failed": failed, "versions": dict(versions)}  # fmt: skip
+
+
+def bands(table: Sequence[Mapping]) -> dict[str, dict[str, float | int | None]]:
+    """Per kind (`KINDS`): ``band``, the largest relative error of the calibrated time over
+    its points; ``held_out``, the same over its validation points only; ``points``, how
+    many; ``static_ratio``, the least and most static/measured (the raw estimate's error)."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name in KINDS:
+        mine = [p for p in table if p["kind"] == name]
+        errors = [abs(p["calibrated_ratio"] - 1) for p in mine]
+        held = [abs(p["calibrated_ratio"] - 1) for p in mine if p["role"] == "validate"]
+        ratios = [p["static_ratio"] for p in mine]
+        out[name] = {"band": max(errors, default=None), "held_out": max(held, default=None),
+                     "points": len(mine), "static_ratio_min": min(ratios, default=None),
+                     "static_ratio_max": max(ratios, default=None)}  # fmt: skip
+    return out
+
+
+def committed_path(generation: str) -> importlib.resources.abc.Traversable:
+    """Where the committed calibration of a TPU generation lives (package data)."""
+    return (
+        importlib.resources.files("pallas_flash_bench") / "data" / f"calibration-{generation}.json"
+    )
+
+
+def load(generation: str) -> dict | None:
+    """The committed calibration of a TPU generation, or None if it has none."""
+    path = committed_path(generation)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def describe(calibration: Mapping) -> str:
+    """``fitted on 9 of 30 v5e measurements (libtpu 0.0.42.1)``."""
+    points = calibration["points"]
+    fitted = sum(1 for p in points if p["role"] == "fit")
+    return (f"fitted on {fitted} of {len(points)} published v5e measurements, libtpu "
+            f"{calibration['versions'].get('libtpu')}")  # fmt: skip
+
+
+def calibrate(program: ProgramFeatures, generation: str) -> CalibratedTime | None:
+    """A program's calibrated device time and band, by the committed calibration of
+    ``generation`` (None: it has none)."""
+    calibration = load(generation)
+    if calibration is None:
+        return None
+    coefficients = calibration["coefficients"]
+    name = kind(program, coefficients)
+    band = calibration["bands"][name]["band"]
+    seconds = device_seconds(program, coefficients)
+    return CalibratedTime(seconds, band, name, describe(calibration))
+
+
+def level_band(calibration: Mapping | None, name: str = "MXU-bound") -> float:
+    """The band within which two estimates of kind ``name`` are level: the calibrated band,
+    or the widest of any kind where that kind has no point; NaN with no calibration."""
+    if calibration is None:
+        return math.nan
+    known = [b["band"] for b in calibration["bands"].values() if b["band"] is not None]
+    band = calibration["bands"].get(name, {}).get("band")
+    return band if band is not None else max(known, default=math.nan)

@@ -1,0 +1,52 @@
+"""``pallas-flash bench --calibrate``: every calibration point (`calibration_points`)
+compiled and estimated in the workers, the calibration fitted (`calibration`), and
+``calibration.json`` and ``calibration.md`` written."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from tqdm import tqdm
+
+from pallas_flash_bench import any_program, calibration, calibration_points, calibration_report
+from pallas_flash_bench.cache import ResultCache
+from pallas_flash_bench.targets import Target
+from pallas_flash_bench.whole_program import ANALYSIS_VERSION
+from pallas_flash_bench.workers import run_workers
+
+
+def run(target: Target, versions: dict, cache: ResultCache, workers: int,
+        out_dir: pathlib.Path) -> dict:  # fmt: skip
+    """The calibration of ``target``'s generation from every point this installation can
+    compile (tokamax's only with tokamax installed); written to ``out_dir``."""
+    points = calibration_points.all_points()
+    jobs = [dict(any_program.program_job(p.program, target, ANALYSIS_VERSION), id=i)
+            for i, p in enumerate(points)]  # fmt: skip
+    results: dict[int, dict] = {}
+    todo = []
+    for job in jobs:
+        cached = cache.get(ResultCache.key(job, versions))
+        if cached is None:
+            todo.append(job)
+        else:
+            results[job["id"]] = cached
+    with tqdm(total=len(jobs), initial=len(results), desc="calibration points", unit="job") as bar:
+        fresh = run_workers(todo, workers, bar)
+    for job in todo:
+        if "job_error" not in fresh[job["id"]]:
+            cache.put(ResultCache.key(job, versions), fresh[job["id"]])
+    results.update(fresh)
+    analysed = []
+    for job, point in zip(jobs, points, strict=True):
+        result = results[job["id"]]
+        error = result.get("job_error") or result.get("error")
+        analysed.append({"point": point.to_json(), "estimate": result.get("estimate"),
+                         "error": error})  # fmt: skip
+    found = calibration.calibrate_points(analysed, versions)
+    found["generation"] = target.generation
+    found["analysis"] = ANALYSIS_VERSION
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(found, indent=1) + "\n")
+    (out_dir / "calibration.md").write_text("\n".join(calibration_report.section(found)) + "\n")
+    return found

@@ -1,0 +1,77 @@
+"""The pool of compile workers: jobs run in subprocesses (`pallas_flash_bench.worker`), whose
+libtpu writes its LLO dump where the job needs one."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+
+from tqdm import tqdm
+
+from pallas_flash_bench.worker import RESULT_PREFIX
+
+WHOLE_PROGRAMS = ("model", "context", "program")
+"""Job kinds that compile a whole program, the longest compiles: each worker starts on its
+share of them."""
+
+
+def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict]:
+    """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by id."""
+    results: dict[int, dict] = {}
+    if not jobs:
+        return results
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="pallas-flash-bench-"))
+    # whole programs are the longest compiles: each worker starts on its share of them
+    rows = [j for j in jobs if j["kind"] in WHOLE_PROGRAMS]
+    rows += [j for j in jobs if j["kind"] == "row"]
+    fits = [j for j in jobs if j["kind"] == "fit"]
+    groups = [(rows[i::workers], True) for i in range(workers)] + [(fits, False)]
+    lines: queue.Queue[str | None] = queue.Queue()
+    processes = []
+    for index, (group, dump) in enumerate(groups):
+        if not group:
+            continue
+        jobs_file = scratch / f"jobs-{index}.json"
+        jobs_file.write_text(json.dumps(group))
+        # Several compile workers run at once: libtpu's lock file would refuse all but one.
+        env = dict(os.environ, PALLAS_FLASH_INTERPRET="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        args = [sys.executable, "-m", "pallas_flash_bench.worker", str(jobs_file)]
+        if dump:
+            dump_dir = scratch / f"dump-{index}"
+            env["LIBTPU_INIT_ARGS"] = (
+                f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_jf_dump_to={dump_dir}"
+            )
+            args.append(str(dump_dir))
+        log = open(scratch / f"worker-{index}.log", "w")  # noqa: SIM115 - closed below
+        process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        processes.append((process, log))
+        threading.Thread(target=_forward_lines, args=(process, lines), daemon=True).start()
+    finished = 0
+    while finished < len(processes):
+        line = lines.get()
+        if line is None:
+            finished += 1
+            continue
+        message = json.loads(line[len(RESULT_PREFIX) :])
+        results[message["job"]] = message["result"]
+        progress.update(1)
+    for process, log in processes:
+        process.wait()
+        log.close()
+    missing = [j for j in jobs if j["id"] not in results]
+    for job in missing:
+        results[job["id"]] = {"job_error": f"worker exited early; see logs in {scratch}"}
+    return results
+
+
+def _forward_lines(process: subprocess.Popen, lines: queue.Queue) -> None:
+    for line in process.stdout:
+        if line.startswith(RESULT_PREFIX):
+            lines.put(line.strip())
+    lines.put(None)

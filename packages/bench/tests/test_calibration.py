@@ -1,0 +1,143 @@
+"""The calibration: its fit, its kinds and bands, the published points, and the committed
+calibration the reports and docs use."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+
+from pallas_flash_bench import (
+    calibration,
+    calibration_points,
+    calibration_report,
+    readme,
+    whole_program,
+)
+
+DOCS_PAGE = pathlib.Path(__file__).parents[3] / "docs" / "calibration.md"
+
+TRUE = {"static_factor": 1.05, "step_seconds": 0.3e-6, "fill_factor": 1.0,
+        "host_call_seconds": 1e-4}  # fmt: skip
+
+
+def _program(static: float, steps: float = 0.0, fill: float = 0.0, **kw) -> dict:
+    return {"step_seconds_scheduled": static, "kernel_grid_steps": steps,
+            "kernel_fill_seconds": fill, "memory_bound_seconds": kw.get("memory", 0.0),
+            "kernel_undecided_seconds": kw.get("undecided", 0.0)}  # fmt: skip
+
+
+def _point(name: str, estimate: dict, role: str, timing: str = "device") -> dict:
+    f = calibration.ProgramFeatures.of_estimate(estimate)
+    measured = calibration.predicted_seconds(f.values(timing == "host"), TRUE)
+    return {"point": {"name": name, "role": role, "timing": timing, "source": "synthetic",
+                      "measured_seconds": measured}, "estimate": estimate}  # fmt: skip
+
+
+def test_the_fit_recovers_the_coefficients_that_made_the_points() -> None:
+    points = [
+        _point("a", _program(1e-3, 10, 1e-6), "fit", "host"),
+        _point("b", _program(5e-3, 4000, 2e-6), "fit"),
+        _point("c", _program(2e-2, 100, 5e-6), "fit", "host"),
+        _point("d", _program(3e-4, 20000, 1e-7), "fit"),
+        _point("held out", _program(7e-3, 300, 3e-6), "validate"),
+    ]
+    found = calibration.calibrate_points(points, {"libtpu": "x"})
+    for name, value in TRUE.items():
+        assert found["coefficients"][name] == pytest.approx(value, rel=1e-6), name
+    assert all(p["calibrated_ratio"] == pytest.approx(1.0) for p in found["points"])
+
+
+def test_validation_points_do_not_move_the_fit() -> None:
+    fitted = [_point(str(i), _program(10.0**-i, 50 * i, 1e-6), "fit", "host") for i in range(2, 6)]
+    held = _point("held", _program(1e-3, 100, 1e-6), "validate")
+    wrong = dict(held, point=dict(held["point"], measured_seconds=1.0))
+    a = calibration.calibrate_points([*fitted, held], {})
+    b = calibration.calibrate_points([*fitted, wrong], {})
+    assert a["coefficients"] == b["coefficients"]
+    assert b["bands"]["MXU-bound"]["held_out"] > 0.99  # the bad point shows in its band
+
+
+def test_a_coefficient_no_point_informs_keeps_its_neutral_value() -> None:
+    """With no point timed from the host, the host call costs nothing (not a guess)."""
+    points = [_point(str(i), _program(10.0**-i, 10 * i, 1e-6), "fit") for i in range(2, 5)]
+    coefficients = calibration.calibrate_points(points, {})["coefficients"]
+    assert coefficients["host_call_seconds"] == 0.0
+
+
+def test_kinds_follow_what_the_calibrated_time_is_made_of() -> None:
+    kind = lambda e: calibration.kind(calibration.ProgramFeatures.of_estimate(e), TRUE)  # noqa: E731
+    assert kind(_program(1e-3, 100)) == "MXU-bound"
+    assert kind(_program(1e-3, 100_000)) == "grid-step-bound"  # 30 ms of steps
+    assert kind(_program(1e-3, 100, memory=0.9e-3)) == "memory-bound"
+    assert kind(_program(1e-3, 100, undecided=0.5e-3)) == "data-dependent"
+
+
+def test_bands_are_the_largest_error_of_each_kind_and_none_without_a_point() -> None:
+    table = [
+        {"kind": "MXU-bound", "role": "fit", "calibrated_ratio": 1.02, "static_ratio": 0.9},
+        {"kind": "MXU-bound", "role": "validate", "calibrated_ratio": 0.95, "static_ratio": 0.8},
+    ]
+    bands = calibration.bands(table)
+    assert bands["MXU-bound"]["band"] == pytest.approx(0.05)
+    assert bands["MXU-bound"]["held_out"] == pytest.approx(0.05)
+    assert bands["MXU-bound"]["points"] == 2
+    assert bands["memory-bound"]["band"] is None
+    found = {"bands": bands}
+    assert calibration.level_band(found, "MXU-bound") == pytest.approx(0.05)
+    assert calibration.level_band(found, "memory-bound") == pytest.approx(0.05)  # widest known
+    assert math.isnan(calibration.level_band(None))
+
+
+def test_tokamax_grid_steps_count_the_tiles_each_group_touches() -> None:
+    tiles = {"tile_m": 128, "tile_n": 256, "tile_k": 512}
+    # groups of 128 (one tile), 0 (none), 200 (rows 128..328: tiles 1 and 2), 56 (tile 2 again)
+    assert calibration_points.gmm_steps([128, 0, 200, 56], tiles, k=1024, n=512) == 2 * 4 * 2
+    assert calibration_points.gmm_steps([384], tiles, k=512, n=256) == 3
+
+
+def test_the_published_points_are_as_their_sources_print_them() -> None:
+    points = {p.name: p for p in calibration_points.matmul_guide_points()}
+    assert len(points) == 21
+    assert points["XLA matmul 8192³"].measured_seconds == pytest.approx(6.047e-3, rel=1e-3)
+    pallas = points["Pallas matmul 8192³, blocks 512/1024/1024"]
+    assert pallas.measured_seconds == pytest.approx(6.099e-3, rel=1e-3)
+    assert dict(pallas.program.kwargs) == {"bm": 512, "bk": 1024, "bn": 1024}
+    assert {p.timing for p in points.values()} == {"host"}
+    fitted = [p for p in calibration_points.all_points() if p.role == "fit"]
+    assert 0 < len(fitted) < len(calibration_points.all_points()) / 2
+
+
+COMMITTED = calibration.load("v5e")
+
+
+def test_the_committed_calibration_is_of_this_analysis_and_these_points() -> None:
+    """A change of the analysis (or of a point) must come with a rerun of
+    ``pallas-flash bench --calibrate``."""
+    assert COMMITTED is not None
+    assert COMMITTED["analysis"] == whole_program.ANALYSIS_VERSION
+    published = {p.name: p.measured_seconds for p in calibration_points.all_points()}
+    for point in COMMITTED["points"]:
+        if point["name"] in published:  # tokamax's need tokamax installed
+            assert point["measured_seconds"] == pytest.approx(published[point["name"]])
+    guide = {p.name for p in calibration_points.matmul_guide_points()}
+    assert guide <= {p["name"] for p in COMMITTED["points"]}, "every guide point estimated"
+
+
+def test_the_docs_page_states_the_committed_calibration() -> None:
+    text = DOCS_PAGE.read_text()
+    start = text.index(readme.CALIBRATION_BEGIN)
+    end = text.index(readme.CALIBRATION_END) + len(readme.CALIBRATION_END)
+    assert text[start:end] + "\n" == readme.render_calibration_block(COMMITTED), (
+        "docs/calibration.md: rerun `pallas-flash readme --calibration` on the committed file"
+    )
+
+
+def test_the_section_lists_every_point_and_band() -> None:
+    lines = calibration_report.section(COMMITTED)
+    text = "\n".join(lines)
+    for point in COMMITTED["points"]:
+        assert f"| {point['name']} |" in text
+    for kind in calibration.KINDS:
+        assert f"| {kind} |" in text
