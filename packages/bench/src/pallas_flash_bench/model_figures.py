@@ -16,11 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_flash_bench import model_flops
-from pallas_flash_bench.targets import Target
-
-ENDS = ("overlapped", "scheduled", "exposed")
-"""The collectives' overlap with the compute each figure assumes (module doc)."""
+from pallas_flash_bench import calibration, model_flops
+from pallas_flash_bench.targets import SENSITIVITY, Target
+from pallas_flash_bench.whole_program import ENDS
 
 
 def step_seconds(program: Mapping[str, Any], end: str) -> float | None:
@@ -37,7 +35,6 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
 
     w = ModelWorkload(**result["workload"])
     programs = {p["program"]: p for p in result["programs"]}
-    config = w.config
     peak = [p["hbm"]["peak"] if p["compiled"] else p.get("needed_bytes")
             for p in programs.values()]  # fmt: skip
     out: dict[str, Any] = {
@@ -57,30 +54,70 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
                 "tokens_per_dollar", "decode_step_seconds", "prefill_seconds"):  # fmt: skip
         out[key] = dict.fromkeys(ENDS)
     for end in ENDS:
-        if w.step == "train":
-            step = step_seconds(programs["train"], end)
-            if step is None:
-                continue
-            flops = model_flops.train_step_flops(config, w.batch, w.seq_len)
-            out["step_seconds"][end] = step
-            out["mfu"][end] = flops / step / peak_flops
-        else:
-            prefill, decode = (
-                step_seconds(programs["prefill"], end),
-                step_seconds(programs["decode"], end),
-            )
-            if prefill is None or decode is None:
-                continue
-            prefill *= w.prefill_calls
-            step = prefill + w.generate_len * decode
-            out["prefill_seconds"][end], out["decode_step_seconds"][end] = prefill, decode
-            out["step_seconds"][end] = step
-            flops = model_flops.decode_step_flops(config, w.batch, w.mean_length)
-            out["mfu"][end] = flops / decode / peak_flops
-        out["tokens_per_second"][end] = w.tokens / step
-        out["tokens_per_chip_second"][end] = w.tokens / step / w.chips
-        out["tokens_per_dollar"][end] = w.tokens / step / chip_seconds
+        found = _step_figures(w, lambda name, end=end: step_seconds(programs[name], end),
+                              peak_flops)  # fmt: skip
+        for key, value in (found or {}).items():
+            out[key][end] = value
+        if found is not None:
+            out["tokens_per_dollar"][end] = found["tokens_per_second"] / chip_seconds
+    out["sensitivity"] = {
+        name: _step_figures(w, lambda p, name=name: _moved(programs[p], name), peak_flops)
+        for name in SENSITIVITY
+    }  # fmt: skip
+    out["calibrated"] = _calibrated(w, programs, target, peak_flops)
     return out
+
+
+def _step_figures(w: Any, step_of: Any, peak_flops: float) -> dict[str, float] | None:
+    """``step_seconds``, ``mfu``, ``tokens_per_second`` (and per chip), and for a serving run
+    ``prefill_seconds`` and ``decode_step_seconds``, from ``step_of(program name)``, each
+    program's step (None where one has none)."""
+    config = w.config
+    if w.step == "train":
+        step = step_of("train")
+        if step is None:
+            return None
+        flops = model_flops.train_step_flops(config, w.batch, w.seq_len)
+        out = {"step_seconds": step, "mfu": flops / step / peak_flops}
+    else:
+        prefill, decode = step_of("prefill"), step_of("decode")
+        if prefill is None or decode is None:
+            return None
+        prefill *= w.prefill_calls
+        step = prefill + w.generate_len * decode
+        flops = model_flops.decode_step_flops(config, w.batch, w.mean_length)
+        out = {"prefill_seconds": prefill, "decode_step_seconds": decode, "step_seconds": step,
+               "mfu": flops / decode / peak_flops}  # fmt: skip
+    out["tokens_per_second"] = w.tokens / step
+    out["tokens_per_chip_second"] = w.tokens / step / w.chips
+    return out
+
+
+def _moved(program: Mapping[str, Any], name: str) -> float | None:
+    """A program's scheduled step with one constant of `targets.SENSITIVITY` moved."""
+    moved = ((program.get("estimate") or {}).get("sensitivity") or {}).get(name) or {}
+    return moved.get("scheduled")
+
+
+def _calibrated(w: Any, programs: Mapping[str, Any], target: Target,
+                peak_flops: float) -> dict[str, Any] | None:  # fmt: skip
+    """The figures of every program's scheduled step made a device time by the committed
+    calibration (`calibration`), with the widest band of their kinds (None: no calibration,
+    or a kind without a point)."""
+    found = {}
+    for name, program in programs.items():
+        estimate = program.get("estimate")
+        if estimate is None or "kernel_grid_steps" not in estimate:
+            return None
+        features = calibration.ProgramFeatures.of_estimate(estimate)
+        found[name] = calibration.calibrate(features, target.generation)
+    if any(c is None for c in found.values()):
+        return None
+    figures = _step_figures(w, lambda name: found[name].seconds, peak_flops)
+    bands = [c.band for c in found.values()]
+    band = None if None in bands else max(bands)
+    kinds = sorted({c.kind for c in found.values()})
+    return None if figures is None else {**figures, "band": band, "kinds": kinds}
 
 
 def against_reference(figures: Mapping[str, Any]) -> dict[str, float | None]:

@@ -147,5 +147,19 @@ TARGETS = {
         price_per_chip_hour=2.70,
     ),
 }
+SENSITIVITY = {
+    "ICI bandwidth x0.7": lambda t: dataclasses.replace(
+        t, ici_bandwidth=0.7 * t.ici_bandwidth, ici_link_bandwidth=0.7 * t.ici_link_bandwidth
+    ),
+    "collective latency x3": lambda t: dataclasses.replace(
+        t, collective_latency=3 * t.collective_latency, ici_hop_latency=3 * t.ici_hop_latency
+    ),
+    "HBM at 90 %": lambda t: dataclasses.replace(t, hbm_bandwidth=0.9 * t.hbm_bandwidth),
+}
+"""The model's constants no measurement here checks, each moved the way that hurts: the
+interconnect at 70 % of its published bandwidth, every collective's latency and hop three
+times the assumed, HBM at 90 % of its published bandwidth. Whole programs are estimated under
+each beside the headline (`whole_program.program_estimate`)."""
+
 DEFAULT_TARGET = "v5e-4"
 """A v5e slice of 2x2 chips: calls on one chip, and decoding over all four."""

@@ -37,10 +37,13 @@ import re
 from collections.abc import Callable, Mapping
 
 from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, program_loops, spread
-from pallas_flash_bench.targets import Target
+from pallas_flash_bench.targets import SENSITIVITY, Target
 
 ANALYSIS_VERSION = 13
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
+
+ENDS = ("overlapped", "scheduled", "exposed")
+"""The step's ends: collectives (and copies) hidden, as the schedule places them, exposed."""
 
 TOP_OPS = 12
 """How many of a program's heaviest ops its estimate lists (``top_ops``)."""
@@ -186,6 +189,7 @@ def program_estimate(
     target: Target,
     chips: int,
     branch_shares: program_loops.BranchShares | None = None,
+    sensitivity: bool = True,
 ) -> dict:
     """A step's static estimate on one chip of ``chips`` (``branch_shares``: how often a
     conditional's branches run, `program_loops.program_runs`): compute seconds by kind of op
@@ -220,7 +224,7 @@ def program_estimate(
     heaviest = sorted(times, key=lambda t: -t.seconds)[:TOP_OPS]
     kernels = [t for t in times if t.kind == "kernel"]
     fill = sum(t.runs * t.dma_bytes / max(t.grid_steps, 1) for t in kernels)
-    return {
+    found = {
         "compute_seconds": compute,
         "compute_seconds_copies_overlapped": copies_overlapped,
         "async_copy_seconds": sum(t.seconds for t in times if t.name in copies),
@@ -245,3 +249,10 @@ def program_estimate(
         "kernel_undecided_seconds": sum(t.runs * t.undecided_seconds for t in kernels),
         "top_ops": [dict(dataclasses.asdict(t), seconds=t.seconds) for t in heaviest],
     }
+    if sensitivity:  # the same step with each assumed constant moved (`targets.SENSITIVITY`)
+        found["sensitivity"] = {}
+        for name, moved in SENSITIVITY.items():
+            again = program_estimate(text, schedules, kernel_workload, moved(target), chips,
+                                     branch_shares, sensitivity=False)  # fmt: skip
+            found["sensitivity"][name] = {end: again[f"step_seconds_{end}"] for end in ENDS}
+    return found
