@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_flash_bench import model_figures, model_flops, model_report
+from pallas_flash_bench import calibration, model_figures, model_flops, model_report
+from pallas_flash_bench.cells import percent
 from pallas_flash_bench.model_workloads import (
     MAXTEXT_16B,
     ModelWorkload,
@@ -12,7 +13,7 @@ from pallas_flash_bench.model_workloads import (
     default_models,
     quick_models,
 )
-from pallas_flash_bench.targets import TARGETS
+from pallas_flash_bench.targets import SENSITIVITY, TARGETS
 
 
 def test_maxtext_16b_has_maxtext_s_shape() -> None:
@@ -134,3 +135,28 @@ def test_the_quick_sweep_has_one_small_model_row() -> None:
     names = [w.name for w in default_models()]
     assert len(names) == len(set(names))
     assert ModelWorkload(**row.to_json()) == row
+
+
+def test_model_rows_move_with_each_assumed_constant_and_carry_their_calibrated_step() -> None:
+    w = default_models()[0]
+    program = _program("train", 3.0, 1.0, 10 << 30)
+    program["estimate"].update(kernel_grid_steps=1000, kernel_fill_seconds=0.0,
+                               kernel_undecided_seconds=0.0)  # fmt: skip
+    program["estimate"]["sensitivity"] = {
+        name: {"overlapped": 3.0, "scheduled": 3.5 + i, "exposed": 4.0 + i}
+        for i, name in enumerate(SENSITIVITY)
+    }
+    row = {"workload": w.to_json(), "programs": [program], "error": None}
+    row["figures"] = f = model_figures.derive(row, TARGETS["v5e-256"], 1.2)
+    flops = model_flops.train_step_flops(w.config, w.batch, w.seq_len)
+    peak = 256 * 197e12
+    for i, name in enumerate(SENSITIVITY):
+        assert f["sensitivity"][name]["mfu"] == pytest.approx(flops / (3.5 + i) / peak)
+    committed = calibration.load("v5e")["coefficients"]
+    features = calibration.ProgramFeatures.of_estimate(program["estimate"])
+    calibrated = calibration.device_seconds(features, committed)
+    assert f["calibrated"]["step_seconds"] == pytest.approx(calibrated)
+    assert f["calibrated"]["mfu"] == pytest.approx(flops / calibrated / peak)
+    text = "\n".join(model_report.sensitivity_table([row]))
+    assert "| ICI bandwidth x0.7 | collective latency x3 | HBM at 90 % |" in text
+    assert percent(flops / 5.5 / peak) in text  # the third constant moved

@@ -1,24 +1,33 @@
-"""The README's report block: rendered from one run, and the committed one still in the format
-the bench writes."""
+"""The figures the README and the docs state: rendered again from the committed results files,
+they must be what the files say, and the files must be of the code's analysis."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
 
-from pallas_flash_bench import comparison, readme
+from pallas_flash_bench import readme, runner, whole_program
 
-README = pathlib.Path(__file__).parents[3] / "README.md"
+ROOT = pathlib.Path(__file__).parents[3]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+MAIN_RUN = DOCS / "results" / "quick-v5e-4.json"
+MODELS_RUN = DOCS / "results" / "models-v5e.json"
+
+if not (ROOT / "mkdocs.yml").exists():
+    pytest.skip("not run from the repository: no README to check", allow_module_level=True)
+
+RERUN = (
+    "rerun `pallas-flash readme` (and, for a new analysis, the bench: docs/benchmarks.md, "
+    "'Regenerating the figures')"
+)
 
 
-def _header_line(columns: tuple[str, ...]) -> str:
-    return "| " + " | ".join(columns) + " |"
-
-
-def _block(text: str) -> str:
-    start, end = text.index(readme.BEGIN), text.index(readme.END)
-    return text[start : end + len(readme.END)]
+def _block(text: str, begin: str, end: str) -> str:
+    start, stop = text.index(begin), text.index(end)
+    return text[start : stop + len(end)] + "\n"
 
 
 def test_replacing_the_block_keeps_the_rest() -> None:
@@ -29,21 +38,22 @@ def test_replacing_the_block_keeps_the_rest() -> None:
         readme.replace_block("no markers here", new)
 
 
-def test_the_committed_readme_block_has_the_bench_format() -> None:
-    """The README's tables are the bench's: same provenance line, sections and columns (a
-    change of the report's format must come with a rerun of `pallas-flash readme`)."""
-    block = _block(README.read_text())
-    assert block.splitlines()[2].startswith("From one run of `pallas-flash bench")
-    assert "### Against jax's kernels" in block
-    assert "### How sure the estimates are" in block
-    assert _header_line(comparison.AGAINST_REFERENCES_HEADER) in block
-    assert _header_line(comparison.SPREAD_HEADER) in block
-    table_lines = [line for line in block.splitlines() if line.startswith("|")]
-    widths = {line.count(" | ") for line in table_lines if not line.startswith("|---")}
-    assert widths <= {
-        len(comparison.AGAINST_REFERENCES_HEADER) - 1,
-        len(comparison.SPREAD_HEADER) - 1,
-    }, "every row has its table's columns"
+def test_the_readme_and_the_report_page_state_the_committed_main_run() -> None:
+    results = json.loads(MAIN_RUN.read_text())
+    assert results["meta"]["versions"]["analysis"] == str(runner.ANALYSIS_VERSION), RERUN
+    if results["meta"].get("model_analysis") is not None:
+        assert results["meta"]["model_analysis"] == whole_program.ANALYSIS_VERSION, RERUN
+    block = _block(README.read_text(), readme.BEGIN, readme.END)
+    assert block == readme.render_block(results), RERUN
+    assert (DOCS / readme.REPORT_PAGE).read_text() == readme.render_report_page(results), RERUN
+
+
+def test_the_readme_and_the_models_page_state_the_committed_models_run() -> None:
+    results = json.loads(MODELS_RUN.read_text())
+    assert results["meta"]["model_analysis"] == whole_program.ANALYSIS_VERSION, RERUN
+    block = _block(README.read_text(), readme.MODELS_BEGIN, readme.MODELS_END)
+    assert block == readme.render_models_block(results), RERUN
+    assert (DOCS / readme.MODELS_PAGE).read_text() == readme.render_models_page(results), RERUN
 
 
 def test_the_models_block_is_rewritten_on_its_own(tmp_path) -> None:
@@ -54,17 +64,8 @@ def test_the_models_block_is_rewritten_on_its_own(tmp_path) -> None:
     path = tmp_path / "README.md"
     path.write_text(text)
     models = {"meta": {"date": "2026-11-25", "versions": {"jax": "0.10.2"}}, "models": []}
-    readme.update(path, None, models)
+    readme.update(path, None, models, tmp_path)
     new = path.read_text()
     assert new.startswith(f"{readme.BEGIN}\nmain\n{readme.END}\n")
     assert "From one run of `pallas-flash bench --models` on 2026-11-25 (jax 0.10.2" in new
-    assert "old" not in new and new.rstrip().endswith(readme.MODELS_END)
-
-
-def test_the_committed_readme_has_a_models_block_from_a_models_run() -> None:
-    text = README.read_text()
-    start, end = text.index(readme.MODELS_BEGIN), text.index(readme.MODELS_END)
-    block = text[start:end]
-    assert "From one run of `pallas-flash bench --models`" in block
-    assert "### Training steps against MaxText (v5e)" in block
-    assert "### Serving against JetStream (v5e)" in block
+    assert (tmp_path / readme.MODELS_PAGE).read_text().startswith("# Model-level figures")

@@ -89,6 +89,7 @@ def test_sections_come_in_order(report: str) -> None:
         "Forward",
         "Forward + backward",
         "Decode",
+        "Calibration",
         "Decoding one sequence",
         "Longest sequence that fits",
         "Kernel schedules",
@@ -456,13 +457,48 @@ def test_kernel_table_sets_dma_per_step_against_compute(spread_results: dict[str
     assert splash["DMA/step"] == "—"
 
 
-def test_the_readme_block_is_the_comparison_of_one_run(spread_results: dict[str, Any]) -> None:
-    from pallas_flash_bench import readme
+def test_the_readme_block_is_the_calibrated_comparison_of_one_run(
+    spread_results: dict[str, Any],
+) -> None:
+    from pallas_flash_bench import comparison, readme
 
+    for row in spread_results["rows"]:
+        latency = row["figures"]["latency_seconds"]["value"]
+        row["figures"]["calibrated_latency_seconds"] = {
+            "value": 1.05 * latency, "source": "calibrated", "band": 0.08, "kind": "MXU-bound"
+        }  # fmt: skip
     block = readme.render_block(spread_results)
     assert block.startswith(readme.BEGIN) and block.rstrip().endswith(readme.END)
     assert "From one run of `pallas-flash bench --quick --target v5e-1` on 2026-11-21" in block
-    for title in ("Against jax's kernels", "How sure the estimates are"):
-        section = _section(block.replace("### ", "## "), title)
-        assert _table_rows(section), f"{title}: no rows"
-    assert "## Results" not in block, "only the comparison sections"
+    assert "| " + " | ".join(comparison.HEADLINE_HEADER) + " |" in block
+    (line,) = [x for x in block.splitlines() if x.startswith("| forward N=4096 | pallas")]
+    assert "±8%" in line and "jax_splash" in line
+    assert "## Results" not in block, "only the headline"
+
+
+def test_a_reference_without_a_figure_makes_the_verdict_unknown_not_skipped(
+    spread_results: dict[str, Any],
+) -> None:
+    """Under an estimate where a reference has no figure, the backend is not compared with
+    the other references alone: the verdict under it is unknown."""
+    from pallas_flash_bench.comparison import against_references_table
+
+    splash = next(r for r in spread_results["rows"] if r.get("kind") == "reference")
+    splash["estimates"]["critical_path"] = {"cycles": None, "latency_seconds": None, "mfu": None}
+    section = "\n".join(against_references_table(spread_results["rows"]))
+    _, row = _table_rows(section)
+    assert "unknown under Critical path" in row[-1]
+    assert "Critical path 1." not in row[-1]
+
+
+def test_a_lead_within_the_calibrated_band_is_level(spread_results: dict[str, Any]) -> None:
+    from pallas_flash_bench.comparison import against_references_table
+
+    for row in spread_results["rows"]:
+        latency = row["figures"]["latency_seconds"]["value"]
+        row["figures"]["calibrated_latency_seconds"] = {
+            "value": latency, "source": "calibrated", "band": 0.5, "kind": "MXU-bound"
+        }  # fmt: skip
+    _, row = _table_rows("\n".join(against_references_table(spread_results["rows"])))
+    assert row[-1].startswith("level under every estimate"), row[-1]
+    assert row[-2].endswith("±50%")

@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         "readme", help="rewrite the README's report block from a run's results.json"
     )
     readme.add_argument(
-        "--results", type=pathlib.Path, default=pathlib.Path("bench-results/results.json")
+        "--results", type=pathlib.Path, default=pathlib.Path("docs/results/quick-v5e-4.json")
     )
     readme.add_argument(
         "--models",
@@ -124,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
         help="the calibration page (with --calibration)",
     )  # fmt: skip
     readme.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
+    readme.add_argument(
+        "--docs", type=pathlib.Path, default=pathlib.Path("docs"),
+        help="the docs folder, whose generated pages (report.md, models.md) are rewritten too",
+    )  # fmt: skip
     return parser
 
 
@@ -279,7 +283,7 @@ def _readme(args: argparse.Namespace) -> int:
         return 0
     results = None if args.only_models else json.loads(args.results.read_text())
     models = None if args.models is None else json.loads(args.models.read_text())
-    readme.update(args.readme, results, models)
+    readme.update(args.readme, results, models, args.docs)
     sources = [str(p) for p, used in ((args.results, results), (args.models, models)) if used]
     print(f"{args.readme}: rewritten from {' and '.join(sources)}")
     return 0

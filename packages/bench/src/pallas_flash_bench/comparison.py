@@ -134,11 +134,8 @@ def _calibrated_speedup(row: Mapping[str, Any], references: Sequence[Mapping[str
 
 def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Each backend's row beside the fastest reference kernel of the same workload."""
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(json.dumps(workload_of(row), sort_keys=True), []).append(row)
     table = []
-    for group in groups.values():
+    for group in _by_workload(rows):
         references = [r for r in group if r.get("kind") == "reference"]
         timed = [r for r in references if figure(r, "latency_seconds")[0] is not None]
         if not timed:
@@ -206,11 +203,13 @@ LEVEL = 0.005
 calibrated band (`row_band`)."""
 
 
-def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
-    """Whether a backend's row beats the fastest reference under every estimate, or which
-    estimates its lead rests on (speed-ups under the others); within the row's band of 1
-    (`row_band`) is level, and an estimate under which the row or any reference has no
-    figure is unknown."""
+def _verdicts(
+    row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Per verdict (ahead, level, behind, unknown), the estimates under which a backend's row
+    gets it against the fastest reference (``Title 1.07x``), and what the estimates it is
+    behind under assume; within the row's band of 1 (`row_band`) is level, and an estimate
+    under which the row or any reference has no figure is unknown."""
     band = row_band(row)
     verdicts: dict[str, list[str]] = {"ahead": [], "level": [], "behind": [], "unknown": []}
     turns: list[str] = []
@@ -225,7 +224,13 @@ def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> st
         verdicts[verdict].append(f"{title} {speedup:.2f}x")
         if verdict == "behind" and ASSUMPTIONS[name] not in turns:
             turns.append(ASSUMPTIONS[name])
-    found = {verdict: items for verdict, items in verdicts.items() if items}
+    return {verdict: items for verdict, items in verdicts.items() if items}, turns
+
+
+def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
+    """Whether a backend's row beats the fastest reference under every estimate, or which
+    estimates its lead rests on (speed-ups under the others; `_verdicts`)."""
+    found, turns = _verdicts(row, references)
     if not found:
         return MISSING
     if len(found) == 1:
@@ -237,3 +242,51 @@ def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> st
     if "ahead" not in found:
         return f"never ahead: {parts}"
     return f"the lead rests on {' and '.join(turns)}: {parts}"
+
+
+def verdict_summary(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
+    """`_lead` in a few words: ``level under every estimate``, ``ahead under 4 of 6, level
+    under 2``."""
+    found, _ = _verdicts(row, references)
+    if not found:
+        return MISSING
+    if len(found) == 1:
+        return f"{next(iter(found))} under every estimate"
+    total = sum(len(items) for items in found.values())
+    counts = [f"{verdict} under {len(items)}" for verdict, items in found.items()]
+    return f"{counts[0]} of {total}, " + ", ".join(counts[1:])
+
+
+HEADLINE_HEADER = ("Workload", "Backend", "Latency, calibrated", "Fastest jax kernel",
+                   "Its latency, calibrated", "Speed-up, calibrated", "Verdict")  # fmt: skip
+"""Columns of `headline_table`."""
+
+
+def headline_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The README's table: each backend's calibrated latency beside the jax kernel fastest on
+    the same workload (calibrated), and the verdict over every estimate (`verdict_summary`)."""
+    table = []
+    for group in _by_workload(rows):
+        references = [r for r in group if r.get("kind") == "reference"]
+        known = [r for r in references if _calibrated(r) is not None]
+        ours = [r for r in group if r.get("kind") != "reference" and _calibrated(r)]
+        if not references or not ours:
+            continue
+        fastest = min(known, key=_calibrated) if known else None
+        for row in sorted(ours, key=sort_key):
+            table.append([
+                label(row), subject(row),
+                f"{ms(_calibrated(row))} ±{row_band(row):.0%}",
+                MISSING if fastest is None else subject(fastest).removesuffix(" [reference]"),
+                MISSING if fastest is None else ms(_calibrated(fastest)),
+                _calibrated_speedup(row, references),
+                verdict_summary(row, references),
+            ])  # fmt: skip
+    return [*markdown_table(HEADLINE_HEADER, table), ""] if table else []
+
+
+def _by_workload(rows: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(json.dumps(workload_of(row), sort_keys=True), []).append(row)
+    return list(groups.values())

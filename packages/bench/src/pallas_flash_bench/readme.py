@@ -1,8 +1,11 @@
-"""The README's report block: the comparison tables of one bench run, between two markers.
+"""The figures the README and the docs state, generated from committed results files.
 
-``pallas-flash readme`` rewrites the block from a ``results.json``, so every row the README
-shows comes from that one run and in the report's own format; the bench's tests check that the
-committed block still has that format.
+``pallas-flash readme`` rewrites, from one run's ``results.json`` (committed under
+``docs/results/``): the README's headline block (the calibrated comparison with jax's
+kernels), the docs' full report page, and from a ``--models`` run the README's models block
+and the docs' models page; from a ``--calibrate`` run the calibration page's block. The
+bench's tests render them again from the committed files and fail where a stated figure
+differs, or where a file's analysis is not the code's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pallas_flash_bench import calibration_report, cells, comparison, model_report
+from pallas_flash_bench.report import render_report
 
 BEGIN = "<!-- pallas-flash readme: begin -->"
 END = "<!-- pallas-flash readme: end -->"
@@ -20,52 +24,82 @@ MODELS_END = "<!-- pallas-flash readme models: end -->"
 CALIBRATION_BEGIN = "<!-- pallas-flash calibration: begin -->"
 CALIBRATION_END = "<!-- pallas-flash calibration: end -->"
 
+REPORT_PAGE = "report.md"
+MODELS_PAGE = "models.md"
+"""The generated docs pages (in the docs folder): the full report of the main run, and the
+model sections of a ``--models`` run."""
 
-def render_block(results: Mapping[str, Any]) -> str:
-    """The block (markers included) for ``results``: the run it comes from, then the report's
-    "Against jax's kernels" and "How sure the estimates are" sections, one heading level
-    down."""
+
+def provenance(results: Mapping[str, Any], command: str) -> str:
+    """``From one run of `pallas-flash bench ...` on DATE (versions; a CPU host: no TPU).``"""
     meta = results.get("meta") or {}
     versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
+    if meta.get("model_analysis") is not None:
+        versions += f", model analysis {meta['model_analysis']}"
+    return (f"From one run of `{command}` on {meta.get('date') or cells.MISSING} ({versions}; "
+            "a CPU host: no TPU).")  # fmt: skip
+
+
+def _main_command(results: Mapping[str, Any]) -> str:
+    meta = results.get("meta") or {}
     target = (meta.get("target") or {}).get("name", "unknown target")
     quick = " --quick" if meta.get("sweep") == "quick" else ""
+    return f"pallas-flash bench{quick} --target {target}"
+
+
+def render_block(results: Mapping[str, Any]) -> str:
+    """The README's headline block (markers included) for ``results``: the run it comes
+    from, the calibration's bands and each backend against jax's fastest kernel, calibrated
+    (`comparison.headline_table`)."""
     rows = [r for r in results.get("rows", []) if r.get("compiled")]
-    sections = [
-        *calibration_report.summary_section(results.get("calibration")),
-        *comparison.against_references_table(rows),
-        *comparison.spread_table(rows),
-    ]
     lines = [
         BEGIN,
         "",
-        f"From one run of `pallas-flash bench{quick} --target {target}` on "
-        f"{meta.get('date') or cells.MISSING} ({versions}; a CPU host: no TPU). Every figure "
-        "is an estimate; its tag says which.",
+        f"{provenance(results, _main_command(results))} Every figure is an estimate from the "
+        "TPU compiler's schedule, calibrated against published v5e measurements; the band is "
+        "that calibration's error for the kind of program, and a lead within it is level. "
+        f"The whole report: [docs/{REPORT_PAGE}](docs/{REPORT_PAGE}).",
         "",
-        *(f"#{line}" if line.startswith("## ") else line for line in sections),
+        *comparison.headline_table(rows),
         END,
     ]
     return "\n".join(lines) + "\n"
 
 
 def render_models_block(results: Mapping[str, Any]) -> str:
-    """The models block (markers included) for a ``pallas-flash bench --models`` run: its
-    provenance, then the report's model sections, one heading level down."""
-    meta = results.get("meta") or {}
-    found = dict(meta.get("versions") or {}, model_analysis=meta.get("model_analysis"))
-    versions = ", ".join(f"{k} {v}" for k, v in found.items() if k != "analysis")
-    sections = model_report.model_sections(results)
+    """The README's models block (markers included) for a ``--models`` run: the training and
+    serving tables, one heading level down; the rest is on the models page."""
+    models = list(results.get("models") or [])
+    sections = [*model_report.training_table(models), *model_report.serving_table(models),
+                *model_report.sensitivity_table(models)]  # fmt: skip
     lines = [
         MODELS_BEGIN,
         "",
-        f"From one run of `pallas-flash bench --models` on {meta.get('date') or cells.MISSING} "
-        f"({versions}; a CPU host: no TPU). Ours are static estimates; the references were "
-        "measured on TPUs.",
+        f"{provenance(results, 'pallas-flash bench --models')} Ours are static estimates; "
+        "the references' figures were measured on TPUs. The whole breakdown: "
+        f"[docs/{MODELS_PAGE}](docs/{MODELS_PAGE}).",
         "",
         *(f"#{line}" if line.startswith("## ") else line for line in sections),
         MODELS_END,
     ]
     return "\n".join(lines) + "\n"
+
+
+def render_report_page(results: Mapping[str, Any]) -> str:
+    """The docs' report page: the run's whole report, under its provenance."""
+    body = render_report(results)
+    intro = (f"{provenance(results, _main_command(results))} Generated by `pallas-flash "
+             "readme` from the committed `docs/results/` file; do not edit.")  # fmt: skip
+    return body.replace("\n", f"\n\n{intro}\n", 1)
+
+
+def render_models_page(results: Mapping[str, Any]) -> str:
+    """The docs' models page: every model section of a ``--models`` run."""
+    lines = ["# Model-level figures (v5e)", "",
+             f"{provenance(results, 'pallas-flash bench --models')} Generated by "
+             "`pallas-flash readme` from the committed `docs/results/` file; do not edit.", "",
+             *model_report.model_sections(results)]  # fmt: skip
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def render_calibration_block(found: Mapping[str, Any]) -> str:
@@ -99,12 +133,18 @@ def update(
     readme: pathlib.Path,
     results: Mapping[str, Any] | None,
     models: Mapping[str, Any] | None = None,
+    docs: pathlib.Path | None = None,
 ) -> None:
     """Rewrites the file ``readme``'s block from ``results`` and its models block from
-    ``models`` (a ``--models`` run), each when given."""
+    ``models`` (a ``--models`` run), each when given, and with ``docs`` (the docs folder)
+    the generated pages of each."""
     text = readme.read_text()
     if results is not None:
         text = replace_block(text, render_block(results))
+        if docs is not None:
+            (docs / REPORT_PAGE).write_text(render_report_page(results))
     if models is not None:
         text = replace_block(text, render_models_block(models), MODELS_BEGIN, MODELS_END)
+        if docs is not None:
+            (docs / MODELS_PAGE).write_text(render_models_page(models))
     readme.write_text(text)
