@@ -125,7 +125,8 @@ def test_report_sections_show_ours_beside_the_reference() -> None:
     assert "61.1 % (MaxText README (v5e-256, measured))" in text
     assert "## Serving against JetStream (v5e)" in text and "3663 tok/s" in text
     assert "## What the model estimates are made of" in text
-    assert "3.5 s (3 s .. 4 s)" in text  # scheduled (hidden .. exposed)
+    assert "3.5 s (3 s .. 4 s)" in text  # the breakdown: scheduled (hidden .. exposed)
+    assert "4 s (as scheduled 3.5 s; all hidden 3 s)" in text  # the headline: nothing hidden
     assert model_report.model_sections({"models": []}) == []
 
 
