@@ -88,13 +88,15 @@ def compile_for(
     target: Target,
     mesh: Mesh | None = None,
     compiler_options: Mapping[str, str] | None = None,
+    donate: tuple[int, ...] = (),
 ) -> jax.stages.Compiled:
     """Compiles ``fn`` with arguments of the given shapes for the target's first device or,
     given a mesh of its devices (`call_mesh`), as one SPMD program over the mesh with each
     argument split along its ``split_axis`` (replicated without one).
 
     ``compiler_options`` are XLA options of this program alone (e.g.
-    ``xla_tpu_scoped_vmem_limit_kib``). The target's first device is jax's default device
+    ``xla_tpu_scoped_vmem_limit_kib``). ``donate``: the arguments the program may overwrite
+    (`Subject.donate`). The target's first device is jax's default device
     while ``fn`` is traced, for code that asks it which chip it runs on.
     """
     if mesh is None:
@@ -107,5 +109,6 @@ def compile_for(
         for spec, placed in zip(specs, shardings, strict=True)
     ]
     with jax.default_device(target_devices(target)[0]):
-        lowered = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",))
+        traced = jax.jit(fn, donate_argnums=donate).trace(*structs)
+        lowered = traced.lower(lowering_platforms=("tpu",))
     return lowered.compile(compiler_options=dict(compiler_options or {}))

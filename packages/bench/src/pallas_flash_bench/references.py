@@ -1,7 +1,8 @@
 """The reference kernels a v5e user would otherwise pick, each in the configurations of a sweep:
 jax's ``flash_attention``, ``splash_attention`` (with its fused backward too) and, for decode,
 ``paged_attention`` and ``ragged_paged_attention``; tokamax's splash attention where tokamax is
-installed.
+installed, and tpu-inference's Ragged Paged Attention v3 (vLLM's decode kernel on TPU) where
+tpu-inference is.
 
 Every reference program is compiled with the scoped-VMEM limit our kernels may request, so
 that no reference loses a configuration to a smaller VMEM budget than ours.
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_flash_bench import paged_reference, ragged_reference
+from pallas_flash_bench import paged_reference, ragged_reference, rpa_reference
 from pallas_flash_bench.subjects import ArraySpec, Subject, array_specs, with_backward
 from pallas_flash_bench.workloads import Workload
 
@@ -265,6 +266,18 @@ def _tokamax_unavailable() -> str | None:
     return None
 
 
+def _rpa_unavailable() -> str | None:
+    """Why tpu-inference's RPA v3 cannot be compared (not installed, or its kernel fails to
+    load: `rpa_reference.load_kernel`), or None when it can."""
+    if importlib.util.find_spec("tpu_inference") is None:
+        return f"tpu-inference is not installed: pip install --no-deps {rpa_reference.REQUIREMENT}"
+    try:
+        rpa_reference.load_kernel()
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason to report
+        return f"its kernel does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
 TOKAMAX_CAUSAL = (
     "tokamax-splash runs without a mask only: with a causal mask its forward kernel's grid is "
     "sized at run time (the schedule reads 2147483647 steps), which the static estimate "
@@ -275,11 +288,12 @@ TOKAMAX_CAUSAL = (
 def reference_notes() -> list[str]:
     """The report's notes on the references: their VMEM limit, and each reference left out of
     the sweep or of some of its workloads, with the reason."""
-    reason = _tokamax_unavailable()
+    reason, rpa = _tokamax_unavailable(), _rpa_unavailable()
     return [
         "every reference program is compiled with the target core's whole VMEM as its "
         "scoped-VMEM limit (xla_tpu_scoped_vmem_limit_kib), the most our kernels request",
         f"tokamax-splash is not compared: {reason}" if reason else TOKAMAX_CAUSAL,
+        f"tpu-inference-rpa-v3 is not compared: {rpa}" if rpa else rpa_reference.NO_INT8,
     ]
 
 
@@ -330,5 +344,13 @@ def reference_subjects(sweep: str) -> list[Subject]:
         subjects += _subjects(
             "tokamax-splash", importlib.metadata.version("tokamax"), _tokamax_build,
             TOKAMAX_BLOCKS[sweep], lambda b: b.label if b else "its own blocks",
+        )  # fmt: skip
+    if _rpa_unavailable() is None:
+        rpa = importlib.metadata.version(rpa_reference.DISTRIBUTION)
+        subjects += _subjects(
+            "tpu-inference-rpa-v3", f"{rpa}+donated",
+            rpa_reference.build, rpa_reference.BLOCKS[sweep], lambda blocks: blocks.label,
+            rpa_reference.arguments, rpa_reference.loop_trips, notes=rpa_reference.notes,
+            donate=rpa_reference.DONATE,
         )  # fmt: skip
     return subjects

@@ -109,6 +109,9 @@ class Subject:
       min_hbm_bytes: the least the subject must move on a workload (default
         `Workload.min_hbm_bytes`), for a reference that reads less (no int8 scale arrays).
       notes: ``workload -> notes`` for its rows (what its figures rest on).
+      donate: the arguments (indices) its program may overwrite, donated as their owner would
+        donate them: a kernel that updates a cache in place (an input aliased to an output)
+        otherwise makes XLA copy the whole cache first.
     """
 
     name: str
@@ -121,6 +124,7 @@ class Subject:
     loop_trips: Callable[[Workload, str], tuple[int, ...] | None] | None = None
     min_hbm_bytes: Callable[[Workload], float] | None = None
     notes: Callable[[Workload], list[str]] | None = None
+    donate: tuple[int, ...] = ()
 
     @property
     def id(self) -> str:
