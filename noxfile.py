@@ -8,6 +8,8 @@ them again for each.
 from __future__ import annotations
 
 import pathlib
+import shutil
+import subprocess
 
 import nox
 
@@ -121,15 +123,61 @@ def bench(session: nox.Session) -> None:
 
     Extra arguments go to `pallas-flash bench` (e.g. `nox -s bench -- --target v5e-4`); with
     `-- --full` the default (not quick) sweep runs. tokamax comes in as a reference (the bench
-    package's ``tokamax`` extra), here only: the tests session does without it.
+    package's ``tokamax`` extra), here only: the tests session does without it. So does
+    tpu-inference (its Ragged Paged Attention v3), without its dependencies (vllm, torch and
+    more, none of which its kernel needs).
     """
     _install(session, CORE, f"{BENCH}[tokamax]", LLAMA, *BACKENDS.values())
+    session.install(*CONSTRAINTS, "--no-deps", "tpu-inference==0.24.0")
     args = list(session.posargs)
     if "--full" in args:
         args.remove("--full")
     else:
         args.insert(0, "--quick")
     session.run("pallas-flash", "bench", "--out", str(ROOT / "bench-results"), *args)
+
+
+MAXTEXT_REQUIREMENTS = (
+    "maxtext==0.2.4", "jax[tpu]", "absl-py", "pyyaml", "omegaconf", "chex", "einops",
+    "jaxtyping", "pydantic", "aqtp", "qwix", "tensorboardx", "pathwaysutils", "jinja2",
+    "tokamax", "grain", "huggingface-hub", "transformers", "drjax", "pillow", "tiktoken",
+    "sentencepiece", "sympy", "ml-goodput-measurement", "pluggy", "tqdm",
+)  # fmt: skip
+"""What MaxText's AOT path imports (its own dependencies are many more: TensorFlow, torch and
+cloud clients, none of which compiling a train step needs), installed without dependencies'
+dependencies beyond these; jax, flax, optax and orbax at the pins of constraints.txt."""
+
+
+def _python_312() -> str:
+    """An interpreter of Python 3.12 (maxtext needs it), asked for its own path: ``python3.12``
+    on the PATH, else pyenv's 3.12 (whose shim answers only where pyenv selects it); ``3.12``
+    when neither runs."""
+    pyenv = pathlib.Path.home() / ".pyenv" / "versions"
+    candidates = [shutil.which("python3.12"), *sorted(map(str, pyenv.glob("3.12*/bin/python3.12")))]
+    for candidate in filter(None, candidates):
+        asked = subprocess.run([candidate, "-c", "import sys; print(sys.executable)"],
+                               capture_output=True, text=True, check=False)  # fmt: skip
+        if asked.returncode == 0 and asked.stdout.strip():
+            return asked.stdout.strip()
+    return "3.12"
+
+
+@nox.session(python=_python_312())
+def maxtext(session: nox.Session) -> None:
+    """MaxText's own 16B train step compiled for v5e-256 by MaxText's AOT path and estimated
+    by ours (`pallas_flash_bench.maxtext_steps`): the calibration point behind MaxText's
+    published v5e MFU. Python 3.12, as maxtext needs; about 6 minutes and 6 GB of LLO dump
+    (in .nox/maxtext-work). Writes bench-results/maxtext-16b-v5e-256.json: copy it into the
+    bench package's data/ and rerun `pallas-flash bench --calibrate`.
+    """
+    session.install("--no-deps", "maxtext==0.2.4", CORE, BENCH)
+    _install(session, "flax", "optax", "orbax-checkpoint", *MAXTEXT_REQUIREMENTS[1:])
+    work = ROOT / ".nox" / "maxtext-work"
+    module = ("python", "-m", "pallas_flash_bench.maxtext_steps")
+    session.run(*module, "compile", "--config", "16b", "--work", str(work))
+    out = ROOT / "bench-results" / "maxtext-16b-v5e-256.json"
+    out.parent.mkdir(exist_ok=True)
+    session.run(*module, "estimate", "--config", "16b", "--work", str(work), "--out", str(out))
 
 
 @nox.session
