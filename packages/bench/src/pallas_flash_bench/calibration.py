@@ -35,7 +35,7 @@ import numpy as np
 COEFFICIENTS = ("static_factor", "step_seconds", "fill_factor", "host_call_seconds")
 """The model's coefficients, in the order of `ProgramFeatures.values`."""
 
-KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent")
+KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent", "train step")
 """Kinds of program a band is given for (`kind`)."""
 
 UNDECIDED_SHARE = 0.1
@@ -137,7 +137,8 @@ def calibrate_points(points: Sequence[Mapping], versions: Mapping[str, str | Non
         calibrated = predicted_seconds(values, coefficients)
         table.append({"name": p["point"]["name"], "role": p["point"]["role"],
                       "timing": p["point"]["timing"], "source": p["point"]["source"],
-                      "kind": kind(f, coefficients), "measured_seconds": measured,
+                      "kind": p["point"].get("kind") or kind(f, coefficients),
+                      "measured_seconds": measured,
                       "static_seconds": p["estimate"]["step_seconds_scheduled"],
                       "calibrated_seconds": calibrated,
                       "static_ratio": p["estimate"]["step_seconds_scheduled"] / measured,
@@ -185,14 +186,17 @@ def describe(calibration: Mapping) -> str:
             f"{calibration['versions'].get('libtpu')}")  # fmt: skip
 
 
-def calibrate(program: ProgramFeatures, generation: str) -> CalibratedTime | None:
+def calibrate(
+    program: ProgramFeatures, generation: str, declared: str | None = None
+) -> CalibratedTime | None:
     """A program's calibrated device time and band, by the committed calibration of
-    ``generation`` (None: it has none)."""
+    ``generation`` (None: it has none); ``declared``: its kind where the caller knows it
+    (``train step``), else read from the program (`kind`)."""
     calibration = load(generation)
     if calibration is None:
         return None
     coefficients = calibration["coefficients"]
-    name = kind(program, coefficients)
+    name = declared or kind(program, coefficients)
     band = calibration["bands"][name]["band"]
     seconds = device_seconds(program, coefficients)
     return CalibratedTime(seconds, band, name, describe(calibration))

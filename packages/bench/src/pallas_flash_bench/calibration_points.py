@@ -18,11 +18,12 @@ import dataclasses
 import importlib.resources
 import json
 import math
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import numpy as np
 
-from pallas_flash_bench import calibration_programs
+from pallas_flash_bench import calibration_programs, maxtext_steps
 from pallas_flash_bench.program_refs import ProgramRef
 from pallas_flash_bench.subjects import ArraySpec
 
@@ -45,17 +46,25 @@ Role = Literal["fit", "validate"]
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationPoint:
-    """One program and the time a source measured for it on one v5e chip."""
+    """One program and the time a source measured for it on one v5e chip.
+
+    ``program``: compiled by the calibration run (`any_program`); or None, with ``estimate``
+    its whole-program estimate made elsewhere (MaxText's step: `maxtext_steps`). ``kind``:
+    the kind of program it stands for where that is not read from its estimate
+    (``train step``)."""
 
     name: str
-    program: ProgramRef
+    program: ProgramRef | None
     measured_seconds: float
     source: str
     timing: Timing
     role: Role
+    estimate: Mapping[str, Any] | None = None
+    kind: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "program": self.program.to_json(),
+        program = None if self.program is None else self.program.to_json()
+        return {"name": self.name, "program": program, "kind": self.kind,
                 "measured_seconds": self.measured_seconds, "source": self.source,
                 "timing": self.timing, "role": self.role}  # fmt: skip
 
@@ -188,6 +197,22 @@ def tokamax_points() -> list[CalibrationPoint]:
     return points
 
 
+def maxtext_points() -> list[CalibrationPoint]:
+    """MaxText's published v5e training steps, each held against the estimate of MaxText's
+    own compiled step (`maxtext_steps`, committed: compiling one takes a Python 3.12
+    environment with maxtext, minutes and gigabytes of dump)."""
+    points = []
+    for name in maxtext_steps.STEPS:
+        analysis = maxtext_steps.committed(name)
+        if analysis is None:
+            continue
+        points.append(CalibrationPoint(
+            analysis["name"], None, analysis["measured_seconds"], analysis["step"]["source"],
+            "device", "validate", analysis["estimate"], "train step",
+        ))  # fmt: skip
+    return points
+
+
 def all_points() -> list[CalibrationPoint]:
-    """Every calibration point this installation can compile."""
-    return [*matmul_guide_points(), *sparse_guide_points(), *tokamax_points()]
+    """Every calibration point this installation can compile, and MaxText's steps."""
+    return [*matmul_guide_points(), *sparse_guide_points(), *tokamax_points(), *maxtext_points()]

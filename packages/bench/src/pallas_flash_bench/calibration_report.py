@@ -15,6 +15,7 @@ KIND_MEANINGS = {
     "grid-step-bound": "kernels whose grid steps' own cost dominates (small blocks)",
     "data-dependent": "kernels whose branches on data the schedule cannot see are all charged "
     "(an upper bound)",
+    "train step": "a whole training step over a slice (collectives by the ICI model)",
 }
 
 

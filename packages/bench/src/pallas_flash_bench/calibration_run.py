@@ -22,7 +22,7 @@ def run(target: Target, versions: dict, cache: ResultCache, workers: int,
     compile (tokamax's only with tokamax installed); written to ``out_dir``."""
     points = calibration_points.all_points()
     jobs = [dict(any_program.program_job(p.program, target, ANALYSIS_VERSION), id=i)
-            for i, p in enumerate(points)]  # fmt: skip
+            for i, p in enumerate(points) if p.program is not None]  # fmt: skip
     results: dict[int, dict] = {}
     todo = []
     for job in jobs:
@@ -38,8 +38,11 @@ def run(target: Target, versions: dict, cache: ResultCache, workers: int,
             cache.put(ResultCache.key(job, versions), fresh[job["id"]])
     results.update(fresh)
     analysed = []
-    for job, point in zip(jobs, points, strict=True):
-        result = results[job["id"]]
+    for i, point in enumerate(points):
+        if point.program is None:  # estimated elsewhere (MaxText's step)
+            analysed.append({"point": point.to_json(), "estimate": point.estimate, "error": None})
+            continue
+        result = results[i]
         error = result.get("job_error") or result.get("error")
         analysed.append({"point": point.to_json(), "estimate": result.get("estimate"),
                          "error": error})  # fmt: skip

@@ -65,7 +65,30 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
         for name in SENSITIVITY
     }  # fmt: skip
     out["calibrated"] = _calibrated(w, programs, target, peak_flops)
+    out["reference_program"] = _reference_program(w.name, target)
     return out
+
+
+REFERENCE_PROGRAMS = {"train maxtext-16b": "16b"}
+"""Model rows whose reference's own program was compiled and estimated (`maxtext_steps`)."""
+
+
+def _reference_program(name: str, target: Target) -> dict[str, Any] | None:
+    """The reference's own compiled step under the same estimator, by the same flop count as
+    ours: its ``step_seconds`` and ``mfu`` at each end; None where it has none."""
+    from pallas_flash_bench import maxtext_steps
+
+    analysis = (
+        maxtext_steps.committed(REFERENCE_PROGRAMS[name]) if name in REFERENCE_PROGRAMS else None
+    )
+    if analysis is None:
+        return None
+    steps = {end: analysis["estimate"][f"step_seconds_{end}"] for end in ENDS}
+    mfu = {
+        end: analysis["flops_per_chip"] / step / target.peak_flops for end, step in steps.items()
+    }
+    return {"name": analysis["name"], "step_seconds": steps, "mfu": mfu,
+            "analysis": analysis["analysis"]}  # fmt: skip
 
 
 def _step_figures(w: Any, step_of: Any, peak_flops: float) -> dict[str, float] | None:
@@ -110,7 +133,8 @@ def _calibrated(w: Any, programs: Mapping[str, Any], target: Target,
         if estimate is None or "kernel_grid_steps" not in estimate:
             return None
         features = calibration.ProgramFeatures.of_estimate(estimate)
-        found[name] = calibration.calibrate(features, target.generation)
+        declared = "train step" if w.step == "train" else None
+        found[name] = calibration.calibrate(features, target.generation, declared)
     if any(c is None for c in found.values()):
         return None
     figures = _step_figures(w, lambda name: found[name].seconds, peak_flops)

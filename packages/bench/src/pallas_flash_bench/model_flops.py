@@ -38,10 +38,14 @@ def attention_flops(config: LlamaConfig, batch: int, seq_len: int, causal: bool 
     return flops / 2 if causal else flops
 
 
-def train_step_flops(config: LlamaConfig, batch: int, seq_len: int) -> float:
-    """Flops of one training step (forward and backward) on ``batch x seq_len`` tokens."""
+def train_step_flops(
+    config: LlamaConfig, batch: int, seq_len: int, causal_halved: bool = True
+) -> float:
+    """Flops of one training step (forward and backward) on ``batch x seq_len`` tokens;
+    ``causal_halved=False``: MaxText's count before it halved causal attention."""
     tokens = batch * seq_len
-    return 3 * (2.0 * matmul_weights(config) * tokens + attention_flops(config, batch, seq_len))
+    attention = attention_flops(config, batch, seq_len, causal=causal_halved)
+    return 3 * (2.0 * matmul_weights(config) * tokens + attention)
 
 
 def decode_step_flops(config: LlamaConfig, batch: int, length: int) -> float:
