@@ -13,6 +13,7 @@ HBM of their largest program.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,7 +133,11 @@ def _calibrated(w: Any, programs: Mapping[str, Any], target: Target,
         estimate = program.get("estimate")
         if estimate is None or "kernel_grid_steps" not in estimate:
             return None
-        features = calibration.ProgramFeatures.of_estimate(estimate)
+        # our kernels' undecided regions are weighed by their occupancy (`model_steps`), not
+        # charged in full: never of the data-dependent kind
+        features = dataclasses.replace(
+            calibration.ProgramFeatures.of_estimate(estimate), undecided_seconds=0.0
+        )
         declared = "train step" if w.step == "train" else None
         found[name] = calibration.calibrate(features, target.generation, declared)
     if any(c is None for c in found.values()):

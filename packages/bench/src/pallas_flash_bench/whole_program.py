@@ -162,8 +162,9 @@ def _cycles(
         entry = spread.kernel_entry(schedule, workload, trips)
         read = estimate.copied_fraction(schedule.name, schedule.grid, workload)
         steps = trips[0] if trips else entry["steps"]  # a grid sized at run time: as given
-        return _ListingCost(entry["cycles"], "kernel", read, steps, entry["dma_bytes"] or 0,
-                            entry["undecided_bundles"] or 0)  # fmt: skip
+        # undecided regions charged in full: only where no occupancy says how often they run
+        full = (isinstance(workload, estimate.FullGrid) and entry["undecided_bundles"]) or 0
+        return _ListingCost(entry["cycles"], "kernel", read, steps, entry["dma_bytes"] or 0, full)
     if schedule.executed_bundles_max is None:
         return _ListingCost(schedule.bundles, "other", 1.0)
     mxu = schedule.executed_mxu_cycles_max or 0
