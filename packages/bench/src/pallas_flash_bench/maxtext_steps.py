@@ -74,6 +74,9 @@ class MaxTextStep:
         return self.step_flops(causal_halved=False) / (self.published_mfu * peak_flops)
 
 
+SHAPE_FIELDS = ("vocab", "hidden", "layers", "q_heads", "kv_heads", "head_dim", "mlp")
+"""The fields of `MaxTextStep` that give the model's shape (a `LlamaConfig`'s, by name)."""
+
 STEPS = {
     "16b": MaxTextStep(
         name="MaxText 16B train step (v5e-256)",

@@ -10,18 +10,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from pallas_flash_bench import maxtext_steps
 from pallas_flash_llama.config import LlamaConfig, get_config
 
+_16B = maxtext_steps.STEPS["16b"]
 MAXTEXT_16B = LlamaConfig(
-    vocab=32000,
-    hidden=4096,
-    layers=32,
-    q_heads=64,
-    kv_heads=64,
-    head_dim=128,
-    mlp=28672,
+    **{f: getattr(_16B, f) for f in maxtext_steps.SHAPE_FIELDS},
     rope_theta=10_000.0,
-    max_len=2048,
+    max_len=_16B.seq_len,
 )
 """MaxText's default decoder at ``global_parameter_scale=16`` (base.yml: emb 2048, 16 heads
 of 128, MLP 7168, 16 layers, vocabulary 32,000; the scale doubles the width, quadruples the
