@@ -17,7 +17,7 @@ import shutil
 import sys
 import traceback
 
-RESULT_PREFIX = "PALLAS_FLASH_BENCH_RESULT "
+from pallas_flash_bench.workers import RESULT_PREFIX
 
 
 def _error_text(exc: BaseException) -> str:

@@ -14,7 +14,8 @@ import threading
 
 from tqdm import tqdm
 
-from pallas_flash_bench.worker import RESULT_PREFIX
+RESULT_PREFIX = "PALLAS_FLASH_BENCH_RESULT "
+"""How a worker's line of results begins (the rest of the line is JSON)."""
 
 WHOLE_PROGRAMS = ("model", "context", "program")
 """Job kinds that compile a whole program, the longest compiles: each worker starts on its
