@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pallas_flash_bench.calibration import describe
-from pallas_flash_bench.cells import markdown_table, ms, percent
+from pallas_flash_bench.cells import markdown_table, ms, num, percent
 
 KIND_MEANINGS = {
     "MXU-bound": "compute-bound programs with large blocks (matmuls, our attention kernels)",
@@ -17,6 +17,11 @@ KIND_MEANINGS = {
     "(an upper bound)",
     "train step": "a whole training step over a slice (collectives by the ICI model)",
 }
+
+
+def _time(seconds: float) -> str:
+    """Milliseconds, or seconds from one second up (a whole train step)."""
+    return f"{num(seconds)} s" if seconds >= 1 else ms(seconds)
 
 
 def _band(value: float | None) -> str:
@@ -70,9 +75,9 @@ def section(found: Mapping[str, Any], heading: str = "##") -> list[str]:
         "than the band of its kind is level."
     )
     points = [
-        [p["name"], p["role"], p["timing"], p["kind"], ms(p["measured_seconds"]),
-         ms(p["static_seconds"]), f"{p['static_ratio']:.3f}", ms(p["calibrated_seconds"]),
-         f"{p['calibrated_ratio']:.3f}"]
+        [p["name"], p["role"], p["timing"], p["kind"], _time(p["measured_seconds"]),
+         _time(p["static_seconds"]), f"{p['static_ratio']:.3f}",
+         _time(p["calibrated_seconds"]), f"{p['calibrated_ratio']:.3f}"]
         for p in found["points"]
     ]  # fmt: skip
     sources = sorted({p["source"] for p in found["points"]})
