@@ -15,6 +15,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MAIN_RUN = DOCS / "results" / "quick-v5e-4.json"
 MODELS_RUN = DOCS / "results" / "models-v5e.json"
+CONTEXT_RUN = DOCS / "results" / "context-v5e.json"
 
 if not (ROOT / "mkdocs.yml").exists():
     pytest.skip("not run from the repository: no README to check", allow_module_level=True)
@@ -54,6 +55,12 @@ def test_the_readme_and_the_models_page_state_the_committed_models_run() -> None
     block = _block(README.read_text(), readme.MODELS_BEGIN, readme.MODELS_END)
     assert block == readme.render_models_block(results), RERUN
     assert (DOCS / readme.MODELS_PAGE).read_text() == readme.render_models_page(results), RERUN
+
+
+def test_the_context_page_states_the_committed_context_run() -> None:
+    results = json.loads(CONTEXT_RUN.read_text())
+    assert results["meta"]["model_analysis"] == whole_program.ANALYSIS_VERSION, RERUN
+    assert (DOCS / readme.CONTEXT_PAGE).read_text() == readme.render_context_page(results), RERUN
 
 
 def test_the_models_block_is_rewritten_on_its_own(tmp_path) -> None:

@@ -114,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     readme.add_argument("--only-models", action="store_true", help="leave the main block as it is")
     readme.add_argument(
+        "--context",
+        type=pathlib.Path,
+        help="a `pallas-flash bench --context` run's results.json: rewrite the docs' context page",
+    )
+    readme.add_argument(
         "--calibration",
         type=pathlib.Path,
         help="a `pallas-flash bench --calibrate` run's calibration.json: rewrite the calibration "
@@ -283,8 +288,10 @@ def _readme(args: argparse.Namespace) -> int:
         return 0
     results = None if args.only_models else json.loads(args.results.read_text())
     models = None if args.models is None else json.loads(args.models.read_text())
-    readme.update(args.readme, results, models, args.docs)
-    sources = [str(p) for p, used in ((args.results, results), (args.models, models)) if used]
+    context = None if args.context is None else json.loads(args.context.read_text())
+    readme.update(args.readme, results, models, args.docs, context)
+    runs = ((args.results, results), (args.models, models), (args.context, context))
+    sources = [str(p) for p, used in runs if used]
     print(f"{args.readme}: rewritten from {' and '.join(sources)}")
     return 0
 
