@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,9 @@ share of them."""
 
 
 def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict]:
-    """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by id."""
+    """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by
+    id. The scratch folder (job lists, dumps, logs) is removed, or only its dumps when a
+    worker exited early (its logs say why)."""
     results: dict[int, dict] = {}
     if not jobs:
         return results
@@ -68,6 +71,10 @@ def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dic
     missing = [j for j in jobs if j["id"] not in results]
     for job in missing:
         results[job["id"]] = {"job_error": f"worker exited early; see logs in {scratch}"}
+    for dump in scratch.glob("dump-*"):  # gigabytes of listings, read by now
+        shutil.rmtree(dump, ignore_errors=True)
+    if not missing:
+        shutil.rmtree(scratch, ignore_errors=True)
     return results
 
 
