@@ -112,3 +112,12 @@ def compile_for(
         traced = jax.jit(fn, donate_argnums=donate).trace(*structs)
         lowered = traced.lower(lowering_platforms=("tpu",))
     return lowered.compile(compiler_options=dict(compiler_options or {}))
+
+
+def cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
+    """The compiler's cost analysis of a compiled program as one dict (older jax gave a list
+    of one per program); empty where it gives none."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    return dict(cost or {})

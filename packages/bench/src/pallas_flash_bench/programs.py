@@ -91,18 +91,9 @@ def analyse_program(
     text = compiled.as_text()
     out["copies"] = [{"name": op.name, "opcode": op.opcode, "shape": op.shape, "bytes": op.bytes}
                      for op in hlo.find_copy_trap(text) if op.relayout is not False]  # fmt: skip
-    out["flops"] = _flops(compiled)
+    out["flops"] = aot.cost_analysis(compiled).get("flops")
     if dump_dir is None:
         out["notes"].append("no LLO dump was requested: no static schedule")
         return out
     out["estimate"] = estimate(text, llo.load_dump(dump_dir))
     return out
-
-
-def _flops(compiled: jax.stages.Compiled) -> float | None:
-    """The compiler's flop count of a compiled program (for a Pallas kernel, its own
-    ``CostEstimate``), None where it gives none."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list):  # older jax: one dict per program
-        cost = cost[0] if cost else {}
-    return float(cost["flops"]) if cost and "flops" in cost else None

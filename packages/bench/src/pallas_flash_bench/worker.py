@@ -25,13 +25,6 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: " + " ".join(lines[:6])[:600]
 
 
-def _cost(compiled) -> dict[str, float]:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list):  # older jax: one dict per program
-        cost = cost[0] if cost else {}
-    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))}
-
-
 def analyse_row(
     subject, workload, target, dump_dir: pathlib.Path | None, keep_hlo: bool = False
 ) -> dict | None:
@@ -87,7 +80,9 @@ def analyse_row(
         "total": total,
         "fits": total <= target.hbm_bytes,
     }
-    row["cost"] = _cost(compiled)
+    cost = aot.cost_analysis(compiled)
+    row["cost"] = {"flops": float(cost.get("flops", 0.0)),
+                   "bytes": float(cost.get("bytes accessed", 0.0))}  # fmt: skip
     text = compiled.as_text()
     if keep_hlo:
         row["hlo"] = text
