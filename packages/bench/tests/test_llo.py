@@ -297,6 +297,37 @@ def test_tiny_listing_semantics():
     assert sched.executed_mxu_cycles_min == sched.executed_mxu_cycles_max == 16
 
 
+def test_a_loop_counter_kept_in_a_reused_spill_slot_is_followed():
+    """The counter lives in a spill slot that also holds another value for part of each
+    iteration (splash's fused backward): the fill at the loop head reads the store before the
+    loop on the first iteration and the body's last store after; the trip count and the
+    region's predicate are read as if the counter were an ``sphi``."""
+    text = (
+        TINY.replace(
+            "{ %s1 = smov 0 /* copy for cssa */ }",
+            "{ %s1 = smov 0  ;;  %50 = sst [smem:[#allocation4_spill]] %s1 }",
+        )
+        .replace(
+            "{ %s2 = sphi %s1, %s3 /* iteration index, stage = 0 */ }",
+            "{ %s2 = sld [smem:[#allocation4_spill]] }",
+        )
+        .replace("0x4 :  {}", "0x4 : > { %51 = sst [smem:[#allocation4_spill]] %s40 }")
+        .replace("0xb :  {}", "0xb :  { %52 = sst [smem:[#allocation4_spill]] %s3 }")
+    )
+    (loop,) = bundle_listing.parse_bundles(text, "k.1").loops
+    assert loop.trip_count == 10
+    (region,) = loop.regions
+    assert region.executed_iterations == 1
+    # the body's store inside the predicated region instead: the value that reaches the back
+    # edge is undecidable, and so is the trip count
+    undecided = text.replace("0xb :  { %52 = sst [smem:[#allocation4_spill]] %s3 }", "0xb :  {}")
+    undecided = undecided.replace(
+        "%7 = vmatmul", "%52 = sst [smem:[#allocation4_spill]] %s3  ;;  %7 = vmatmul"
+    )
+    (loop,) = bundle_listing.parse_bundles(undecided, "k.1").loops
+    assert loop.trip_count is None
+
+
 def test_mxu_cycles_count_every_executed_vmatmul_per_mxu():
     """Two bfloat16 vmatmuls on mxu1 in every iteration and a float32 one (8 rows) on mxu2:
     mxu1 is the busiest, 10 x 2 x 16 = 320 cycles, more than the 133 bundles executed."""

@@ -269,6 +269,11 @@ def parse_bundles(
     for (s, *_), depth in zip(spans, depths, strict=True):
         if bundles[s].nest and bundles[s].nest != depth:
             warnings.append(f"loop at {s}: {bundles[s].nest} '>' but nesting depth {depth}")
+    defs.link_fills(
+        bundles,
+        [(s, e) for s, e, *_ in spans],
+        [(br + 1 + BRANCH_DELAY_SLOTS, tgt - 1) for br, tgt, _ in forward],
+    )
     trips = [trip_count(defs, p) for *_, p in spans]
     mxu = _mxu_prefixes(bundles)
 

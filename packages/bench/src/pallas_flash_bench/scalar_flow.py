@@ -61,6 +61,66 @@ class Defs:
         # A spill slot stored from one register only ever holds that register's value.
         self.slots = {slot: next(iter(v)) for slot, v in stored.items() if len(v) == 1}
 
+    def link_fills(
+        self,
+        bundles: Iterable[Bundle],
+        loops: Iterable[tuple[int, int]],
+        regions: Iterable[tuple[int, int]],
+    ) -> None:
+        """Give the fills of a spill slot stored from several registers the value that reaches
+        them, where the listing's order decides it (the slot is reused for other values).
+
+        A fill at bundle ``i`` reads the last store to its slot before ``i``; where none lies
+        between the head of ``i``'s innermost loop and ``i``, it reads, like an ``sphi``, the
+        store before the loop on the first iteration and the loop body's last store on the
+        others (a loop counter kept in a spill slot). A store counts only when it is not
+        predicated and every loop and predicated region (``(start, end)`` bundle spans) around
+        it also holds the fill; else the fill stays undecidable."""
+        loops, regions = list(loops), list(regions)
+        stores: dict[str, list[tuple[int, str | None]]] = {}  # slot -> (bundle, value)
+        fills: list[tuple[int, Instruction, str]] = []
+        for b in bundles:
+            for ins in b.instructions:
+                if ins.opcode == "sst" and (m := _SPILL_STORE_RE.match(ins.args)):
+                    stores.setdefault(m["slot"], []).append(
+                        (b.index, m["value"] if ins.guard is None else None)
+                    )
+                elif (
+                    ins.opcode == "sld"
+                    and ins.guard is None
+                    and ins.dest is not None
+                    and (m := _FILL_RE.match(ins.args))
+                    and m["slot"] not in self.slots
+                ):
+                    fills.append((b.index, ins, m["slot"]))
+
+        def around(index: int) -> list[tuple[int, int]]:
+            return [s for s in (*loops, *regions) if s[0] <= index <= s[1]]
+
+        def reaching(slot: str, before: int, at: int, lowest: int = -1) -> str | None:
+            """The value of the last store to ``slot`` in [lowest, before) seen at ``at``."""
+            found = [(j, v) for j, v in stores.get(slot, []) if lowest <= j < before]
+            if not found:
+                return None
+            j, value = found[-1]
+            inside = all(s[0] <= at <= s[1] for s in around(j))
+            return value if inside else None
+
+        for index, ins, slot in fills:
+            inside = [lp for lp in loops if lp[0] <= index <= lp[1]]
+            head = min(inside, key=lambda lp: lp[1] - lp[0], default=None)
+            if head is not None and not any(head[0] <= j < index for j, _ in stores.get(slot, [])):
+                first = reaching(slot, head[0], head[0])
+                again = reaching(slot, head[1] + 1, head[1], lowest=index)
+                if first is not None and again is not None:
+                    self.defs[ins.dest] = dataclasses.replace(
+                        ins, opcode="sphi", args=f"{first}, {again}", note="spill slot, loop head"
+                    )
+                continue
+            value = reaching(slot, index, index)
+            if value is not None:
+                self.defs[ins.dest] = dataclasses.replace(ins, opcode="smov", args=value)
+
     def resolve(self, name: str) -> str:
         """Follow plain copies (``smov %x``) and spill/fill round trips to the original value."""
         for _ in range(64):
