@@ -165,3 +165,20 @@ def test_tokamax_compiles_for_v5e_as_a_pallas_kernel() -> None:
     row = worker.analyse_row(subject, Workload("forward", 1024), TARGETS["v5e-1"], None)
     assert row["compiled"], row["error"]
     assert row["copies"] == []  # the layout swaps around it cancel its own
+
+
+def test_jax_paged_charges_its_search_for_a_non_empty_sequence_only_past_an_empty_one():
+    """jax's paged_attention loops over the sequences after an empty one to find the next of
+    non-zero length: no run on a batch without an empty sequence; unknown (None, counted
+    once with a note) on one with it, and no such loop with one sequence."""
+    from pallas_flash_bench import paged_reference
+
+    ragged = Workload("decode", 8192, batch=32, q_heads=32, kv_heads=8, lengths=(512, 8192),
+                      cache="paged")  # fmt: skip
+    assert paged_reference.loop_trips(16, ragged, "paged_attention.1") == (0,)
+    assert paged_reference.loop_trips(16, ragged, "fusion.3") is None
+    one = Workload("decode", 8192, batch=1, q_heads=32, kv_heads=8)
+    assert paged_reference.loop_trips(16, one, "paged_attention.1") is None
+    empty = dataclasses.replace(ragged, lengths=(0, 1))  # about half of them empty
+    assert min(empty.sequence_lengths) == 0
+    assert paged_reference.loop_trips(16, empty, "paged_attention.1") is None

@@ -8,7 +8,9 @@ workload hands it arrays in that layout (`arguments`), so that no transpose of t
 charged to it. A contiguous cache of more than one sequence is not its layout without a copy,
 so it is compared on the paged workloads only. Its blocks of pages run as grid steps
 (``inline_seq_dim=False``): jax's default runs them in a loop inside each step whose trip
-count reads ``lengths``, and a static schedule counts that loop's body once.
+count reads ``lengths``, and a static schedule counts that loop's body once. Its one loop
+left, the search for the next sequence of non-zero length, runs only past an empty sequence
+(`loop_trips`).
 """
 
 from __future__ import annotations
@@ -89,3 +91,21 @@ def build(pages_per_block: int, workload: Workload) -> Callable[..., object] | N
         )
 
     return decode
+
+
+KERNEL = "paged_attention"
+"""How its kernel's name begins."""
+
+
+def loop_trips(pages_per_block: int, workload: Workload, kernel: str) -> tuple[int, ...] | None:
+    """How often its loop without a trip count runs over the whole kernel (`Subject.loop_trips`):
+    the ``fori_loop`` that, when a grid step moves to the next sequence and that sequence is
+    empty, searches for the next of non-zero length (``advance_to_next_non_zero_length``),
+    from that sequence on: its bound reads the batch index. None for another kernel, a batch
+    of one (no next sequence: no such loop) or a batch with an empty sequence."""
+    del pages_per_block  # the search is the same for every block size
+    if not kernel.startswith(KERNEL) or workload.batch == 1:
+        return None
+    if min(workload.sequence_lengths) == 0:
+        return None
+    return (0,)

@@ -115,7 +115,7 @@ def kernel_entry(
         assert schedule.listing is not None, "the schedule was built without its listing"
         counts = loop_trips.bundle_counts(schedule.listing, trips)
         if not isinstance(counts, str):
-            return _entry_with_trips(schedule, trips, counts)
+            return _entry_with_trips(schedule, trips, counts, workload)
         schedule = dataclasses.replace(
             schedule, warnings=(*schedule.warnings, f"loop trip counts not applied: {counts}")
         )
@@ -132,11 +132,17 @@ def kernel_entry(
     )
     found = kernel_estimates(schedule)
     fraction = estimate.undecided_fraction(schedule.grid, workload.causal, workload)
-    dma_bytes = found.dma_bytes
-    if dma_bytes is not None:  # ragged decode: the blocks past a sequence's end are not copied
-        ragged = workload.op == "decode" and workload.lengths is not None
-        dma_bytes = estimate.between(dma_bytes, fraction) if ragged else dma_bytes[1]
-    return _entry(schedule, steps, cycles, how, found, dma_bytes, fraction)
+    return _entry(schedule, steps, cycles, how, found, _dma_bytes(found, workload, fraction),
+                  fraction)  # fmt: skip
+
+
+def _dma_bytes(found: KernelEstimates, workload: estimate.Occupancy, fraction: float) -> int | None:
+    """The bytes its DMAs move: at most, but for a ragged decode, whose blocks past a
+    sequence's end are not copied (``fraction`` of the undecided ones)."""
+    if found.dma_bytes is None:
+        return None
+    ragged = workload.op == "decode" and workload.lengths is not None
+    return estimate.between(found.dma_bytes, fraction) if ragged else found.dma_bytes[1]
 
 
 def _entry(
@@ -176,28 +182,35 @@ def _span(bounds: Range | None) -> int | None:
 
 
 def _entry_with_trips(
-    schedule: llo.KernelSchedule, trips: tuple[int, ...], counts: loop_trips.BundleCounts
+    schedule: llo.KernelSchedule,
+    trips: tuple[int, ...],
+    counts: loop_trips.BundleCounts,
+    workload: estimate.Occupancy,
 ) -> dict:
     """`kernel_entry` of a kernel whose loops without a trip count run ``trips`` times
-    (`loop_trips`): every estimate weighs each bundle by its executions, predicated regions
-    that the schedule cannot decide (inside those loops: e.g. the prefetch of the next block,
-    skipped on the kernel's last block only) run on every iteration (their max), as do
-    copies whose predicate it cannot decide (at most)."""
+    (`loop_trips`): every estimate weighs each bundle by its executions, and predicated regions
+    that the schedule cannot decide run on the share of the runs that `kernel_entry` gives a
+    kernel without such loops (`estimate.undecided_fraction`: the causal or ragged share of
+    the grid; all of them, their max, for a kernel whose grid says nothing of it, such as
+    a ragged kernel's one step, where the prefetch of the next block runs on every block but
+    the last), as do copies whose predicate it cannot decide (at most)."""
     found = kernel_estimates(schedule, counts)
-    listing = schedule.listing
-    assert listing is not None
+    fraction = estimate.undecided_fraction(schedule.grid, workload.causal, workload)
     bundles = found.ranges["schedule"]
     mxu = found.ranges["mxu"]
     assert bundles is not None and mxu is not None
-    cycles, how = bundles[1], "every bundle by its executions"
-    if mxu[1] > cycles:
-        how += f"; MXU-bound: the busiest MXU needs {mxu[1]} cycles for {cycles} bundles"
-        cycles = mxu[1]
+    cycles = estimate.between(bundles, fraction)
+    busiest = estimate.between(mxu, fraction)
+    assert cycles is not None and busiest is not None
     loops = ", ".join(str(n) for n in trips)
     how = (
         f"loops whose trip counts read memory charged from the workload's lengths ({loops} "
-        f"runs, outermost first), undecided regions run; {how}"
+        f"runs, outermost first), undecided regions run on {fraction:.0%} of their runs; "
+        "every bundle by its executions"
     )
+    if busiest > cycles:
+        how += f"; MXU-bound: the busiest MXU needs {busiest} cycles for {cycles} bundles"
+        cycles = busiest
     steps = schedule.grid_steps or schedule.trip_count or 1
-    dma_bytes = found.dma_bytes[1] if found.dma_bytes is not None else None
-    return _entry(schedule, steps, cycles, how, found, dma_bytes, 1.0)
+    return _entry(schedule, steps, cycles, how, found, _dma_bytes(found, workload, fraction),
+                  fraction)  # fmt: skip
