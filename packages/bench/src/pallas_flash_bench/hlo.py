@@ -38,6 +38,7 @@ __all__ = [
     "kernel_calls",
     "parse_computations",
     "parse_entry",
+    "relayout_copies",
     "shape_bytes",
 ]
 
@@ -407,6 +408,16 @@ def _inner_copies(
         for callee in _callees(op.attributes):
             found += _inner_copies(comps, callee, seen)
     return found
+
+
+def relayout_copies(text: str) -> list[dict[str, object]]:
+    """The copies of `find_copy_trap` that change a layout (not the moves into VMEM, which are
+    prefetches), as a results file lists them: name, opcode, shape, bytes and detail."""
+    return [
+        dict(name=op.name, opcode=op.opcode, shape=op.shape, bytes=op.bytes, detail=op.detail)
+        for op in find_copy_trap(text)
+        if op.relayout is not False
+    ]
 
 
 def find_copy_trap(text: str) -> list[HloOp]:

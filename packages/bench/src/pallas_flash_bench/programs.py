@@ -89,8 +89,7 @@ def analyse_program(
         + memory.temp_size_in_bytes,
     }
     text = compiled.as_text()
-    out["copies"] = [{"name": op.name, "opcode": op.opcode, "shape": op.shape, "bytes": op.bytes}
-                     for op in hlo.find_copy_trap(text) if op.relayout is not False]  # fmt: skip
+    out["copies"] = hlo.relayout_copies(text)
     out["flops"] = aot.cost_analysis(compiled).get("flops")
     if dump_dir is None:
         out["notes"].append("no LLO dump was requested: no static schedule")

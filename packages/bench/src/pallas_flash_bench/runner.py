@@ -55,7 +55,7 @@ class BenchOptions:
     workers: int
 
 
-ANALYSIS_VERSION = 11
+ANALYSIS_VERSION = 12
 """Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
 
 

@@ -35,11 +35,12 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, program_loops, spread
 from pallas_flash_bench.targets import SENSITIVITY, Target
 
-ANALYSIS_VERSION = 13
+ANALYSIS_VERSION = 14
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
 
 ENDS = ("overlapped", "scheduled", "exposed")
@@ -198,12 +199,40 @@ def program_estimate(
     overlapped as scheduled, the collectives (`ici`), the step as the schedule overlaps
     collectives and copies (`overlap`) and at both ends: collectives hidden under the compute
     with its copies as scheduled, and nothing hidden, copies serial; and what the estimate
-    could not count."""
+    could not count. The program is read once; each variant of ``target`` in the
+    sensitivity sweep (`targets.SENSITIVITY`) is costed on that reading."""
     comps = hlo.parse_computations(text)
     runs = program_loops.program_runs(text, comps, branch_shares)
-    times, unmatched = op_times(comps, runs, schedules, kernel_workload, target)
     keys = program_loops.collective_keys(comps, runs)
-    groups = program_loops.collective_groups(comps, runs, keys)
+    program = _Program(comps, runs, keys, program_loops.collective_groups(comps, runs, keys))
+    found = _cost(program, schedules, kernel_workload, target, chips)
+    if sensitivity:  # the same step with each assumed constant moved (`targets.SENSITIVITY`)
+        found["sensitivity"] = {}
+        for name, moved in SENSITIVITY.items():
+            again = _cost(program, schedules, kernel_workload, moved(target), chips)
+            found["sensitivity"][name] = {end: again[f"step_seconds_{end}"] for end in ENDS}
+    return found
+
+
+class _Program(NamedTuple):
+    """What `program_estimate` reads of a program, whatever the target's constants."""
+
+    comps: dict[str, hlo.Computation]
+    runs: program_loops.ProgramRuns
+    keys: dict[str, str]  # collective -> its group (`program_loops.collective_keys`)
+    groups: dict  # group -> its collectives (`program_loops.collective_groups`)
+
+
+def _cost(
+    program: _Program,
+    schedules: Mapping[str, llo.KernelSchedule],
+    kernel_workload: Callable[[str], estimate.Occupancy],
+    target: Target,
+    chips: int,
+) -> dict:
+    """`program_estimate`'s figures for one target."""
+    comps, runs, keys, groups = program
+    times, unmatched = op_times(comps, runs, schedules, kernel_workload, target)
     collectives = ici.program_collectives(groups.values(), chips, target)
     by_kind = {kind: sum(t.seconds for t in times if t.kind == kind)
                for kind in ("kernel", "matmul", "other")}  # fmt: skip
@@ -250,10 +279,4 @@ def program_estimate(
         "kernel_undecided_seconds": sum(t.runs * t.undecided_seconds for t in kernels),
         "top_ops": [dict(dataclasses.asdict(t), seconds=t.seconds) for t in heaviest],
     }
-    if sensitivity:  # the same step with each assumed constant moved (`targets.SENSITIVITY`)
-        found["sensitivity"] = {}
-        for name, moved in SENSITIVITY.items():
-            again = program_estimate(text, schedules, kernel_workload, moved(target), chips,
-                                     branch_shares, sensitivity=False)  # fmt: skip
-            found["sensitivity"][name] = {end: again[f"step_seconds_{end}"] for end in ENDS}
     return found

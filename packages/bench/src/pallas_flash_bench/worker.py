@@ -86,17 +86,7 @@ def analyse_row(
     text = compiled.as_text()
     if keep_hlo:
         row["hlo"] = text
-    row["copies"] = [
-        {
-            "name": op.name,
-            "opcode": op.opcode,
-            "shape": op.shape,
-            "bytes": op.bytes,
-            "detail": op.detail,
-        }
-        for op in hlo.find_copy_trap(text)
-        if op.relayout is not False  # copies into VMEM (S(1)) are prefetches, not re-layouts
-    ]
+    row["copies"] = hlo.relayout_copies(text)
     row["collectives"] = [
         {"name": op.name, "opcode": op.opcode.removesuffix("-start"), "bytes": op.bytes}
         for op in hlo.collectives(text)
