@@ -164,20 +164,24 @@ def _python_312() -> str:
 
 @nox.session(python=_python_312())
 def maxtext(session: nox.Session) -> None:
-    """MaxText's own 16B train step compiled for v5e-256 by MaxText's AOT path and estimated
-    by ours (`pallas_flash_bench.maxtext_steps`): the calibration point behind MaxText's
-    published v5e MFU. Python 3.12, as maxtext needs; about 6 minutes and 6 GB of LLO dump
-    (in .nox/maxtext-work). Writes bench-results/maxtext-16b-v5e-256.json: copy it into the
-    bench package's data/ and rerun `pallas-flash bench --calibrate`.
+    """MaxText's own train steps (16B, Llama-2-7B; or the configs given after ``--``)
+    compiled for v5e-256 by MaxText's AOT path and estimated by ours
+    (`pallas_flash_bench.maxtext_steps`): the calibration point behind MaxText's published v5e
+    MFU, and the reference programs of the model rows. Python 3.12, as maxtext needs; about 6
+    minutes and 6 GB of LLO dump each (in .nox/maxtext-work-CONFIG, removed once read).
+    Writes bench-results/maxtext-CONFIG-v5e-256.json: copy them into the bench package's
+    data/ and rerun `pallas-flash bench --calibrate`.
     """
     session.install("--no-deps", "maxtext==0.2.4", CORE, BENCH)
     _install(session, "flax", "optax", "orbax-checkpoint", *MAXTEXT_REQUIREMENTS[1:])
-    work = ROOT / ".nox" / "maxtext-work"
     module = ("python", "-m", "pallas_flash_bench.maxtext_steps")
-    session.run(*module, "compile", "--config", "16b", "--work", str(work))
-    out = ROOT / "bench-results" / "maxtext-16b-v5e-256.json"
-    out.parent.mkdir(exist_ok=True)
-    session.run(*module, "estimate", "--config", "16b", "--work", str(work), "--out", str(out))
+    (ROOT / "bench-results").mkdir(exist_ok=True)
+    for config in session.posargs or ("16b", "llama2-7b"):
+        work = ROOT / ".nox" / f"maxtext-work-{config}"
+        out = ROOT / "bench-results" / f"maxtext-{config}-v5e-256.json"
+        session.run(*module, "compile", "--config", config, "--work", str(work))
+        session.run(*module, "estimate", "--config", config, "--work", str(work), "--out", str(out))
+        shutil.rmtree(work / "dump")  # gigabytes of LLO dump, read
 
 
 @nox.session

@@ -40,8 +40,10 @@ SCRIPT_FLAGS = (
 
 @dataclasses.dataclass(frozen=True)
 class MaxTextStep:
-    """One of MaxText's published v5e training configurations: the ``train_compile``
-    arguments of its script, the model's shape (for the flop count) and the published MFU.
+    """One of MaxText's v5e training configurations: the ``train_compile`` arguments of its
+    script, the model's shape (for the flop count) and the published MFU (None where MaxText
+    ships the script without one: the step is then a reference program, not a calibration
+    point).
 
     The MFU was measured with MaxText's flop count of the time, causal attention not halved
     (MaxText halves it now, as we do): the step time it implies is that count over the MFU
@@ -59,7 +61,7 @@ class MaxTextStep:
     mlp: int
     batch_per_chip: int
     seq_len: int
-    published_mfu: float
+    published_mfu: float | None
     source: str
 
     def step_flops(self, causal_halved: bool = True) -> float:
@@ -69,8 +71,10 @@ class MaxTextStep:
         return model_flops.train_step_flops(self, self.batch_per_chip, self.seq_len,
                                             causal_halved)  # fmt: skip
 
-    def published_step_seconds(self, peak_flops: float) -> float:
+    def published_step_seconds(self, peak_flops: float) -> float | None:
         """The step time the published MFU implies, with the flop count it was measured by."""
+        if self.published_mfu is None:
+            return None
         return self.step_flops(causal_halved=False) / (self.published_mfu * peak_flops)
 
 
@@ -106,8 +110,32 @@ STEPS = {
         source="MaxText's README, v5e-256 table (16B, seq 2048: 61.10 % MFU), measured with "
         "configs/tpu/v5e/16b.sh; its flop count then did not halve causal attention",
     ),
+    "llama2-7b": MaxTextStep(
+        name="MaxText Llama-2-7B train step (v5e-256)",
+        topology="v5e-256",
+        arguments=(
+            "model_name=llama2-7b",
+            "per_device_batch_size=4",
+            "remat_policy=save_qkv_proj",
+            "steps=15",
+            "enable_checkpointing=false",
+            "use_iota_embed=true",
+            "dataset_type=synthetic",
+        ),
+        vocab=32000,
+        hidden=4096,
+        layers=32,
+        q_heads=32,
+        kv_heads=32,
+        head_dim=128,
+        mlp=11008,
+        batch_per_chip=4,
+        seq_len=2048,
+        published_mfu=None,
+        source="MaxText's configs/tpu/v5e/llama2_7b.sh (v5e-256; no published MFU)",
+    ),
 }
-"""MaxText's published v5e configurations this module compiles, by name."""
+"""MaxText's v5e configurations this module compiles, by name."""
 
 
 def data_file(name: str) -> str:

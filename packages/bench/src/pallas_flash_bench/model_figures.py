@@ -70,7 +70,7 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
     return out
 
 
-REFERENCE_PROGRAMS = {"train maxtext-16b": "16b"}
+REFERENCE_PROGRAMS = {"train maxtext-16b": "16b", "train llama-2-7b": "llama2-7b"}
 """Model rows whose reference's own program was compiled and estimated (`maxtext_steps`)."""
 
 
