@@ -87,12 +87,13 @@ def test_train_figures_at_both_ends_against_maxtext() -> None:
 
 def test_serving_figures_charge_prefill_and_every_decode_step() -> None:
     w = next(w for w in default_models() if w.name == "serve llama-2-7b int8")
-    programs = [_program("prefill", 0.8, 0.0, 1 << 30), _program("decode", 0.01, 0.002, 2 << 30)]
+    programs = [_program("prefill", 0.8, 0.0, 1 << 30), _program("insert", 0.1, 0.0, 1 << 30),
+                _program("decode", 0.01, 0.002, 2 << 30)]  # fmt: skip
     f = model_figures.derive({"workload": w.to_json(), "programs": programs}, TARGETS["v5e-8"], 1.2)
-    assert w.prefill_calls == 12  # 96 prompts, 8 a step
-    total = 12 * 0.8 + 1024 * 0.012
+    assert w.prefill_calls == 12  # 96 prompts, 8 a step, each step's caches inserted
+    total = 12 * (0.8 + 0.1) + 1024 * 0.012
     assert f["step_seconds"]["exposed"] == pytest.approx(total)
-    scheduled = 12 * 0.8 + 1024 * 0.011
+    scheduled = 12 * (0.8 + 0.1) + 1024 * 0.011
     assert f["tokens_per_second"]["scheduled"] == pytest.approx(96 * 1024 / scheduled)
     assert f["tokens_per_second"]["exposed"] == pytest.approx(96 * 1024 / total)
     assert f["tokens_per_dollar"]["exposed"] == pytest.approx(96 * 1024 / total / (8 * 1.2 / 3600))
@@ -115,6 +116,7 @@ def test_report_sections_show_ours_beside_the_reference() -> None:
     for w, programs in (
         (default_models()[0], [_program("train", 3.0, 1.0, 10 << 30)]),
         (default_models()[3], [_program("prefill", 0.8, 0, 1 << 30),
+                               _program("insert", 0.1, 0, 1 << 30),
                                _program("decode", 0.01, 0.002, 2 << 30)]),
     ):  # fmt: skip
         row = {"workload": w.to_json(), "programs": programs, "error": None}

@@ -7,8 +7,8 @@ gives MFU (`model_flops`, as MaxText counts it) and tokens/s per chip; a serving
 tokens/s (all generated tokens over the prefill plus every decode step, each charged as the
 run's average step: its kernels reading what a batch of every length the run reaches reads
 (`model_steps`), its flops at the mean length, `ModelWorkload.mean_length`; the prefill steps
-of ``prefill_batch`` prompts that take the whole batch) and tokens per dollar; both give the peak
-HBM of their largest program.
+of ``prefill_batch`` prompts that take the whole batch, each with its insert into the decode
+batch) and tokens per dollar; both give the peak HBM of their largest program.
 """
 
 from __future__ import annotations
@@ -71,14 +71,25 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
 
 
 REFERENCE_PROGRAMS = {"train maxtext-16b": "16b", "train llama-2-7b": "llama2-7b"}
-"""Model rows whose reference's own program was compiled and estimated (`maxtext_steps`)."""
+"""Train rows whose reference's own step was compiled and estimated (`maxtext_steps`)."""
+
+REFERENCE_SERVING = {"serve llama-2-7b int8, maxtext settings": "llama2-7b"}
+"""Serving rows whose reference's own programs (MaxText's engine) were compiled and estimated
+(`maxtext_serving`)."""
 
 
 def _reference_program(name: str, target: Target) -> dict[str, Any] | None:
-    """The reference's own compiled step under the same estimator, by the same flop count as
-    ours: its ``step_seconds`` and ``mfu`` at each end; None where it has none."""
-    from pallas_flash_bench import maxtext_steps
+    """The reference's own compiled programs under the same estimator: a train step's
+    ``step_seconds`` and ``mfu`` (by the same flop count as ours), a serving run's
+    ``tokens_per_second``, each at every end; None where it has none."""
+    from pallas_flash_bench import maxtext_serving, maxtext_steps
 
+    if name in REFERENCE_SERVING:
+        served = maxtext_serving.committed(REFERENCE_SERVING[name])
+        if served is None:
+            return None
+        return {"name": served["name"], "tokens_per_second": served["tokens_per_second"],
+                "analysis": served["analysis"]}  # fmt: skip
     analysis = (
         maxtext_steps.committed(REFERENCE_PROGRAMS[name]) if name in REFERENCE_PROGRAMS else None
     )
@@ -94,7 +105,8 @@ def _reference_program(name: str, target: Target) -> dict[str, Any] | None:
 
 def _step_figures(w: Any, step_of: Any, peak_flops: float) -> dict[str, float] | None:
     """``step_seconds``, ``mfu``, ``tokens_per_second`` (and per chip), and for a serving run
-    ``prefill_seconds`` and ``decode_step_seconds``, from ``step_of(program name)``, each
+    ``prefill_seconds`` (every prefill step with its insert into the decode batch) and
+    ``decode_step_seconds`` (with its sampling), from ``step_of(program name)``, each
     program's step (None where one has none)."""
     config = w.config
     if w.step == "train":
@@ -104,10 +116,10 @@ def _step_figures(w: Any, step_of: Any, peak_flops: float) -> dict[str, float] |
         flops = model_flops.train_step_flops(config, w.batch, w.seq_len)
         out = {"step_seconds": step, "mfu": flops / step / peak_flops}
     else:
-        prefill, decode = step_of("prefill"), step_of("decode")
-        if prefill is None or decode is None:
+        prefill, insert, decode = step_of("prefill"), step_of("insert"), step_of("decode")
+        if prefill is None or insert is None or decode is None:
             return None
-        prefill *= w.prefill_calls
+        prefill = (prefill + insert) * w.prefill_calls
         step = prefill + w.generate_len * decode
         flops = model_flops.decode_step_flops(config, w.batch, w.mean_length)
         out = {"prefill_seconds": prefill, "decode_step_seconds": decode, "step_seconds": step,

@@ -1,12 +1,15 @@
 """Compile a model workload's programs for its v5e slice and estimate them (in the worker).
 
-A train workload is one program, the LLaMa package's train step; a serving workload two, its
-prefill step (``prefill_batch`` prompts) and its decode step (one token per sequence, the cache
-donated). Each is compiled and estimated as a whole program (`programs.analyse_program`).
+A train workload is one program, the LLaMa package's train step; a serving workload three, as
+a server runs them: its prefill step (``prefill_batch`` prompts into a cache of their own), the
+insert of those prefilled sequences into the decode batch's cache (`insert`), and its decode
+step with the next tokens sampled (greedy, JetStream's default), each cache donated. Each is
+compiled and estimated as a whole program (`programs.analyse_program`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -64,12 +67,41 @@ def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
                                               w.cache_split)  # fmt: skip
     tokens, lengths = abstract.prompts(prefill_batch, w.prompt_len, mesh)
     new_tokens = jax.ShapeDtypeStruct((w.batch,), jnp.int32, sharding=lengths.sharding)
+    decode = generation.jitted("decode", cache, config, w.decode_backend, mesh)
+
+    def decode_and_sample(params, cache, tokens):
+        logits, cache = decode(params, cache, tokens)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    slot = jax.ShapeDtypeStruct((), jnp.int32)
     return {
         "prefill": (generation.jitted("prefill", prefill_cache, config, w.backend, mesh),
                     (params, prefill_cache, tokens, lengths)),
-        "decode": (generation.jitted("decode", cache, config, w.decode_backend, mesh),
+        "insert": (jax.jit(insert, donate_argnames="cache"), (cache, prefill_cache, slot)),
+        "decode": (jax.jit(decode_and_sample, donate_argnames="cache"),
                    (params, cache, new_tokens)),
     }  # fmt: skip
+
+
+def insert(cache, prefix, slot: jax.Array):
+    """``cache`` (a contiguous `pallas_flash_llama.kv_cache.KVCache`, donated) with the
+    sequences of ``prefix`` (prefilled, as many positions) written over its rows from ``slot``
+    on, as a server inserts prefilled requests into its decode batch."""
+
+    def put(rows, new):
+        return jax.lax.dynamic_update_slice_in_dim(rows, new, slot, axis=0)
+
+    def layers(rows, new):
+        return None if rows is None else tuple(map(put, rows, new))
+
+    return dataclasses.replace(
+        cache,
+        k=layers(cache.k, prefix.k),
+        v=layers(cache.v, prefix.v),
+        k_scales=layers(cache.k_scales, prefix.k_scales),
+        v_scales=layers(cache.v_scales, prefix.v_scales),
+        lengths=put(cache.lengths, prefix.lengths),
+    )
 
 
 def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
