@@ -162,6 +162,12 @@ def _python_312() -> str:
     return "3.12"
 
 
+def _maxtext_env(session: nox.Session) -> None:
+    """maxtext without its dependencies, what its AOT path imports, and ours."""
+    session.install("--no-deps", "maxtext==0.2.4", CORE, BENCH)
+    _install(session, "flax", "optax", "orbax-checkpoint", *MAXTEXT_REQUIREMENTS[1:])
+
+
 @nox.session(python=_python_312())
 def maxtext(session: nox.Session) -> None:
     """MaxText's own train steps (16B, Llama-2-7B; or the configs given after ``--``)
@@ -172,8 +178,7 @@ def maxtext(session: nox.Session) -> None:
     Writes bench-results/maxtext-CONFIG-v5e-256.json: copy them into the bench package's
     data/ and rerun `pallas-flash bench --calibrate`.
     """
-    session.install("--no-deps", "maxtext==0.2.4", CORE, BENCH)
-    _install(session, "flax", "optax", "orbax-checkpoint", *MAXTEXT_REQUIREMENTS[1:])
+    _maxtext_env(session)
     module = ("python", "-m", "pallas_flash_bench.maxtext_steps")
     (ROOT / "bench-results").mkdir(exist_ok=True)
     for config in session.posargs or ("16b", "llama2-7b"):
@@ -182,6 +187,26 @@ def maxtext(session: nox.Session) -> None:
         session.run(*module, "compile", "--config", config, "--work", str(work))
         session.run(*module, "estimate", "--config", config, "--work", str(work), "--out", str(out))
         shutil.rmtree(work / "dump")  # gigabytes of LLO dump, read
+
+
+@nox.session(name="maxtext-serving", python=_python_312())
+def maxtext_serving(session: nox.Session) -> None:
+    """MaxText's inference engine (prefill, insert, generate) compiled for v5e-8 at
+    JetStream-MaxText's Llama-2-7B settings (tpu-recipes) and estimated by ours
+    (`pallas_flash_bench.maxtext_serving`): the reference serving program. Writes
+    bench-results/maxtext-serving-llama2-7b-v5e-8.json: copy it into the bench package's
+    data/. The LLO dumps (in .nox/maxtext-serving-work) are removed once read.
+    """
+    _maxtext_env(session)
+    work = ROOT / ".nox" / "maxtext-serving-work"
+    module = ("python", "-m", "pallas_flash_bench.maxtext_serving")
+    args = ("--config", "llama2-7b", "--work", str(work))
+    session.run(*module, "compile", *args)
+    out = ROOT / "bench-results" / "maxtext-serving-llama2-7b-v5e-8.json"
+    out.parent.mkdir(exist_ok=True)
+    session.run(*module, "estimate", *args, "--out", str(out))
+    for dump in work.glob("*/dump"):
+        shutil.rmtree(dump)  # the LLO dumps, read
 
 
 @nox.session
