@@ -73,7 +73,7 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
 REFERENCE_PROGRAMS = {"train maxtext-16b": "16b", "train llama-2-7b": "llama2-7b"}
 """Train rows whose reference's own step was compiled and estimated (`maxtext_steps`)."""
 
-REFERENCE_SERVING = {"serve llama-2-7b int8, maxtext settings": "llama2-7b"}
+REFERENCE_SERVING = {"serve llama-2-7b, maxtext settings": "llama2-7b"}
 """Serving rows whose reference's own programs (MaxText's engine) were compiled and estimated
 (`maxtext_serving`)."""
 
