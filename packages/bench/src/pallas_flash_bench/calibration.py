@@ -35,7 +35,8 @@ import numpy as np
 COEFFICIENTS = ("static_factor", "step_seconds", "fill_factor", "host_call_seconds")
 """The model's coefficients, in the order of `ProgramFeatures.values`."""
 
-KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent", "train step")
+KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent", "train step",
+         "serving run")  # fmt: skip
 """Kinds of program a band is given for (`kind`)."""
 
 UNDECIDED_SHARE = 0.1
@@ -72,6 +73,14 @@ class ProgramFeatures:
         return cls(estimate["step_seconds_scheduled"], estimate["kernel_grid_steps"],
                    estimate["kernel_fill_seconds"], estimate["memory_bound_seconds"],
                    estimate.get("kernel_undecided_seconds", 0.0))  # fmt: skip
+
+    @classmethod
+    def run_estimate(cls, parts: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float]:
+        """A run of several programs as one estimate of what `of_estimate` reads: each
+        figure summed over ``parts``, (whole-program estimate, how often the run calls it)."""
+        keys = ("step_seconds_scheduled", "kernel_grid_steps", "kernel_fill_seconds",
+                "memory_bound_seconds", "kernel_undecided_seconds")  # fmt: skip
+        return {key: sum(runs * e.get(key, 0.0) for e, runs in parts) for key in keys}
 
     def values(self, host_call: bool = False) -> list[float]:
         """In the order of `COEFFICIENTS`; ``host_call``: the program was timed from the host."""

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pallas_flash_bench import calibration_programs, maxtext_steps
+from pallas_flash_bench import calibration_programs, maxtext_serving, maxtext_steps
+from pallas_flash_bench.calibration import ProgramFeatures
 from pallas_flash_bench.program_refs import ProgramRef
 from pallas_flash_bench.subjects import ArraySpec
 
@@ -213,6 +214,32 @@ def maxtext_points() -> list[CalibrationPoint]:
     return points
 
 
+def serving_points() -> list[CalibrationPoint]:
+    """JetStream-MaxText's published serving throughput, held against the estimate of
+    MaxText's own engine programs (`maxtext_serving`, committed) for a run at the reference's
+    batch of ``generate_length`` decode steps, each sequence prefilled and inserted once: the
+    time the published tokens/s implies for that run's tokens. The measured run's prompts
+    were shorter (its requests' own lengths) and its batch continuous: a point for the kind
+    ``serving run``, validated, not fitted."""
+    points = []
+    for name, ref in maxtext_serving.SERVING.items():
+        analysis = maxtext_serving.committed(name)
+        if analysis is None:
+            continue
+        batch, programs = analysis["batch"], analysis["programs"]
+        runs = {"generate": ref.generate_length, "prefill": batch, "insert": batch}
+        estimate = ProgramFeatures.run_estimate(
+            [(programs[p]["estimate"], n) for p, n in runs.items()]
+        )
+        tokens = batch * ref.generate_length
+        points.append(CalibrationPoint(
+            analysis["name"], None, tokens / ref.published_tokens_per_second, ref.source,
+            "device", "validate", estimate, "serving run",
+        ))  # fmt: skip
+    return points
+
+
 def all_points() -> list[CalibrationPoint]:
-    """Every calibration point this installation can compile, and MaxText's steps."""
-    return [*matmul_guide_points(), *sparse_guide_points(), *tokamax_points(), *maxtext_points()]
+    """Every calibration point this installation can compile, and MaxText's programs."""
+    return [*matmul_guide_points(), *sparse_guide_points(), *tokamax_points(), *maxtext_points(),
+            *serving_points()]  # fmt: skip

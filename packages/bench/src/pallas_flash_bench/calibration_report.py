@@ -16,6 +16,7 @@ KIND_MEANINGS = {
     "data-dependent": "kernels whose branches on data the schedule cannot see are all charged "
     "(an upper bound)",
     "train step": "a whole training step over a slice (collectives by the ICI model)",
+    "serving run": "a serving run over a slice: its prefill, insert and decode programs",
 }
 
 

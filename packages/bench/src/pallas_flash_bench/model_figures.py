@@ -150,7 +150,7 @@ def _calibrated(w: Any, programs: Mapping[str, Any], target: Target,
         features = dataclasses.replace(
             calibration.ProgramFeatures.of_estimate(estimate), undecided_seconds=0.0
         )
-        declared = "train step" if w.step == "train" else None
+        declared = "train step" if w.step == "train" else "serving run"
         found[name] = calibration.calibrate(features, target.generation, declared)
     if any(c is None for c in found.values()):
         return None

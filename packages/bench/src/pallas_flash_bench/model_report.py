@@ -98,14 +98,21 @@ def _program_ratio(figures: Mapping[str, Any], key: str, render: Callable[[Any],
                    ours_first: bool) -> tuple[str, str]:  # fmt: skip
     """The reference program's ``key`` (``figures["reference_program"]``, the same estimator)
     and ours against it at each end: ours over theirs (``ours_first``, a rate) or theirs
-    over ours (a time: our speed-up)."""
+    over ours (a time: our speed-up), with the verdict under the row's calibrated band
+    (``level`` where the ratio at some end lies within it)."""
     program = figures.get("reference_program")
     if program is None or key not in program:
         return MISSING, MISSING
     theirs, ours = program[key], figures.get(key) or {}
     ratio = {end: (ours[end] / theirs[end] if ours_first else theirs[end] / ours[end])
              for end in theirs if ours.get(end) and theirs[end]}  # fmt: skip
-    return pessimistic_cell(theirs, render), pessimistic_cell(ratio, lambda x: f"{num(x)}x")
+    cell = pessimistic_cell(ratio, lambda x: f"{num(x)}x")
+    band = (figures.get("calibrated") or {}).get("band")
+    if ratio and band is not None:
+        lo, hi = min(ratio.values()), max(ratio.values())
+        verdict = "ahead" if lo > 1 + band else "behind" if hi < 1 - band else "level"
+        cell += f": {verdict} (band ±{percent(band)})"
+    return pessimistic_cell(theirs, render), cell
 
 
 def _failed(row: Mapping[str, Any]) -> str | None:
