@@ -163,3 +163,28 @@ def test_model_rows_move_with_each_assumed_constant_and_carry_their_calibrated_s
     text = "\n".join(model_report.sensitivity_table([row]))
     assert "| ICI bandwidth x0.7 | collective latency x3 | HBM at 90 % |" in text
     assert percent(flops / 5.5 / peak) in text  # the third constant moved
+
+
+def test_the_row_at_maxtext_settings_is_held_against_maxtext_s_engine() -> None:
+    """The serving row at JetStream-MaxText's settings gets MaxText's engine programs, estimated
+    by the same estimator (committed), and the report a verdict under the row's band."""
+    from pallas_flash_bench import maxtext_serving
+
+    committed = maxtext_serving.committed("llama2-7b")
+    if committed is None:
+        pytest.skip("no committed MaxText serving analysis")
+    w = next(w for w in default_models() if w.name in model_figures.REFERENCE_SERVING)
+    assert (w.batch, w.prefill_batch, w.kv_dtype, w.mesh) == (88, 1, None, (1, 1, 8))
+    assert w.batch == committed["batch"]
+    programs = [_program("prefill", 0.02, 0.0, 1 << 30), _program("insert", 0.002, 0.0, 1 << 30),
+                _program("decode", 0.01, 0.002, 2 << 30)]  # fmt: skip
+    row = {"workload": w.to_json(), "programs": programs, "error": None}
+    row["figures"] = f = model_figures.derive(row, TARGETS["v5e-8"], 1.2)
+    assert f["reference_program"]["tokens_per_second"] == committed["tokens_per_second"]
+    text = "\n".join(model_report.serving_table([row]))
+    theirs = committed["tokens_per_second"]["exposed"]
+    ours = f["tokens_per_second"]["exposed"]
+    assert f"{ours / theirs:.3g}x" in text
+    band = (f.get("calibrated") or {}).get("band")
+    if band is not None:  # a calibration with a serving point gives the verdict
+        assert "(band ±" in text
