@@ -178,6 +178,8 @@ def test_the_row_at_maxtext_settings_is_held_against_maxtext_s_engine() -> None:
     assert w.batch == committed["batch"]
     programs = [_program("prefill", 0.02, 0.0, 1 << 30), _program("insert", 0.002, 0.0, 1 << 30),
                 _program("decode", 0.01, 0.002, 2 << 30)]  # fmt: skip
+    for program in programs:  # what the calibration reads of each
+        program["estimate"].update(kernel_grid_steps=100, kernel_fill_seconds=0.0)
     row = {"workload": w.to_json(), "programs": programs, "error": None}
     row["figures"] = f = model_figures.derive(row, TARGETS["v5e-8"], 1.2)
     assert f["reference_program"]["tokens_per_second"] == committed["tokens_per_second"]
@@ -185,6 +187,8 @@ def test_the_row_at_maxtext_settings_is_held_against_maxtext_s_engine() -> None:
     theirs = committed["tokens_per_second"]["exposed"]
     ours = f["tokens_per_second"]["exposed"]
     assert f"{ours / theirs:.3g}x" in text
-    band = (f.get("calibrated") or {}).get("band")
-    if band is not None:  # a calibration with a serving point gives the verdict
-        assert "(band ±" in text
+    # the committed calibration's serving point gives the row its band, and the verdict
+    assert f["calibrated"]["kinds"] == ["serving run"]
+    band = f["calibrated"]["band"]
+    verdict = "ahead" if ours / theirs > 1 + band else "behind" if ours / theirs < 1 - band else ""
+    assert f"{verdict or 'level'} (band ±" in text
