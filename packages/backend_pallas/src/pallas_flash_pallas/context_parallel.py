@@ -50,6 +50,7 @@ from jax.sharding import Mesh, PartitionSpec
 from pallas_flash import context_layout, tpu
 from pallas_flash.context_layout import ContextExchange, ContextLayout, chunk_ids
 from pallas_flash.merge import merge
+from pallas_flash.mesh_placement import place
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.attention import sinks_gradient
 from pallas_flash_pallas.backward import flash_backward
@@ -437,5 +438,5 @@ def context_parallel_attention(
     args, in_specs = (q, k, v, sinks, segment_ids), (split, split, split, PartitionSpec(), sequence)
 
     return jax.shard_map(attention, mesh=mesh, in_specs=in_specs, out_specs=split, check_vma=False)(
-        *args
+        *place(args, mesh, in_specs)
     )

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash.merge import merge, merge_across
+from pallas_flash.mesh_placement import place
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import placement
 from pallas_flash_splitkv.blocks import DecodeBlocks
@@ -132,7 +133,9 @@ def split_kv_decode(
     if mesh is None:
         split = placement.follow(cache.k, cache.v, axis)
     else:
-        split = None if mesh.size == 1 else (mesh, tuple(mesh.axis_names))
+        # one device: no split, but inside shard_map, where a cache laid out over an
+        # explicit-axis mesh (jax.make_mesh) reaches the kernel as a plain array
+        split = (mesh, tuple(mesh.axis_names) if mesh.size > 1 else ())
     if split is None:
         out, _ = _local(q, cache, lengths, spec, blocks)
         return out.astype(q.dtype)
@@ -144,7 +147,19 @@ def split_kv_decode(
             f"k_cache: expected {size} divisible by the mesh's {parts} devices, "
             f"got {size}={cache.k.shape[axis]}"
         )
+    q, cache, lengths = place((q, cache, lengths), mesh, _in_specs(cache, axes))
     return _sharded(q, cache, lengths, spec=spec, blocks=blocks, mesh=mesh, axes=axes)
+
+
+def _in_specs(cache: pf.DecodeCache, axes: tuple[str, ...]) -> tuple:
+    """How `_sharded` takes (q, cache, lengths): the cache's sequence (paged: pages) axis
+    split over ``axes``, the rest replicated."""
+    axis = placement.PAGE_AXIS if cache.paged else placement.SEQUENCE_AXIS
+    split = [axes or None if i == axis else None for i in range(4)]
+    values = PartitionSpec(*split)
+    scales = PartitionSpec(*split[:3]) if cache.quantized else None
+    table = PartitionSpec() if cache.paged else None
+    return PartitionSpec(), pf.DecodeCache(values, values, table, scales, scales), PartitionSpec()
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "blocks", "mesh", "axes"))
@@ -178,15 +193,7 @@ def _sharded(
             out, _ = merge_across(out, lse, axes)
         return out.astype(q.dtype)
 
-    split = [axes or None if i == axis else None for i in range(4)]
-    values = PartitionSpec(*split)
-    scales = PartitionSpec(*split[:3]) if cache.quantized else None
-    table = PartitionSpec() if cache.paged else None
-    cache_specs = pf.DecodeCache(values, values, table, scales, scales)
+    in_specs = _in_specs(cache, axes)
     return jax.shard_map(
-        on_device,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), cache_specs, PartitionSpec()),
-        out_specs=PartitionSpec(),
-        check_vma=False,
-    )(q, cache, lengths)
+        on_device, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False
+    )(*place((q, cache, lengths), mesh, in_specs))

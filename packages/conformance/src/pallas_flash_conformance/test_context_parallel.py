@@ -113,6 +113,23 @@ def test_matches_the_whole_sequence(backend, split: Split, dtype: str) -> None:
     assert_close(out, expected, FORWARD_TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("split", [_param("full-contiguous-segments-gqa")])
+def test_a_mesh_from_jax_make_mesh_takes_numpy_inputs(backend, split: Split, jit: bool) -> None:
+    """``jax.make_mesh`` (axes ``Explicit`` on this jax) and NumPy inputs, not yet placed:
+    laid out over the mesh by the backend, eager or under the user's jit."""
+    mesh = jax.make_mesh((jax.device_count(),), ("seq",))
+    q, k, v = (np.asarray(x) for x in split.arrays())
+    ids = pf.SegmentIds(*(np.asarray(x) for x in split.case.segment_ids()))
+
+    def call(q, k, v, ids):
+        return pf.attention(q, k, v, segment_ids=ids, mesh=mesh, backend=backend.name)
+
+    out = (jax.jit(call) if jit else call)(q, k, v, ids)
+    expected = reference.attention(q, k, v, **split.case.reference_kwargs())
+    assert_close(out, expected, FORWARD_TOLERANCE["float32"])
+
+
 @pytest.mark.parametrize("split", [_param(name, "grad") for name in CASES])
 def test_gradients_match_the_whole_sequence(backend, split: Split) -> None:
     """dq, dk, dv (and the sinks', summed over every device's rows)."""

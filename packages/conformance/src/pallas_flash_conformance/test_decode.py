@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -153,4 +154,42 @@ def test_stale_cache_slots_past_lengths_are_ignored(backend) -> None:
         k_cache[b, :, length:] = np.nan
         v_cache[b, :, length:] = np.nan
     out = pf.decode(q, k_cache, v_cache, lengths, backend=backend.name)
+    assert_close(out, expected, FORWARD_TOLERANCE["float32"])
+
+
+def _user_mesh(kind: str) -> jax.sharding.Mesh:
+    """A mesh over every device as users build it: ``jax.make_mesh`` (the constructor jax's
+    docs teach; its axes ``Explicit`` on this jax) or ``jax.sharding.Mesh`` (axes ``Auto``)."""
+    if kind == "make_mesh":
+        return jax.make_mesh((jax.device_count(),), ("kv",))
+    return jax.sharding.Mesh(np.array(jax.devices()), ("kv",))
+
+
+@pytest.mark.requires("multi_device")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("placed", ["numpy", "one_device", "sharded"])
+@pytest.mark.parametrize("kind", ["make_mesh", "Mesh"])
+def test_decode_takes_arrays_as_users_have_them(backend, kind: str, placed: str, jit: bool):
+    """NumPy arrays, jax arrays on one device or a cache already split over the mesh: the
+    same output, eager or jitted, over either kind of mesh (under the user's jit, jax refuses
+    an argument committed to one device: there, on the default device uncommitted)."""
+    mesh = _user_mesh(kind)
+    batch, q_heads, kv_heads, max_len, head_dim, lengths = MESH_SHAPES["mha-ragged-0-max"]
+    q = np.asarray(inputs.normal(0, (batch, q_heads, head_dim), "float32"))
+    k_cache = np.asarray(inputs.normal(1, (batch, kv_heads, max_len, head_dim), "float32"))
+    v_cache = np.asarray(inputs.normal(2, (batch, kv_heads, max_len, head_dim), "float32"))
+    lengths = np.asarray(lengths, np.int32)
+    args = [q, k_cache, v_cache, lengths]
+    if placed == "one_device":  # committed to the last device (eager: under jit jax refuses)
+        args = [jax.device_put(a, jax.devices()[-1]) if not jit else jnp.asarray(a)
+                for a in args]  # fmt: skip
+    elif placed == "sharded":
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "kv"))
+        args[1:3] = [jax.device_put(a, split) for a in args[1:3]]
+
+    def call(q, k_cache, v_cache, lengths):
+        return pf.decode(q, k_cache, v_cache, lengths, backend=backend.name, mesh=mesh)
+
+    out = (jax.jit(call) if jit else call)(*args)
+    expected = reference.decode(q, k_cache, v_cache, lengths, sm_scale=1 / math.sqrt(head_dim))
     assert_close(out, expected, FORWARD_TOLERANCE["float32"])

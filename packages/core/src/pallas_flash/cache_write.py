@@ -23,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from pallas_flash import interpret, row_write_kernel
 from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.mesh_placement import place
 from pallas_flash.quantization import quantize_int8
 
 Split = tuple[Mesh, tuple[str, ...]]
@@ -84,13 +85,10 @@ def _write_split(
         return write(cache, values, blocks, positions - first)
 
     local = PartitionSpec(*(axes if i == split_axis else None for i in range(cache.ndim)))
-    return jax.shard_map(
-        on_device,
-        mesh=mesh,
-        in_specs=(local, PartitionSpec(), PartitionSpec(), PartitionSpec()),
-        out_specs=local,
-        check_vma=False,
-    )(cache, values, blocks, positions)
+    in_specs = (local, PartitionSpec(), PartitionSpec(), PartitionSpec())
+    return jax.shard_map(on_device, mesh=mesh, in_specs=in_specs, out_specs=local, check_vma=False)(
+        *place((cache, values, blocks, positions), mesh, in_specs)
+    )
 
 
 def _write_rows(

@@ -1,0 +1,47 @@
+"""Inputs laid out over a mesh as a ``shard_map`` takes them, whatever mesh the user built.
+
+``jax.make_mesh`` (the constructor jax's docs teach) gives axes of type ``Explicit`` on this
+jax, and ``shard_map`` over such a mesh requires every input to be sharded exactly as its
+``in_specs`` say: a NumPy array, an array on one device, or one sharded another way is
+refused. A ``jax.sharding.Mesh`` built by hand has ``Auto`` axes, which ``jit`` lays out by
+itself. `place` lays the inputs out for both, so a backend's mesh layer takes the arrays as
+users have them: concrete arrays (NumPy, on one device, sharded another way) by
+``jax.device_put``, before the backend's own ``jit``, and traced ones (under the user's
+``jit``) over an explicit mesh by ``jax.sharding.reshard``, over an auto one by a sharding
+constraint. An array not yet laid out so is copied across the devices: the price of handing
+over unplaced arrays (a cache placed once with ``NamedSharding`` moves nothing). Under the
+user's ``jit``, jax itself refuses an argument committed to a device outside the mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["place"]
+
+
+def place(values: Any, mesh: Mesh, specs: Any) -> Any:
+    """``values`` (a pytree of arrays) laid out over ``mesh`` as ``specs`` say, as
+    ``shard_map(mesh=mesh, in_specs=specs)`` takes them: ``specs`` is a prefix of ``values``,
+    a `PartitionSpec` for each array or subtree of arrays (None: left as it is)."""
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+
+    def subtree(spec: PartitionSpec | None, value: Any) -> Any:
+        if spec is None:
+            return value
+        sharding = NamedSharding(mesh, spec)
+
+        def one(x: Any) -> jax.Array:
+            if not isinstance(x, jax.core.Tracer):
+                return jax.device_put(x, sharding)
+            if explicit:
+                return jax.sharding.reshard(x, sharding)
+            return jax.lax.with_sharding_constraint(x, sharding)
+
+        return jax.tree.map(one, value)
+
+    return jax.tree.map(subtree, specs, values,
+                        is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))  # fmt: skip
