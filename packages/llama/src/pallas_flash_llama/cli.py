@@ -8,13 +8,18 @@
 
 Compiled programs are kept in a persistent compilation cache (`DEFAULT_CACHE_DIR`, or
 ``$PALLAS_FLASH_LLAMA_CACHE``; ``--compilation-cache off`` disables it), so a second run
-starts without recompiling. ``jax.distributed.initialize()`` runs first when the environment
-describes a multi-host job (`sharding.initialize_distributed`).
+starts without recompiling.
+
+A job over several processes (hosts) runs the same command in each, with
+``--coordinator HOST:PORT --num-processes N --process-id I`` (or ``--distributed`` where jax
+detects the job itself, as on a Cloud TPU slice): see `distributed`. Process 0 prints and
+writes the model; every process writes its shards of the checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import shutil
@@ -25,7 +30,7 @@ from collections.abc import Sequence
 import jax
 
 import pallas_flash as pf
-from pallas_flash_llama import data, sharding, tiny
+from pallas_flash_llama import data, distributed, sharding, tiny
 from pallas_flash_llama.config import REMAT_POLICIES, get_config
 from pallas_flash_llama.generation import KV_CACHES, PAGE_SIZE, generate
 from pallas_flash_llama.kv_cache import CACHE_SPLITS
@@ -91,6 +96,7 @@ def _generate(args: argparse.Namespace) -> None:
         kv_split=args.kv_split,
     )
     generated: list[list[int]] = [[] for _ in prompts]
+    show = distributed.is_main()
     start = time.perf_counter()
     count, shown = 0, ""
     for tokens in steps:
@@ -98,12 +104,14 @@ def _generate(args: argparse.Namespace) -> None:
             if token >= 0:
                 generated[i].append(int(token))
                 count += 1
-        if len(prompts) == 1:  # stream one prompt's text as it comes (whole characters)
+        if show and len(prompts) == 1:  # stream one prompt's text (whole characters)
             text = tokenizer.decode(generated[0])
             sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
     elapsed = time.perf_counter() - start
+    if not show:
+        return
     if len(prompts) == 1:
         print()
     else:
@@ -154,7 +162,7 @@ def _train(args: argparse.Namespace) -> None:
         checkpoints = checkpoint.checkpoint_manager(args.checkpoint_dir, args.keep_checkpoints)
         state = checkpoint.restore_state(checkpoints, state) or state
     first = int(state.step)
-    if first:
+    if first and distributed.is_main():
         print(f"resuming at step {first} from {args.checkpoint_dir}")
     step_fn = make_train_step(config, train_config, backend=args.backend, mesh=mesh)
     batches = data.batches(packed, args.batch_size, seed=args.seed)
@@ -163,9 +171,18 @@ def _train(args: argparse.Namespace) -> None:
 
     def save(directory: pathlib.Path) -> None:
         save_params(directory, state.params, config)
-        shutil.copy(pathlib.Path(tokenizer_dir) / TOKENIZER_FILE, directory / TOKENIZER_FILE)
+        if distributed.is_main():
+            shutil.copy(pathlib.Path(tokenizer_dir) / TOKENIZER_FILE, directory / TOKENIZER_FILE)
 
-    bar = tqdm(range(first + 1, args.steps + 1), desc="train", unit="step", initial=first)
+    log = open(args.metrics, "a") if args.metrics and distributed.is_main() else None  # noqa: SIM115
+
+    bar = tqdm(
+        range(first + 1, args.steps + 1),
+        desc="train",
+        unit="step",
+        initial=first,
+        disable=not distributed.is_main(),
+    )
     start, tokens_seen = time.perf_counter(), 0
     for step in bar:
         state, metrics = step_fn(state, shard_batch(next(batches), mesh))
@@ -173,6 +190,10 @@ def _train(args: argparse.Namespace) -> None:
         loss = float(metrics["loss"])
         rate = tokens_seen / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{rate:,.0f}")
+        if log:
+            record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"])}
+            log.write(json.dumps(record | {"tokens_per_s": rate}) + "\n")
+            log.flush()
         if args.save and args.save_every and step % args.save_every == 0:
             save(pathlib.Path(args.save))
         if checkpoints and step % args.checkpoint_every == 0:
@@ -182,9 +203,12 @@ def _train(args: argparse.Namespace) -> None:
             checkpoint.save_state(checkpoints, state)
         checkpoints.wait_until_finished()
         checkpoints.close()
+    if log:
+        log.close()
     if args.save:
         save(pathlib.Path(args.save))
-        print(f"saved to {args.save}")
+        if distributed.is_main():
+            print(f"saved to {args.save}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +218,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"persistent compilation cache (default ${CACHE_ENV_VAR} or {DEFAULT_CACHE_DIR}; "
         "'off' disables it)",
+    )
+    job = parser.add_argument_group("jobs over several processes (hosts)")
+    job.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    job.add_argument("--num-processes", type=int, help="how many processes the job has")
+    job.add_argument("--process-id", type=int, help="this process's rank, from 0")
+    job.add_argument(
+        "--distributed",
+        action="store_true",
+        help="a job jax detects itself (a Cloud TPU slice, SLURM, Open MPI)",
+    )
+    job.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=distributed.HEARTBEAT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a process silent this long fails the job",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -264,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="make the loss's logits this many positions at a time (divides --seq-len): a "
         "large vocabulary's logits need not exist whole",
     )
+    tr.add_argument(
+        "--metrics", metavar="FILE", help="append each step's loss and rate to FILE (JSON lines)"
+    )
     tr.add_argument("--save", help="write the trained model here (safetensors)")
     tr.add_argument("--save-every", type=int, help="also save every N steps")
     tr.add_argument(
@@ -279,13 +322,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    sharding.initialize_distributed()
     enable_compilation_cache(args.compilation_cache)
+    joined = False
     try:
+        joined = distributed.initialize(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            auto=args.distributed,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+        )
         args.run(args)
     except (pf.InvalidInputError, pf.UnsupportedFeatureError, pf.BackendNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as error:
+        if not joined:
+            raise
+        # A collective with a process that stopped fails here first; jax's coordination
+        # service then ends this process too once the heartbeat timeout passes.
+        print(
+            f"error: process {jax.process_index()} of {jax.process_count()}: a step failed, "
+            f"most likely because another process of the job stopped ({error})",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

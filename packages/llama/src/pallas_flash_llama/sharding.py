@@ -15,7 +15,6 @@ The same code runs with one device (every axis of size 1), on 4 host CPU devices
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import jax
@@ -157,16 +156,3 @@ def constrain(x: jax.Array, axes: Sequence[str], mesh: Mesh | None) -> jax.Array
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes)))
-
-
-def initialize_distributed() -> bool:
-    """Calls ``jax.distributed.initialize()`` when the environment describes a multi-host job
-    (``JAX_COORDINATOR_ADDRESS`` set, as jax's own cluster detection reads it, or
-    ``PALLAS_FLASH_DISTRIBUTED=1`` on Cloud TPU, whose hosts jax detects itself).
-
-    Returns whether it did; call it before anything touches a device.
-    """
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("PALLAS_FLASH_DISTRIBUTED"):
-        jax.distributed.initialize()
-        return True
-    return False

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash_llama import distributed
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.loss import next_token_loss
 from pallas_flash_llama.model import Params, hidden_states
@@ -86,9 +87,21 @@ class TrainState:
 
 
 def init_state(params: Params, train_config: TrainConfig) -> TrainState:
-    """The state at step 0 (the optimiser state takes the parameters' shardings)."""
+    """The state at step 0. The optimiser state takes the parameters' shardings; what is not
+    laid out over their mesh (the step, the optimiser's counts) is replicated over it, so a
+    state restored from a checkpoint into this one's shardings lies where the step expects."""
     opt_state = _optimizer_init(train_config)(params)
-    return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+    state = TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+    meshes = {
+        x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)
+    }
+    if not meshes:
+        return state
+    replicated = NamedSharding(meshes.pop(), PartitionSpec())
+    return jax.tree.map(
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
+        state,
+    )
 
 
 @functools.cache
@@ -144,7 +157,9 @@ def make_train_step(
 
 
 def shard_batch(batch: Batch, mesh: Mesh | None) -> Batch:
-    """``batch`` on the default device, or split over the mesh's ``data`` x ``fsdp`` axes.
+    """``batch`` (the global batch, numpy) on the default device, or split over the mesh's
+    ``data`` x ``fsdp`` axes, each process putting only its own rows on its devices (a mesh
+    may span processes: `distributed`).
 
     Raises:
       pf.InvalidInputError: the batch size is not a multiple of data x fsdp.
@@ -157,4 +172,4 @@ def shard_batch(batch: Batch, mesh: Mesh | None) -> Batch:
             f"batch: expected a size divisible by the mesh's data x fsdp = "
             f"{batch_parts(mesh)} devices, got {size}"
         )
-    return jax.device_put(batch, NamedSharding(mesh, PartitionSpec(BATCH_AXES, None)))
+    return distributed.global_batch(batch, NamedSharding(mesh, PartitionSpec(BATCH_AXES, None)))

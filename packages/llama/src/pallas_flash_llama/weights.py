@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import pallas_flash as pf
-from pallas_flash_llama import sharding
+from pallas_flash_llama import distributed, sharding
 from pallas_flash_llama.config import LlamaConfig, load_hf_config, to_hf_config
 from pallas_flash_llama.model import Params, param_shapes
 
@@ -199,7 +199,8 @@ def save_params(
     dtype: str | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> None:
-    """Writes ``config.json`` and the weights as Hugging Face LLaMa safetensors.
+    """Writes ``config.json`` and the weights as Hugging Face LLaMa safetensors (in a job
+    over several processes: every process calls it, process 0 writes).
 
     Args:
       dtype: the dtype to store (default: the parameters' own, so a reload is exact).
@@ -211,11 +212,13 @@ def save_params(
     tensors: dict[str, np.ndarray] = {}
     for path, names in _hf_tensor_names(config).items():
         top, _, key = path.rpartition("/")
-        array = np.asarray(jax.device_get(params[top][key] if top else params[key]))
+        array = distributed.to_host(params[top][key] if top else params[key])
         if dtype is not None:
             array = array.astype(jnp.dtype(dtype))
         for i, name in enumerate(names):
             tensors[name] = _to_hf(key, array[i] if top else array)
+    if not distributed.is_main():
+        return  # every process gathers the weights, process 0 writes them
     stored = next(iter(tensors.values())).dtype
     hf = to_hf_config(config) | {
         "torch_dtype": "bfloat16" if stored == jnp.bfloat16 else str(stored)

@@ -1,0 +1,139 @@
+"""``pallas-flash-llama`` as a job of several processes on localhost (`distributed`).
+
+Each process is started as a user would start one host of a slice: the same command with
+``--coordinator``, ``--num-processes`` and ``--process-id``; jax's coordination service and
+gloo collectives connect them. A job of 2 processes with 2 CPU devices each runs the same
+program over the same 4-device mesh as 1 process with 4 devices, so the two must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_flash_llama import tiny
+from pallas_flash_llama.weights import load_params
+
+DEVICES = 4
+TIMEOUT_S = 420
+TRAIN = ["--batch-size", "4", "--seq-len", "64", "--backend", "xla", "--mesh", "1,-1,1"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    directory = tmp_path_factory.mktemp("multiprocess") / "tiny"
+    tiny.init_tiny(directory)
+    return directory
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], processes: int, cache: pathlib.Path) -> list[subprocess.Popen]:
+    """``pallas-flash-llama ARGS`` as a job of ``processes`` processes sharing 4 devices."""
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES // processes}",
+    }
+    job = ["--coordinator", f"localhost:{_free_port()}", "--num-processes", str(processes)]
+    command = [sys.executable, "-m", "pallas_flash_llama.cli", "--compilation-cache", str(cache)]
+    return [
+        subprocess.Popen(
+            [*command, *((*job, "--process-id", str(rank)) if processes > 1 else ()), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(processes)
+    ]
+
+
+def _run(args: list[str], processes: int, cache: pathlib.Path) -> list[str]:
+    """Runs the job to the end; what each process printed (gloo's own lines left out)."""
+    outputs = []
+    for rank, process in enumerate(_start(args, processes, cache)):
+        out, err = process.communicate(timeout=TIMEOUT_S)
+        assert process.returncode == 0, f"process {rank} of {processes} failed:\n{err[-4000:]}"
+        outputs.append("".join(line for line in out.splitlines(True) if "[Gloo]" not in line))
+    return outputs
+
+
+def _losses(metrics: pathlib.Path) -> dict[int, float]:
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def test_training_over_two_processes_matches_one_and_resumes_in_either(model, tmp_path) -> None:
+    cache = tmp_path / "cache"
+    data = ["--model", str(model), "--data", str(model / tiny.SAMPLE_FILE), *TRAIN]
+    _run(["train", *data, "--steps", "4", "--metrics", str(tmp_path / "one.jsonl")], 1, cache)
+    one = _losses(tmp_path / "one.jsonl")
+
+    first = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    outputs = _run(["train", *data, *first, "--metrics", str(tmp_path / "two.jsonl")], 2, cache)
+    assert not outputs[1], "only process 0 prints"
+    two = _losses(tmp_path / "two.jsonl")
+    assert sorted(two) == [1, 2]
+    np.testing.assert_allclose([two[s] for s in (1, 2)], [one[s] for s in (1, 2)], rtol=1e-5)
+
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck-for-one")
+    for processes, checkpoints in ((2, "ck"), (1, "ck-for-one")):
+        resumed = tmp_path / f"resumed-{processes}.jsonl"
+        args = ["--steps", "4", "--checkpoint-dir", str(tmp_path / checkpoints)]
+        saved = ["--metrics", str(resumed), "--save", str(tmp_path / f"model-{processes}")]
+        outputs = _run(["train", *data, *args, *saved], processes, cache)
+        assert "resuming at step 2" in outputs[0]
+        losses = _losses(resumed)
+        assert sorted(losses) == [3, 4], processes
+        np.testing.assert_allclose([losses[3], losses[4]], [one[3], one[4]], rtol=1e-5)
+    _, by_two = load_params(tmp_path / "model-2")
+    _, by_one = load_params(tmp_path / "model-1")
+    for a, b in zip(jax.tree.leaves(by_two), jax.tree.leaves(by_one), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_generation_over_two_processes_matches_one(model, tmp_path) -> None:
+    prompts = [arg for text in ("The", "Once", "A", "In") for arg in ("--prompt", text)]
+    args = ["generate", "--model", str(model), *prompts, "--max-new-tokens", "6",
+            "--backend", "xla", "--mesh", "1,-1,1", "--decode-backend", "splitkv",
+            "--kv-cache", "paged"]  # fmt: skip
+    one = _run(args, 1, tmp_path / "cache")
+    two = _run(args, 2, tmp_path / "cache")
+    assert two[0] == one[0] and one[0].count("->") == 4
+    assert not two[1], "only process 0 prints"
+
+
+def test_a_process_that_dies_fails_the_others_with_an_error(model, tmp_path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["--heartbeat-timeout", "10", "train", "--model", str(model),
+            "--data", str(model / tiny.SAMPLE_FILE), *TRAIN, "--steps", "100000",
+            "--metrics", str(metrics)]  # fmt: skip
+    main, other = _start(args, 2, tmp_path / "cache")
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text()):
+            assert main.poll() is None and time.monotonic() < deadline, "no step was taken"
+            time.sleep(0.5)
+        other.kill()
+        killed = time.monotonic()
+        _, err = main.communicate(timeout=120)
+        assert time.monotonic() - killed < 120
+    finally:
+        for process in (main, other):
+            process.kill()
+    assert main.returncode != 0
+    assert "another process of the job stopped" in err or "another task died" in err, err[-3000:]
