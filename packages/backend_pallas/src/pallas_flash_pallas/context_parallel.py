@@ -407,7 +407,6 @@ def head_groups(
     return kv_heads
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "mesh", "layout", "exchange", "block_sizes"))
 def context_parallel_attention(
     q: jax.Array,
     k: jax.Array,
@@ -425,18 +424,33 @@ def context_parallel_attention(
     mesh's devices times the layout's pieces; module doc), with ``sinks [q_heads]`` (every
     device's) or None and segment ids (``[batch, seq]`` each, in the layout's order, split
     like q) or None, differentiable with respect to q, k, v and sinks; returns ``[batch,
-    q_heads, seq, v_head_dim]`` split like q."""
-    axes = tuple(mesh.axis_names)
+    q_heads, seq, v_head_dim]`` split like q.
+
+    Inputs not yet laid out over the mesh (NumPy arrays, arrays on one device) are placed
+    first (`place`), so the jitted ring takes them whatever device they were committed to."""
+    args = place((q, k, v, sinks, segment_ids), mesh, _in_specs(mesh))
+    return _context_parallel_attention(
+        *args, spec=spec, mesh=mesh, layout=layout, block_sizes=block_sizes, exchange=exchange
+    )
+
+
+def _in_specs(mesh: Mesh) -> tuple[PartitionSpec, ...]:
+    """How q, k, v, sinks and segment ids lie over the mesh: the sequence split over every
+    axis, the sinks on every device."""
+    split = PartitionSpec(None, None, tuple(mesh.axis_names), None)
+    return split, split, split, PartitionSpec(), PartitionSpec(None, tuple(mesh.axis_names))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mesh", "layout", "exchange", "block_sizes"))
+def _context_parallel_attention(q, k, v, sinks, segment_ids, *, spec, mesh, layout, block_sizes,
+                                exchange):  # fmt: skip
     groups = head_groups(q, k.shape[1], mesh.size, tpu.current_generation(), exchange)
-    ring = _Ring(spec, axes, mesh.size, layout, block_sizes, groups, exchange)
-    split = PartitionSpec(None, None, axes, None)
-    sequence = PartitionSpec(None, axes)  # segment ids [batch, seq]
+    ring = _Ring(spec, tuple(mesh.axis_names), mesh.size, layout, block_sizes, groups, exchange)
 
     def attention(q, k, v, sinks, ids):
         return _ring_attention(ring, q, k, v, sinks, ids)
 
-    args, in_specs = (q, k, v, sinks, segment_ids), (split, split, split, PartitionSpec(), sequence)
-
-    return jax.shard_map(attention, mesh=mesh, in_specs=in_specs, out_specs=split, check_vma=False)(
-        *place(args, mesh, in_specs)
-    )
+    in_specs = _in_specs(mesh)
+    return jax.shard_map(
+        attention, mesh=mesh, in_specs=in_specs, out_specs=in_specs[0], check_vma=False
+    )(q, k, v, sinks, segment_ids)

@@ -113,20 +113,42 @@ def test_matches_the_whole_sequence(backend, split: Split, dtype: str) -> None:
     assert_close(out, expected, FORWARD_TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+USER_CALLS = [
+    ("make_mesh", "numpy", False), ("make_mesh", "numpy", True),
+    ("make_mesh", "one_device", False), ("make_mesh", "sharded", True),
+    ("Mesh", "one_device", True), ("Mesh", "sharded", False),
+]  # fmt: skip
+"""(mesh, inputs, jitted): every kind of mesh, inputs and call at least once with each other."""
+
+
+@pytest.mark.parametrize(("kind", "placed", "jit"), USER_CALLS, ids=["-".join(
+    (kind, placed, "jit" if jit else "eager")) for kind, placed, jit in USER_CALLS])  # fmt: skip
 @pytest.mark.parametrize("split", [_param("full-contiguous-segments-gqa")])
-def test_a_mesh_from_jax_make_mesh_takes_numpy_inputs(backend, split: Split, jit: bool) -> None:
-    """``jax.make_mesh`` (axes ``Explicit`` on this jax) and NumPy inputs, not yet placed:
-    laid out over the mesh by the backend, eager or under the user's jit."""
-    mesh = jax.make_mesh((jax.device_count(),), ("seq",))
+def test_takes_arrays_as_users_have_them(backend, split: Split, kind: str, placed: str, jit: bool):
+    """A mesh from ``jax.make_mesh`` (axes ``Explicit`` on this jax) or ``jax.sharding.Mesh``
+    (axes ``Auto``); NumPy inputs, inputs committed to one device (under the user's jit, which
+    refuses those: on the default device uncommitted) or already split over the mesh: laid
+    out over the mesh by the backend, eager or under the user's jit."""
+    devices = jax.devices()
+    if kind == "make_mesh":
+        mesh = jax.make_mesh((len(devices),), ("seq",))
+    else:
+        mesh = jax.sharding.Mesh(np.array(devices), ("seq",))
     q, k, v = (np.asarray(x) for x in split.arrays())
     ids = pf.SegmentIds(*(np.asarray(x) for x in split.case.segment_ids()))
+    expected = reference.attention(q, k, v, **split.case.reference_kwargs())
+    args = [q, k, v, ids]
+    if placed == "one_device":
+        args = jax.tree.map(lambda x: jax.device_put(x, devices[-1]) if not jit
+                            else jax.numpy.asarray(x), args)  # fmt: skip
+    elif placed == "sharded":
+        over_seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "seq"))
+        args[:3] = [jax.device_put(x, over_seq) for x in args[:3]]
 
     def call(q, k, v, ids):
         return pf.attention(q, k, v, segment_ids=ids, mesh=mesh, backend=backend.name)
 
-    out = (jax.jit(call) if jit else call)(q, k, v, ids)
-    expected = reference.attention(q, k, v, **split.case.reference_kwargs())
+    out = (jax.jit(call) if jit else call)(*args)
     assert_close(out, expected, FORWARD_TOLERANCE["float32"])
 
 

@@ -195,6 +195,27 @@ def test_decode_paged_over_a_mesh(backend, dtype: str, layout: str, page_size: i
     kernel may read several of the latter at once). (Named ``test_decode_*``: CI's run on
     several host devices selects these.)"""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("kv",))
+    _check_paged_over(mesh, backend.name, dtype, layout, page_size)
+
+
+@pytest.mark.requires("paged_cache", "multi_device", "gqa")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("int8", marks=pytest.mark.requires("int8_cache"))]
+)
+def test_decode_paged_over_jax_make_mesh_takes_numpy(backend, dtype: str, jit: bool) -> None:
+    """A mesh from ``jax.make_mesh`` (axes ``Explicit`` on this jax) and a pool, table and
+    scales given as NumPy arrays, eager and under the user's jit: laid out over the mesh by
+    the backend."""
+    mesh = jax.make_mesh((jax.device_count(),), ("kv",))
+    _check_paged_over(mesh, backend.name, dtype, "round", PAGE_SIZE, as_numpy=True, jit=jit)
+
+
+def _check_paged_over(
+    mesh, backend: str, dtype: str, layout: str, page_size: int, *, as_numpy=False, jit=False
+) -> None:
+    """Decodes from a pool split over ``mesh`` (``layout``: how the pages lie, see
+    `test_decode_paged_over_a_mesh`) and checks it against the reference."""
     q = inputs.normal(0, (BATCH, Q_HEADS, HEAD_DIM))
     lengths = [n * page_size // PAGE_SIZE for n in LENGTHS]
     k_pages, v_pages, table, (k, v) = _paged("float32", lengths, page_size)
@@ -211,9 +232,15 @@ def test_decode_paged_over_a_mesh(backend, dtype: str, layout: str, page_size: i
             reference.gather_pages(reference.dequantize(x, np.nan_to_num(scales[name])), table)
             for x, name in ((k_pages, "k_scales"), (v_pages, "v_scales"))
         )
-    out = pf.decode(
-        q, k_pages, v_pages, lengths, page_table=table, backend=backend.name, mesh=mesh, **scales
-    )
+    arrays = (q, k_pages, v_pages, np.asarray(lengths, np.int32), table, scales)
+    if as_numpy:
+        arrays = jax.tree.map(np.asarray, arrays)
+
+    def call(q, k_pages, v_pages, lengths, table, scales):
+        return pf.decode(q, k_pages, v_pages, lengths, page_table=table, backend=backend,
+                         mesh=mesh, **scales)  # fmt: skip
+
+    out = (jax.jit(call) if jit else call)(*arrays)
     tolerance = FORWARD_TOLERANCE["float32" if dtype == "float32" else "bfloat16"]
     assert_close(out, _expected(q, k, v, lengths), tolerance)
     _assert_zero_where_empty(out, lengths)
