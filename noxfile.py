@@ -1,8 +1,9 @@
 """Developer tasks: `nox` runs lint, tests, conformance and docs; `nox -s bench` the v5e report.
 
-Every session installs from the local packages with the pinned versions of constraints.txt,
-through uv, whose cache shares jax and its wheels between sessions instead of downloading
-them again for each.
+Tests and conformance run on two stacks (`STACKS`): the pinned one of constraints.txt
+(Python 3.11), behind every published figure, and the newest one the registry serves
+(Python 3.12, constraints-newest.txt). Every session installs the local packages through uv,
+whose cache shares jax and its wheels between sessions instead of downloading them again.
 """
 
 from __future__ import annotations
@@ -10,16 +11,42 @@ from __future__ import annotations
 import pathlib
 import shutil
 import subprocess
+import sys
+import tempfile
 
 import nox
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "conformance", "docs"]
+nox.options.sessions = ["lint", "tests", "conformance", "wheels", "docs"]
 
 ROOT = pathlib.Path(__file__).parent
 PACKAGES = ROOT / "packages"
-CONSTRAINTS = ("--constraint", str(ROOT / "constraints.txt"))
+
+
+def _python(version: str) -> str:
+    """An interpreter of Python ``version``, asked for its own path: ``pythonX.Y`` on the PATH,
+    else pyenv's (whose shim answers only where pyenv selects it); ``version`` when neither
+    runs."""
+    pyenv = pathlib.Path.home() / ".pyenv" / "versions"
+    found = sorted(map(str, pyenv.glob(f"{version}*/bin/python{version}")))
+    for candidate in filter(None, [shutil.which(f"python{version}"), *found]):
+        asked = subprocess.run([candidate, "-c", "import sys; print(sys.executable)"],
+                               capture_output=True, text=True, check=False)  # fmt: skip
+        if asked.returncode == 0 and asked.stdout.strip():
+            return asked.stdout.strip()
+    return version
+
+
+STACKS = {"pinned": ("3.11", "constraints.txt"), "newest": ("3.12", "constraints-newest.txt")}
+"""Stack -> its Python and constraints file: the pinned stack and the newest one."""
+ON_STACKS = nox.parametrize(
+    "python,stack",
+    [(_python(version), name) for name, (version, _) in STACKS.items()],
+    ids=list(STACKS),
+)
+"""Runs a session once per stack (``tests(pinned)``, ``tests(newest)``)."""
+CONSTRAINTS = ("--constraint", str(ROOT / STACKS["pinned"][1]))
 CORE = str(PACKAGES / "core")
 CONFORMANCE = str(PACKAGES / "conformance")
 BENCH = str(PACKAGES / "bench")
@@ -49,8 +76,8 @@ PARALLEL = ("--numprocesses=auto", "--maxprocesses=4")
 Mosaic compiles each keep one core busy, so two processes halve a 2-core machine's run."""
 
 
-def _install(session: nox.Session, *requirements: str) -> None:
-    session.install(*CONSTRAINTS, *requirements)
+def _install(session: nox.Session, *requirements: str, stack: str = "pinned") -> None:
+    session.install("--constraint", str(ROOT / STACKS[stack][1]), *requirements)
 
 
 @nox.session
@@ -62,15 +89,23 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
-def tests(session: nox.Session) -> None:
-    """Each package's own unit tests, with every package installed.
+@ON_STACKS
+def tests(session: nox.Session, stack: str) -> None:
+    """Each package's own unit tests, with every package installed, on one stack.
 
     The llama package's tests run in a pytest process of their own: they start jax with 4
     host CPU devices (its conftest sets the flag), which the other packages' tests do not
     expect.
     """
     _install(
-        session, "pytest-xdist", CORE, CONFORMANCE, BENCH, f"{LLAMA}[flax]", *BACKENDS.values()
+        session,
+        "pytest-xdist",
+        CORE,
+        CONFORMANCE,
+        BENCH,
+        f"{LLAMA}[flax]",
+        *BACKENDS.values(),
+        stack=stack,
     )
     test_dirs = [
         str(path) for path in sorted(PACKAGES.glob("*/tests")) if path.parent.name != "llama"
@@ -97,10 +132,11 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("backend", list(BACKENDS))
-def conformance(session: nox.Session, backend: str) -> None:
-    """The conformance suite against one backend, installed alone with core."""
-    _install(session, "pytest-xdist", CORE, CONFORMANCE, BACKENDS[backend])
+@ON_STACKS
+@nox.parametrize("backend", list(BACKENDS), ids=list(BACKENDS))
+def conformance(session: nox.Session, backend: str, stack: str) -> None:
+    """The conformance suite against one backend, installed alone with core, on one stack."""
+    _install(session, "pytest-xdist", CORE, CONFORMANCE, BACKENDS[backend], stack=stack)
     session.chdir(session.create_tmp())  # import the installed packages, not the source tree
     suite = ("pytest", "--pyargs", "pallas_flash_conformance", "--backend", backend)
     raced = RACE_CHECKED.get(backend) if not session.posargs else None
@@ -115,6 +151,23 @@ def conformance(session: nox.Session, backend: str) -> None:
     if raced:
         # A test whose kernels the detector reports racing fails (the suite's plugin).
         session.run(*suite, *PARALLEL, "-k", raced, env={DETECT_RACES_ENV_VAR: "1"})
+
+
+@nox.session(python=_python(STACKS["pinned"][0]))
+def wheels(session: nox.Session) -> None:
+    """Every package built as an sdist and a wheel from it (``uv build``), the wheels installed
+    into this session's fresh environment (not editable, not from the source tree) and
+    `scripts/smoke_wheels.py` run from a folder outside the repository: a file, entry point or
+    dependency missing from a wheel fails here."""
+    dist = pathlib.Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for project in sorted(PACKAGES.glob("*/pyproject.toml")):
+        uv_build = (sys.executable, "-m", "uv", "build", "--quiet")  # the uv nox runs with
+        session.run(*uv_build, str(project.parent), "--out-dir", str(dist), external=True)
+    _install(session, *map(str, sorted(dist.glob("*.whl"))))
+    with tempfile.TemporaryDirectory() as outside:
+        session.chdir(outside)
+        session.run("python", str(ROOT / "scripts" / "smoke_wheels.py"))
 
 
 @nox.session
@@ -148,27 +201,13 @@ cloud clients, none of which compiling a train step needs), installed without de
 dependencies beyond these; jax, flax, optax and orbax at the pins of constraints.txt."""
 
 
-def _python_312() -> str:
-    """An interpreter of Python 3.12 (maxtext needs it), asked for its own path: ``python3.12``
-    on the PATH, else pyenv's 3.12 (whose shim answers only where pyenv selects it); ``3.12``
-    when neither runs."""
-    pyenv = pathlib.Path.home() / ".pyenv" / "versions"
-    candidates = [shutil.which("python3.12"), *sorted(map(str, pyenv.glob("3.12*/bin/python3.12")))]
-    for candidate in filter(None, candidates):
-        asked = subprocess.run([candidate, "-c", "import sys; print(sys.executable)"],
-                               capture_output=True, text=True, check=False)  # fmt: skip
-        if asked.returncode == 0 and asked.stdout.strip():
-            return asked.stdout.strip()
-    return "3.12"
-
-
 def _maxtext_env(session: nox.Session) -> None:
     """maxtext without its dependencies, what its AOT path imports, and ours."""
     session.install("--no-deps", "maxtext==0.2.4", CORE, BENCH)
     _install(session, "flax", "optax", "orbax-checkpoint", *MAXTEXT_REQUIREMENTS[1:])
 
 
-@nox.session(python=_python_312())
+@nox.session(python=_python("3.12"))
 def maxtext(session: nox.Session) -> None:
     """MaxText's own train steps (16B, Llama-2-7B; or the configs given after ``--``)
     compiled for v5e-256 by MaxText's AOT path and estimated by ours
@@ -189,7 +228,7 @@ def maxtext(session: nox.Session) -> None:
         shutil.rmtree(work / "dump")  # gigabytes of LLO dump, read
 
 
-@nox.session(name="maxtext-serving", python=_python_312())
+@nox.session(name="maxtext-serving", python=_python("3.12"))
 def maxtext_serving(session: nox.Session) -> None:
     """MaxText's inference engine (prefill, insert, generate) compiled for v5e-8 at
     JetStream-MaxText's Llama-2-7B settings (tpu-recipes) and estimated by ours

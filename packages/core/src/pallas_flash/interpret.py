@@ -8,8 +8,8 @@ Environment variables:
   ``PALLAS_FLASH_INTERPRET``: ``1`` always interprets, ``0`` always emits Mosaic (needed to
   compile for a TPU ahead of time on a host without one); unset or empty: Mosaic on TPU,
   the interpreter elsewhere.
-  ``PALLAS_FLASH_DETECT_RACES``: ``1`` turns on the interpreter's race detector, which prints
-  `RACE_REPORT` for every data race it sees.
+  ``PALLAS_FLASH_DETECT_RACES``: ``1`` turns on the interpreter's race detector, which
+  reports `RACE_REPORT` for every data race it sees: jax 0.10 prints it, newer jax raises it.
 
 A kernel that runs inside ``shard_map`` on several devices is interpreted by Pallas's generic
 interpreter instead (``interpret=True``): the TPU interpreter makes its simulated devices meet
@@ -33,7 +33,8 @@ from jax.experimental.pallas import tpu as pltpu
 INTERPRET_ENV_VAR = "PALLAS_FLASH_INTERPRET"
 DETECT_RACES_ENV_VAR = "PALLAS_FLASH_DETECT_RACES"
 RACE_REPORT = "RACE DETECTED"
-"""What the race detector prints (to stdout) for each race; it does not raise."""
+"""What the race detector reports for each race: printed to stdout by jax 0.10, raised (in a
+``RuntimeError`` from the interpreter's callback) by newer jax."""
 
 
 def _flag(name: str) -> bool | None:
