@@ -166,6 +166,27 @@ def test_toy_module_every_kind_of_copy():
     ]
 
 
+BITCAST_TOY = """\
+HloModule bitcast, entry_computation_layout={(bf16[1,64,2,128]{3,2,1,0})->bf16[1,2,64,128]{3,2,1,0}}
+
+ENTRY %main (q: bf16[1,64,2,128]) -> bf16[1,2,64,128] {
+  %q = bf16[1,64,2,128]{3,2,1,0} parameter(0)
+  %copy.2 = bf16[1,64,2,128]{3,1,2,0} copy(%q)
+  %bitcast.3 = bf16[1,2,64,128]{3,2,1,0} bitcast(%copy.2)
+  %bitcast.4 = bf16[1,2,64,128]{3,2,1,0} bitcast(%q)
+  ROOT %k = bf16[1,2,64,128]{3,2,1,0} custom-call(%bitcast.3, %bitcast.4),
+    custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_a_kernel_operand_copied_behind_a_bitcast_is_found():
+    """jax 0.12's XLA transposes q for a kernel by a copy into the transposed layout and a
+    bitcast to the kernel's shape; a bitcast of the parameter itself copies nothing."""
+    found = hlo.kernel_operand_copies(BITCAST_TOY)
+    assert [(call.name, producer.name) for call, producer in found] == [("k", "copy.2")]
+
+
 def test_no_entry_computation():
     with pytest.raises(ValueError, match="ENTRY"):
         hlo.parse_entry("HloModule empty\n")

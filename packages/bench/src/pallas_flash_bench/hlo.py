@@ -545,8 +545,10 @@ def kernel_operand_copies(text: str) -> list[tuple[HloOp, HloOp]]:
     """``(kernel call, producer)`` for each operand of a Mosaic kernel call, in any computation
     (a scanned layer's while body included), that an op makes only by copying data: a
     ``copy`` or ``transpose``, a ``copy-done`` that re-lays the data out, or a fusion of
-    nothing but copies and transposes. Memory-space moves (prefetches into VMEM) and ops that
-    compute their output (a fused RoPE producing q) are not reported."""
+    nothing but copies and transposes, seen through ``bitcast``s (newer XLA transposes by a
+    copy into the transposed layout and a bitcast to the kernel's shape). Memory-space moves
+    (prefetches into VMEM) and ops that compute their output (a fused RoPE producing q) are
+    not reported."""
     comps = parse_computations(text)
     found = []
     for comp in comps.values():
@@ -556,6 +558,8 @@ def kernel_operand_copies(text: str) -> list[tuple[HloOp, HloOp]]:
                 continue
             for operand in call.operands:
                 producer = ops.get(operand)
+                while producer is not None and producer.opcode == "bitcast" and producer.operands:
+                    producer = ops.get(producer.operands[0])  # a bitcast moves no data
                 if producer is None:
                     continue
                 if producer.opcode in ("copy", "copy-done"):
