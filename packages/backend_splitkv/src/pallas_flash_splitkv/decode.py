@@ -193,7 +193,10 @@ def _sharded(
             out, _ = merge_across(out, lse, axes)
         return out.astype(q.dtype)
 
-    in_specs = _in_specs(cache, axes)
     return jax.shard_map(
-        on_device, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False
-    )(*place((q, cache, lengths), mesh, in_specs))
+        on_device,
+        mesh=mesh,
+        in_specs=_in_specs(cache, axes),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )(q, cache, lengths)

@@ -11,6 +11,9 @@ users have them: concrete arrays (NumPy, on one device, sharded another way) by
 constraint. An array not yet laid out so is copied across the devices: the price of handing
 over unplaced arrays (a cache placed once with ``NamedSharding`` moves nothing). Under the
 user's ``jit``, jax itself refuses an argument committed to a device outside the mesh.
+
+`to_host` goes the other way: an array laid out over a mesh, whole in this process, also
+when the mesh spans several processes (``jax.distributed``).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["place"]
+__all__ = ["place", "to_host"]
 
 
 def place(values: Any, mesh: Mesh, specs: Any) -> Any:
@@ -45,3 +50,12 @@ def place(values: Any, mesh: Mesh, specs: Any) -> Any:
 
     return jax.tree.map(subtree, specs, values,
                         is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))  # fmt: skip
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """``x`` whole as a numpy array in every process, gathered from the processes that hold
+    its shards (a collective when it has shards in other processes: every process must call
+    it)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

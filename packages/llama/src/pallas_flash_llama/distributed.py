@@ -3,9 +3,9 @@
 Every process runs the same program on its own devices; `initialize` connects them through
 jax's coordination service (``jax.distributed``), after which ``jax.devices()`` lists every
 process's devices and a mesh may span them. Each process feeds only its share of a global
-batch (`global_batch`), reads back values through `to_host` (which gathers what other
-processes hold), and only the main process (`is_main`) prints or writes files that are not
-checkpoints (orbax writes those from every process).
+batch (`global_batch`), reads back values through `pallas_flash.mesh_placement.to_host`
+(which gathers what other processes hold), and only the main process (`is_main`) prints or
+writes files that are not checkpoints (orbax writes those from every process).
 
 On CPU the collectives between processes run over gloo, so several processes on one machine
 stand in for the hosts of a slice; on a Cloud TPU slice jax finds the hosts itself.
@@ -17,7 +17,6 @@ import itertools
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 import pallas_flash as pf
@@ -106,11 +105,3 @@ def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[
         rows = local_rows(sharding, array.shape)
         out[name] = jax.make_array_from_process_local_data(sharding, array[rows], array.shape)
     return out
-
-
-def to_host(x: jax.Array) -> np.ndarray:
-    """``x`` whole as a numpy array in every process, gathered from the processes that hold
-    its shards (a collective: every process must call it)."""
-    if x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(jax.device_get(x))
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

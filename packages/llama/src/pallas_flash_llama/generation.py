@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 import pallas_flash as pf
-from pallas_flash_llama import distributed, sharding
+from pallas_flash.mesh_placement import to_host
+from pallas_flash_llama import sharding
 from pallas_flash_llama.attention import cached_attention, self_attention
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.kv_cache import (
@@ -313,7 +314,7 @@ def generate(
     for step in range(budget):
         key, subkey = jax.random.split(key)
         next_tokens = sample(logits, subkey, sampling)
-        host = distributed.to_host(next_tokens)
+        host = to_host(next_tokens)
         yield np.where(done, -1, host).astype(np.int32)
         done |= np.isin(host, stop)
         if done.all() or step == budget - 1:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import pallas_flash as pf
+from pallas_flash.mesh_placement import to_host
 from pallas_flash_llama import distributed, sharding
 from pallas_flash_llama.config import LlamaConfig, load_hf_config, to_hf_config
 from pallas_flash_llama.model import Params, param_shapes
@@ -209,16 +210,19 @@ def save_params(
     """
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    main = distributed.is_main()
     tensors: dict[str, np.ndarray] = {}
     for path, names in _hf_tensor_names(config).items():
         top, _, key = path.rpartition("/")
-        array = distributed.to_host(params[top][key] if top else params[key])
+        array = to_host(params[top][key] if top else params[key])  # every process gathers
+        if not main:
+            continue  # process 0 alone converts and writes
         if dtype is not None:
             array = array.astype(jnp.dtype(dtype))
         for i, name in enumerate(names):
             tensors[name] = _to_hf(key, array[i] if top else array)
-    if not distributed.is_main():
-        return  # every process gathers the weights, process 0 writes them
+    if not main:
+        return
     stored = next(iter(tensors.values())).dtype
     hf = to_hf_config(config) | {
         "torch_dtype": "bfloat16" if stored == jnp.bfloat16 else str(stored)
