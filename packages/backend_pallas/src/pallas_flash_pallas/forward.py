@@ -25,17 +25,22 @@ writes ``m = rowmax(s)``, ``l = rowsum(p)``, ``acc = p v`` instead, so nothing i
 and the log-sum-exp ``m + log(l)``; a row that saw no key gives zeros and a log-sum-exp of ``-inf``.
 With sinks, the head's sink joins the sum then: ``m* = max(m, sink)``, ``l* = l exp(m - m*) +
 exp(sink - m*)``, the output ``acc exp(m - m*) / l*`` and the log-sum-exp ``m* + log(l*)``, which
-the backward reads unchanged. The block is folded in tiles, in straight-line code, so the compiler
-overlaps the matmuls of one tile with the softmax of another: a block that no mask crosses in
-``full_block_compute`` rows by as many keys (`block_sizes.full_block_tiles`), others in row
-sub-blocks of ``block_q_compute`` rows by all the keys. Only blocks that cross a mask boundary build
-a mask (`schedule.BlockKind`); on the causal diagonal each row sub-block stops at its last row's key
-and masks only its square tile on the diagonal.
+the backward reads unchanged. The kernel keeps ``s`` and ``m`` in base-2 units (``s log2(e)``, the
+scale and ``log2(e)`` in one multiply) and takes ``exp2``, as splash's ``use_base2_exp``: one
+multiply a score fewer than ``exp`` (16 heads of N=1024 without a mask: 0.0509 ms to 0.0486 ms on
+v5e, static estimate); the log-sum-exp it writes is in natural units. The block is folded in tiles,
+in straight-line code, so the compiler overlaps the matmuls of one tile with the softmax of another:
+a block that no mask crosses in ``full_block_compute`` rows by as many keys
+(`block_sizes.full_block_tiles`), others in row sub-blocks of ``block_q_compute`` rows by all the
+keys. Only blocks that cross a mask boundary build a mask (`schedule.BlockKind`); on the causal
+diagonal each row sub-block stops at its last row's key and masks only its square tile on the
+diagonal.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +72,10 @@ from pallas_flash_pallas.kernel_helpers import (
 from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
 _F32 = jnp.float32
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+"""The scores are kept in base-2 units (``s log2(e)``: one multiply with the scale) so that
+the softmax's exponentials are ``exp2``, as splash's ``use_base2_exp``."""
 
 
 def _kernel(
@@ -137,9 +146,13 @@ def _kernel(
         s = lax.dot_general(
             q_ref[rows, :], k_ref[keys, :], NT, preferred_element_type=_F32, precision=precision
         )  # [num_rows, num_keys]
-        s = apply_softcap(s * spec.sm_scale, spec.softcap)
-        if bias:
-            s = s + bias_ref[rows, keys].astype(_F32)
+        if spec.softcap is None and not bias:  # one multiply: the scale and log2(e)
+            s = s * (spec.sm_scale * LOG2_E)
+        else:
+            s = apply_softcap(s * spec.sm_scale, spec.softcap)
+            if bias:
+                s = s + bias_ref[rows, keys].astype(_F32)
+            s = s * LOG2_E
         visible = None
         if kind == BlockKind.MASKED:
             key_pos = kv_block * block_kv + first_key
@@ -165,7 +178,7 @@ def _kernel(
         m_shift = m_next
         if visible is not None or bias:  # a row that has seen no key yet has max -inf: shift by 0
             m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        p = jnp.exp(s - lanes(m_shift, num_keys))
+        p = jnp.exp2(s - lanes(m_shift, num_keys))
         m_ref[rows, :] = m_next
         total = jnp.sum(p, axis=1, keepdims=True)
         pv = lax.dot_general(
@@ -175,7 +188,7 @@ def _kernel(
             l_ref[rows, :] = jnp.broadcast_to(total, (num_rows, LANES))
             acc_ref[rows, :] = pv
         else:
-            alpha = jnp.exp(m_prev - m_shift)
+            alpha = jnp.exp2(m_prev - m_shift)
             l_ref[rows, :] = alpha * l_ref[rows, :] + total
             acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, v_head_dim) + pv
 
@@ -210,11 +223,11 @@ def _kernel(
         total, row_max = l_ref[...], m_ref[...]
         rescale = None
         if sinks:  # the sink joins the sum: rescale it and the accumulator to max(m, sink)
-            sink = sink_ref[...]  # [1, 128]
+            sink = sink_ref[...] * LOG2_E  # [1, 128], in the scores' base-2 units
             joint = jnp.maximum(row_max, sink)
             joint = jnp.where(joint == -jnp.inf, 0.0, joint)
-            rescale = jnp.exp(row_max - joint)  # 0 for a row that saw no key
-            total, row_max = total * rescale + jnp.exp(sink - joint), joint
+            rescale = jnp.exp2(row_max - joint)  # 0 for a row that saw no key
+            total, row_max = total * rescale + jnp.exp2(sink - joint), joint
         seen = total > 0.0  # the sum is >= 1 once a row has seen a key (or has a sink)
         inverse = jnp.where(seen, pl.reciprocal(total, full_range=False), 0.0)
         if rescale is not None:
@@ -222,7 +235,8 @@ def _kernel(
         o_ref[...] = (acc_ref[...] * lanes(inverse, v_head_dim)).astype(o_ref.dtype)
         if with_lse:  # in rows of lanes: transposing first needs 128x fewer logs
             total_row, max_row = total.T[:1], row_max.T[:1]  # [1, block_q]
-            lse_ref[...] = jnp.where(total_row > 0.0, max_row + jnp.log(total_row), -jnp.inf)
+            lse = (max_row + jnp.log2(total_row)) * LN_2  # back to natural units
+            lse_ref[...] = jnp.where(total_row > 0.0, lse, -jnp.inf)
 
 
 def _cost(
