@@ -182,24 +182,39 @@ def wheels(session: nox.Session) -> None:
         session.run("python", str(ROOT / "scripts" / "smoke_wheels.py"))
 
 
-@nox.session
-def bench(session: nox.Session) -> None:
-    """The main job: `pallas-flash bench --quick` for the default target, into bench-results/.
-
-    Extra arguments go to `pallas-flash bench` (e.g. `nox -s bench -- --target v5e-4`); with
-    `-- --full` the default (not quick) sweep runs. tokamax comes in as a reference (the bench
-    package's ``tokamax`` extra), here only: the tests session does without it. So does
-    tpu-inference (its Ragged Paged Attention v3), without its dependencies (vllm, torch and
-    more, none of which its kernel needs).
-    """
-    _install(session, CORE, f"{BENCH}[tokamax]", LLAMA, *BACKENDS.values())
-    session.install(*CONSTRAINTS, "--no-deps", "tpu-inference==0.24.0")
+def _bench(session: nox.Session, stack: str, out: pathlib.Path) -> None:
+    """`pallas-flash bench --quick` (``-- --full``: the default sweep) on one stack, into
+    ``out``, with the references this stack's constraints pin: tokamax (the bench package's
+    ``tokamax`` extra) and tpu-inference (its Ragged Paged Attention v3), the latter without
+    its dependencies (vllm, torch and more, none of which its kernel needs)."""
+    _install(session, CORE, f"{BENCH}[tokamax]", LLAMA, *BACKENDS.values(), stack=stack)
+    _install(session, "--no-deps", "tpu-inference", stack=stack)
     args = list(session.posargs)
     if "--full" in args:
         args.remove("--full")
     else:
         args.insert(0, "--quick")
-    session.run("pallas-flash", "bench", "--out", str(ROOT / "bench-results"), *args)
+    session.run("pallas-flash", "bench", "--out", str(out), *args)
+
+
+@nox.session(python=_python(STACKS["pinned"][0]))
+def bench(session: nox.Session) -> None:
+    """The main job: `pallas-flash bench --quick` for the default target, on the pinned stack
+    (behind every published figure), into bench-results/.
+
+    Extra arguments go to `pallas-flash bench` (e.g. `nox -s bench -- --target v5e-4`); with
+    `-- --full` the default (not quick) sweep runs. tokamax and tpu-inference come in as
+    references here only: the tests sessions do without them.
+    """
+    _bench(session, "pinned", ROOT / "bench-results")
+
+
+@nox.session(name="bench-newest", python=_python(STACKS["newest"][0]))
+def bench_newest(session: nox.Session) -> None:
+    """The main job on the newest stack (its jax, libtpu, tokamax and tpu-inference), into
+    bench-results-newest/: its verdicts stand beside the pinned stack's in the docs
+    (`pallas-flash readme --newest`)."""
+    _bench(session, "newest", ROOT / "bench-results-newest")
 
 
 MAXTEXT_REQUIREMENTS = (

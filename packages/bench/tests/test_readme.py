@@ -16,6 +16,7 @@ DOCS = ROOT / "docs"
 MAIN_RUN = DOCS / "results" / "quick-v5e-4.json"
 MODELS_RUN = DOCS / "results" / "models-v5e.json"
 CONTEXT_RUN = DOCS / "results" / "context-v5e.json"
+NEWEST_RUN = DOCS / "results" / "quick-v5e-4-newest.json"
 
 if not (ROOT / "mkdocs.yml").exists():
     pytest.skip("not run from the repository: no README to check", allow_module_level=True)
@@ -76,3 +77,20 @@ def test_the_models_block_is_rewritten_on_its_own(tmp_path) -> None:
     assert new.startswith(f"{readme.BEGIN}\nmain\n{readme.END}\n")
     assert "From one run of `pallas-flash bench --models` on 2026-11-25 (jax 0.10.2" in new
     assert (tmp_path / readme.MODELS_PAGE).read_text().startswith("# Model-level figures")
+
+
+def test_the_stacks_page_states_the_committed_runs_of_both_stacks() -> None:
+    """The stacks page is the main run beside the same sweep on the newest stack, whose file
+    names the newest stack's jax (constraints-newest.txt)."""
+    pinned, newest = (json.loads(path.read_text()) for path in (MAIN_RUN, NEWEST_RUN))
+    assert newest["meta"]["versions"]["analysis"] == str(runner.ANALYSIS_VERSION), RERUN
+    assert newest["meta"]["sweep"] == pinned["meta"]["sweep"], RERUN
+    assert newest["meta"]["target"] == pinned["meta"]["target"], RERUN
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "constraints-newest.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    assert newest["meta"]["versions"]["jax"] == pins["jax"], RERUN
+    page = (DOCS / readme.STACKS_PAGE).read_text()
+    assert page == readme.render_stacks_page(pinned, newest), RERUN

@@ -80,7 +80,7 @@ def test_without_tpu_inference_the_report_says_why(monkeypatch: pytest.MonkeyPat
     note = references.reference_notes()[2]
     assert note == (
         "tpu-inference-rpa-v3 is not compared: tpu-inference is not installed: "
-        "pip install --no-deps tpu-inference==0.24.0"
+        "pip install --no-deps tpu-inference==0.24.0 (==0.32.0 on jax 0.12)"
     )
     with pytest.raises(ModuleNotFoundError):
         rpa_reference.load_kernel()

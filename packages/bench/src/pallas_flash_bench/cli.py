@@ -119,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a `pallas-flash bench --context` run's results.json: rewrite the docs' context page",
     )
     readme.add_argument(
+        "--newest",
+        type=pathlib.Path,
+        help="the same sweep's results.json on the newest stack (`nox -s bench-newest`): "
+        "rewrite the docs' stacks page, beside --results",
+    )
+    readme.add_argument(
         "--calibration",
         type=pathlib.Path,
         help="a `pallas-flash bench --calibrate` run's calibration.json: rewrite the calibration "
@@ -289,8 +295,10 @@ def _readme(args: argparse.Namespace) -> int:
     results = None if args.only_models else json.loads(args.results.read_text())
     models = None if args.models is None else json.loads(args.models.read_text())
     context = None if args.context is None else json.loads(args.context.read_text())
-    readme.update(args.readme, results, models, args.docs, context)
-    runs = ((args.results, results), (args.models, models), (args.context, context))
+    newest = None if args.newest is None else json.loads(args.newest.read_text())
+    readme.update(args.readme, results, models, args.docs, context, newest)
+    runs = ((args.results, results), (args.models, models), (args.context, context),
+            (args.newest, newest))  # fmt: skip
     sources = [str(p) for p, used in runs if used]
     print(f"{args.readme}: rewritten from {' and '.join(sources)}")
     return 0

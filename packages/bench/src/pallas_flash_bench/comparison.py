@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pallas_flash_bench.cells import (
     MISSING,
@@ -259,14 +259,32 @@ def verdict_summary(row: Mapping[str, Any], references: Sequence[Mapping[str, An
 
 HEADLINE_HEADER = ("Workload", "Backend", "Latency, calibrated", "Fastest jax kernel",
                    "Its latency, calibrated", "Speed-up, calibrated", "Verdict")  # fmt: skip
-"""Columns of `headline_table`."""
+"""Columns of `headline_table`, one per field of `Headline`."""
 
 
-def headline_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The README's table: each backend with kernels (a static estimate: not the XLA
-    baseline) beside the jax kernel fastest on the same workload, both calibrated, and the
-    verdict over every estimate (`verdict_summary`)."""
-    table = []
+class Headline(NamedTuple):
+    """One backend's row against the jax kernel fastest on its workload, calibrated: the
+    cells of a `headline_table` line, with ``key`` naming the workload and backend (the same
+    on every run of the same sweep)."""
+
+    workload: str
+    backend: str
+    latency: str
+    fastest: str
+    fastest_latency: str
+    speedup: str
+    verdict: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.workload, self.backend
+
+
+def headlines(rows: Sequence[Mapping[str, Any]]) -> list[Headline]:
+    """Each backend with kernels (a static estimate: not the XLA baseline) beside the jax
+    kernel fastest on the same workload, both calibrated, and the verdict over every
+    estimate (`verdict_summary`)."""
+    found = []
     for group in _by_workload(rows):
         references = [r for r in group if r.get("kind") == "reference"]
         known = [r for r in references if _calibrated(r) is not None]
@@ -276,14 +294,20 @@ def headline_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             continue
         fastest = min(known, key=_calibrated) if known else None
         for row in sorted(ours, key=sort_key):
-            table.append([
+            found.append(Headline(
                 label(row), subject(row),
                 f"{ms(_calibrated(row))} ±{row_band(row):.0%}",
                 MISSING if fastest is None else subject(fastest).removesuffix(" [reference]"),
                 MISSING if fastest is None else ms(_calibrated(fastest)),
                 _calibrated_speedup(row, references),
                 verdict_summary(row, references),
-            ])  # fmt: skip
+            ))  # fmt: skip
+    return found
+
+
+def headline_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The README's table: `headlines` as Markdown."""
+    table = [list(entry) for entry in headlines(rows)]
     return [*markdown_table(HEADLINE_HEADER, table), ""] if table else []
 
 

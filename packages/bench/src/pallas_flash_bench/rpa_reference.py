@@ -42,8 +42,9 @@ from pallas_flash_bench.workloads import Workload
 DISTRIBUTION = "tpu-inference"
 """The PyPI distribution that ships it."""
 
-REQUIREMENT = f"{DISTRIBUTION}==0.24.0"
-"""The version the bench was checked with (install it with ``--no-deps``)."""
+REQUIREMENT = f"{DISTRIBUTION}==0.24.0 (==0.32.0 on jax 0.12)"
+"""The versions the bench was checked with, those the constraints files pin (install it with
+``--no-deps``)."""
 
 NO_INT8 = (
     "tpu-inference-rpa-v3 has no int8 rows: its kernel takes floating-point caches only "
