@@ -2,8 +2,9 @@
 
 Each process is started as a user would start one host of a slice: the same command with
 ``--coordinator``, ``--num-processes`` and ``--process-id``; jax's coordination service and
-gloo collectives connect them. A job of 2 processes with 2 CPU devices each runs the same
-program over the same 4-device mesh as 1 process with 4 devices, so the two must agree.
+gloo collectives connect them. A job of 2 processes with 2 CPU devices each, or of 4 with one
+each, runs the same program over the same 4-device mesh as 1 process with 4 devices, so they
+must agree.
 """
 
 from __future__ import annotations
@@ -77,11 +78,18 @@ def _losses(metrics: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def test_training_over_two_processes_matches_one_and_resumes_in_either(model, tmp_path) -> None:
+def test_training_over_two_and_four_processes_matches_one_and_resumes(model, tmp_path) -> None:
     cache = tmp_path / "cache"
     data = ["--model", str(model), "--data", str(model / tiny.SAMPLE_FILE), *TRAIN]
     _run(["train", *data, "--steps", "4", "--metrics", str(tmp_path / "one.jsonl")], 1, cache)
     one = _losses(tmp_path / "one.jsonl")
+
+    # 4 processes of one device each: every process feeds one row of the global batch
+    outputs = _run(["train", *data, "--steps", "2", "--metrics", str(tmp_path / "four.jsonl")],
+                   4, cache)  # fmt: skip
+    assert not any(outputs[1:]), "only process 0 prints"
+    four = _losses(tmp_path / "four.jsonl")
+    np.testing.assert_allclose([four[1], four[2]], [one[1], one[2]], rtol=1e-5)
 
     first = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
     outputs = _run(["train", *data, *first, "--metrics", str(tmp_path / "two.jsonl")], 2, cache)
@@ -106,15 +114,16 @@ def test_training_over_two_processes_matches_one_and_resumes_in_either(model, tm
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_generation_over_two_processes_matches_one(model, tmp_path) -> None:
+def test_generation_over_four_processes_matches_one(model, tmp_path) -> None:
+    """4 hosts of one device each (2 processes of 2 devices: the training test)."""
     prompts = [arg for text in ("The", "Once", "A", "In") for arg in ("--prompt", text)]
     args = ["generate", "--model", str(model), *prompts, "--max-new-tokens", "6",
             "--backend", "xla", "--mesh", "1,-1,1", "--decode-backend", "splitkv",
             "--kv-cache", "paged"]  # fmt: skip
     one = _run(args, 1, tmp_path / "cache")
-    two = _run(args, 2, tmp_path / "cache")
-    assert two[0] == one[0] and one[0].count("->") == 4
-    assert not two[1], "only process 0 prints"
+    several = _run(args, 4, tmp_path / "cache")
+    assert several[0] == one[0] and one[0].count("->") == 4
+    assert not any(several[1:]), "only process 0 prints"
 
 
 def test_a_process_that_dies_fails_the_others_with_an_error(model, tmp_path) -> None:
