@@ -46,7 +46,6 @@ ON_STACKS = nox.parametrize(
     ids=list(STACKS),
 )
 """Runs a session once per stack (``tests(pinned)``, ``tests(newest)``)."""
-CONSTRAINTS = ("--constraint", str(ROOT / STACKS["pinned"][1]))
 CORE = str(PACKAGES / "core")
 CONFORMANCE = str(PACKAGES / "conformance")
 BENCH = str(PACKAGES / "bench")

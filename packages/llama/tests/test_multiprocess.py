@@ -121,9 +121,9 @@ def test_generation_over_four_processes_matches_one(model, tmp_path) -> None:
             "--backend", "xla", "--mesh", "1,-1,1", "--decode-backend", "splitkv",
             "--kv-cache", "paged"]  # fmt: skip
     one = _run(args, 1, tmp_path / "cache")
-    several = _run(args, 4, tmp_path / "cache")
-    assert several[0] == one[0] and one[0].count("->") == 4
-    assert not any(several[1:]), "only process 0 prints"
+    four = _run(args, 4, tmp_path / "cache")
+    assert four[0] == one[0] and one[0].count("->") == 4
+    assert not any(four[1:]), "only process 0 prints"
 
 
 def test_a_process_that_dies_fails_the_others_with_an_error(model, tmp_path) -> None:

@@ -55,16 +55,21 @@ def _program_key(row: Mapping[str, Any]) -> tuple[str, str]:
     return label(row), subject(row)
 
 
+def _on_both(pinned: Rows, newest: Rows) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """Each program run on both stacks, as (pinned row, newest row), in table order."""
+    before = {_program_key(r): r for r in pinned}
+    return [(before[_program_key(row)], row) for row in sorted(newest, key=sort_key)
+            if _program_key(row) in before]  # fmt: skip
+
+
 def programs_table(pinned: Rows, newest: Rows) -> list[str]:
     """Every program (a backend or a reference in one configuration, on one workload) with a
     static latency on both stacks, and the newest over the pinned: above 1, slower on the
     newest stack."""
-    before = {_program_key(r): r for r in pinned}
     table = []
-    for row in sorted(newest, key=sort_key):
-        old = before.get(_program_key(row))
+    for old, row in _on_both(pinned, newest):
         new_latency = figure(row, "latency_seconds")[0]
-        old_latency = None if old is None else figure(old, "latency_seconds")[0]
+        old_latency = figure(old, "latency_seconds")[0]
         if new_latency and old_latency:
             table.append([*_program_key(row), ms(old_latency), ms(new_latency),
                           f"{new_latency / old_latency:.3f}"])  # fmt: skip
@@ -74,8 +79,9 @@ def programs_table(pinned: Rows, newest: Rows) -> list[str]:
 def only_on_one(pinned: Rows, newest: Rows) -> list[str]:
     """The programs compiled on one stack and not the other (a reference new on one, or a
     compile that failed), as a list; empty when both compiled the same."""
-    compiled = ({_program_key(r) for r in rows if r.get("compiled")} for rows in (pinned, newest))
-    before, after = compiled
+    before, after = (
+        {_program_key(r) for r in rows if r.get("compiled")} for rows in (pinned, newest)
+    )
     lines = [
         f"- only on the {stack} stack: {workload}, {program}"
         for stack, keys in (("pinned", before - after), ("newest", after - before))
@@ -95,12 +101,8 @@ def unknown_on_one(pinned: Rows, newest: Rows) -> list[str]:
     the estimator could not read one compiler's output. Their verdicts read unknown under it
     there, and without the DMA estimate's block copies the calibrated figure charges no first
     block (`runner.calibrated_latency`): it is then too short."""
-    before = {_program_key(r): r for r in pinned}
     lines = []
-    for row in sorted(newest, key=sort_key):
-        old = before.get(_program_key(row))
-        if old is None:
-            continue
+    for old, row in _on_both(pinned, newest):
         for stack, missing in (("newest", _unknown(row) - _unknown(old)),
                                ("pinned", _unknown(old) - _unknown(row))):  # fmt: skip
             if missing:
