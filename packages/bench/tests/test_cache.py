@@ -33,7 +33,9 @@ def test_round_trip_and_disabled_cache(tmp_path) -> None:
     cache = ResultCache(tmp_path)
     cache.put("abc", {"compiled": True})
     assert cache.get("abc") == {"compiled": True}
-    assert cache.get("missing") is None
+    assert cache.get("missing") is None and not cache.holds("missing")
+    cache.put("unsupported", None)  # the subject does not support the workload: cached too
+    assert cache.holds("unsupported") and cache.get("unsupported") is None
     disabled = ResultCache(None)
     disabled.put("abc", {"compiled": True})
-    assert disabled.get("abc") is None
+    assert disabled.get("abc") is None and not disabled.holds("abc")

@@ -32,13 +32,22 @@ def _static(results: dict) -> list:
 
 
 @needs_libtpu
-def test_bench_writes_the_report_and_static_figures_repeat(tmp_path) -> None:
-    for run in ("a", "b"):
-        assert (
-            cli.main(["bench", *TINY, "--no-cache", "--no-fit", "--out", str(tmp_path / run)]) == 0
-        )
-    first, second = (json.loads((tmp_path / r / "results.json").read_text()) for r in "ab")
-    assert _static(first) == _static(second)
+def test_bench_writes_the_report_its_figures_repeat_and_a_cached_run_compiles_nothing(
+    tmp_path, monkeypatch
+) -> None:
+    """Run ``a`` compiles without a cache, ``b`` into an empty cache (with the fit search),
+    ``c`` is served from that cache without starting a compile worker: their static figures
+    are equal."""
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    for run, flags in (("a", ["--no-cache", "--no-fit"]), ("b", cache), ("c", cache)):
+        if run == "c":
+            assert list((tmp_path / "cache").glob("*.json"))
+            monkeypatch.setattr(subprocess, "Popen", _no_workers)
+        assert cli.main(["bench", *TINY, *flags, "--out", str(tmp_path / run)]) == 0
+    first, second, cached = (json.loads((tmp_path / r / "results.json").read_text()) for r in "abc")
+    assert _static(second) == _static(cached)
+    assert _static(first)[0] == _static(second)[0]  # the rows (a ran without the fit search)
+    assert second["fits"][0]["longest_seq_len"] > 8192  # the XLA baseline's, from the compiler
     assert (tmp_path / "a" / "report.md").read_text().startswith("# Pallas-Flash benchmark: v5e-4")
     assert (tmp_path / "a" / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plain = [r for r in first["rows"] if r["label"] == "forward N=1024"]
@@ -49,6 +58,10 @@ def test_bench_writes_the_report_and_static_figures_repeat(tmp_path) -> None:
     assert flash["kernels"][0]["cycles_from"] == "every predicated region decided"
     assert 0.3 < flash["figures"]["mfu"]["value"] < 1.0
     assert flash["figures"]["mfu"]["source"] == "static"
+
+
+def _no_workers(*args, **kwargs):
+    raise AssertionError("a cached run must not start a compile worker")
 
 
 @needs_libtpu
@@ -87,22 +100,6 @@ def test_decoding_over_the_slice_compiles_one_quarter_per_chip(tmp_path) -> None
         "source": "model",
     }
     assert "decode L=32768 H32/8 on 4 chips" in (tmp_path / "report.md").read_text()
-
-
-@needs_libtpu
-def test_second_run_is_served_from_the_cache(tmp_path, monkeypatch) -> None:
-    args = ["bench", *TINY, "--no-reference", "--cache-dir", str(tmp_path / "cache")]
-    assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
-    assert list((tmp_path / "cache").glob("*.json"))
-
-    def no_workers(*args, **kwargs):
-        raise AssertionError("a cached run must not start a compile worker")
-
-    monkeypatch.setattr(subprocess, "Popen", no_workers)
-    assert cli.main([*args, "--out", str(tmp_path / "b")]) == 0
-    first, second = (json.loads((tmp_path / r / "results.json").read_text()) for r in "ab")
-    assert _static(first) == _static(second)
-    assert first["fits"][0]["longest_seq_len"] > 8192  # the XLA baseline's, from the compiler
 
 
 def test_missing_libtpu_gives_a_clear_message_not_a_crash(tmp_path, monkeypatch, capsys) -> None:

@@ -37,13 +37,19 @@ class ResultCache:
         payload = json.dumps([relevant, versions], sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key``'s result is cached."""
+        return self.directory is not None and (self.directory / f"{key}.json").exists()
+
     def get(self, key: str) -> dict | None:
+        """The cached result (None: not cached, or cached as unsupported: `holds` tells)."""
         if self.directory is None:
             return None
         path = self.directory / f"{key}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def put(self, key: str, result: dict) -> None:
+    def put(self, key: str, result: dict | None) -> None:
+        """Caches ``result``; None (the subject does not support the workload) as JSON null."""
         if self.directory is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import pathlib
 
-from tqdm import tqdm
-
 from pallas_flash_bench import any_program, calibration, calibration_points, calibration_report
 from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.whole_program import ANALYSIS_VERSION
-from pallas_flash_bench.workers import run_workers
+from pallas_flash_bench.workers import run_cached
 
 
 def run(target: Target, versions: dict, cache: ResultCache, workers: int,
@@ -23,20 +21,7 @@ def run(target: Target, versions: dict, cache: ResultCache, workers: int,
     points = calibration_points.all_points()
     jobs = [dict(any_program.program_job(p.program, target, ANALYSIS_VERSION), id=i)
             for i, p in enumerate(points) if p.program is not None]  # fmt: skip
-    results: dict[int, dict] = {}
-    todo = []
-    for job in jobs:
-        cached = cache.get(ResultCache.key(job, versions))
-        if cached is None:
-            todo.append(job)
-        else:
-            results[job["id"]] = cached
-    with tqdm(total=len(jobs), initial=len(results), desc="calibration points", unit="job") as bar:
-        fresh = run_workers(todo, workers, bar)
-    for job in todo:
-        if "job_error" not in fresh[job["id"]]:
-            cache.put(ResultCache.key(job, versions), fresh[job["id"]])
-    results.update(fresh)
+    results = run_cached(jobs, versions, cache, workers, "calibration points")
     analysed = []
     for i, point in enumerate(points):
         if point.program is None:  # estimated elsewhere (MaxText's step)

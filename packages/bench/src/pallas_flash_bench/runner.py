@@ -12,7 +12,6 @@ import sys
 from typing import TYPE_CHECKING
 
 import jax
-from tqdm import tqdm
 
 import pallas_flash as pf
 from pallas_flash_bench import aot, calibration, estimate, measure, whole_program
@@ -23,7 +22,7 @@ from pallas_flash_bench.roofline import write_roofline
 from pallas_flash_bench.spread import ESTIMATES
 from pallas_flash_bench.subjects import Subject, all_subjects
 from pallas_flash_bench.targets import TARGETS, Target
-from pallas_flash_bench.workers import run_workers
+from pallas_flash_bench.workers import run_cached
 from pallas_flash_bench.workloads import Workload
 
 if TYPE_CHECKING:
@@ -153,26 +152,10 @@ def run(options: BenchOptions) -> dict:
             "only CPU timings are reported. Install it with: pip install 'jax[tpu]'",
             file=sys.stderr,
         )
-    results: dict[int, dict] = {}
-    todo = []
-    for job in jobs:
-        cached = options.cache.get(ResultCache.key(job, toolchain))
-        if cached is not None:
-            results[job["id"]] = cached
-        elif toolchain["libtpu"] is not None:
-            todo.append(job)
-    with tqdm(
-        total=len(jobs),
-        initial=len(results),
-        desc="compiling for " + options.target.name,
-        unit="job",
-    ) as progress:
-        fresh = run_workers(todo, options.workers, progress)
-    for job in todo:
-        result = fresh[job["id"]]
-        if result is not None and "job_error" not in result:
-            options.cache.put(ResultCache.key(job, toolchain), result)
-    results.update(fresh)
+    compile_missing = toolchain["libtpu"] is not None
+    desc = "compiling for " + options.target.name
+    results = run_cached(jobs, toolchain, options.cache, options.workers, desc,
+                         compile_missing=compile_missing)  # fmt: skip
 
     rows, fits, models, context = [], [], [], []
     for job in jobs:
@@ -187,7 +170,7 @@ def run(options: BenchOptions) -> dict:
             continue
         workload = Workload(**job["workload"])
         subject = subjects[job["subject"]]
-        if result is None and toolchain["libtpu"] is not None:
+        if result is None and compile_missing:
             continue  # the subject does not support this workload
         if result is None or "job_error" in result:
             result = _failed_row(subject, workload, result)

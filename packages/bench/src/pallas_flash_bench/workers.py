@@ -15,6 +15,8 @@ import threading
 
 from tqdm import tqdm
 
+from pallas_flash_bench.cache import ResultCache
+
 RESULT_PREFIX = "PALLAS_FLASH_BENCH_RESULT "
 """How a worker's line of results begins (the rest of the line is JSON)."""
 
@@ -23,11 +25,35 @@ WHOLE_PROGRAMS = ("model", "context", "program")
 share of them."""
 
 
-def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict]:
+def run_cached(
+    jobs: list[dict], versions: dict, cache: ResultCache, workers: int, desc: str,
+    *, compile_missing: bool = True,
+) -> dict[int, dict | None]:  # fmt: skip
+    """Each job's result by id: from ``cache``, else run in workers (with ``compile_missing``,
+    else left out) and cached. A result is None where the subject does not support the
+    workload, which is cached too (a cached run starts no worker); a job error is not."""
+    results: dict[int, dict | None] = {}
+    todo = []
+    for job in jobs:
+        key = ResultCache.key(job, versions)
+        if cache.holds(key):
+            results[job["id"]] = cache.get(key)
+        elif compile_missing:
+            todo.append(job)
+    with tqdm(total=len(jobs), initial=len(results), desc=desc, unit="job") as progress:
+        fresh = run_workers(todo, workers, progress)
+    for job in todo:
+        result = fresh[job["id"]]
+        if result is None or "job_error" not in result:
+            cache.put(ResultCache.key(job, versions), result)
+    return results | fresh
+
+
+def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict | None]:
     """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by
     id. The scratch folder (job lists, dumps, logs) is removed, or only its dumps when a
     worker exited early (its logs say why)."""
-    results: dict[int, dict] = {}
+    results: dict[int, dict | None] = {}
     if not jobs:
         return results
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="pallas-flash-bench-"))
