@@ -12,7 +12,7 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash_bench import aot, cli, runner, worker
-from pallas_flash_bench.subjects import all_subjects
+from pallas_flash_bench.references import all_subjects
 from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
 

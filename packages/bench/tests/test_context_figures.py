@@ -84,6 +84,35 @@ def test_which_context_rows_a_command_runs(flags: list[str], expected: list) -> 
     from pallas_flash_bench import cli
 
     args = cli._parser().parse_args(["bench", *flags])
-    assert cli._context(args) == expected
+    notes: list[str] = []
+    assert cli._context(args, notes) == expected
     if "--context" in flags:  # nothing else
-        assert cli._workloads(args) == [] and cli._models(args) == []
+        assert cli._workloads(args) == [] and cli._models(args, notes) == []
+    assert notes == []
+
+
+def test_rows_whose_package_is_not_installed_are_left_out_with_a_note(monkeypatch) -> None:
+    """Installed with the xla backend only: no context rows (they need pallas), no model rows
+    (pallas or splitkv); without the LLaMa package, no model rows either. Each says why."""
+    import importlib.util
+
+    import pallas_flash as pf
+    from pallas_flash_bench import cli
+
+    xla_only = [b for b in pf.list_backends() if b.name == "xla"]
+    monkeypatch.setattr(pf, "list_backends", lambda: xla_only)
+    args, notes = cli._parser().parse_args(["bench"]), []
+    assert cli._context(args, notes) == [] and cli._models(args, notes) == []
+    assert notes == [
+        "backend pallas not installed: no context-parallel rows",
+        "backend pallas, splitkv not installed: no model rows that use it",
+    ]
+    find_spec = importlib.util.find_spec
+
+    def no_llama(name: str, *args):
+        return None if name == "pallas_flash_llama" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_llama)
+    notes.clear()
+    assert cli._models(args, notes) == []
+    assert notes == ["pallas-flash-llama is not installed: no model rows"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from pallas_flash_bench import calibration, model_figures, model_flops, model_report
@@ -10,6 +12,7 @@ from pallas_flash_bench.model_workloads import (
     MAXTEXT_16B,
     ModelWorkload,
     ablation,
+    ablation_steps,
     default_models,
     quick_models,
 )
@@ -107,8 +110,23 @@ def test_a_program_out_of_memory_gives_what_it_needed() -> None:
     row = {"workload": w.to_json(), "programs": [failed], "error": None}
     row["figures"] = model_figures.derive(row, TARGETS["v5e-256"], 1.2)
     assert not row["figures"]["fits"] and row["figures"]["mfu"]["overlapped"] is None
-    text = "\n".join(model_report.model_sections({"models": [row]}))
+    text = "\n".join(model_report.model_sections({"models": [row], "ablation": ablation_steps()}))
     assert "does not fit: needs 40 GiB" in text
+
+
+def test_the_model_sections_render_without_the_llama_package(monkeypatch) -> None:
+    """A view renders what results.json holds (the ablation's order too): it imports neither
+    the LLaMa package nor the workloads built on it."""
+    w = ablation()[1][1]
+    row = {"workload": w.to_json(), "programs": [_program("train", 3.0, 1.0, 10 << 30)],
+           "error": None}  # fmt: skip
+    row["figures"] = model_figures.derive(row, TARGETS[w.target], 1.2)
+    results = {"models": [row], "ablation": ablation_steps()}
+    for module in ("pallas_flash_llama", "pallas_flash_bench.model_workloads"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it raises
+    text = "\n".join(model_report.model_sections(results))
+    assert "## What each optimisation buys (Llama-2-7B)" in text
+    assert "| bfloat16 compute |" in text
 
 
 def test_report_sections_show_ours_beside_the_reference() -> None:

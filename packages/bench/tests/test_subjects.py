@@ -41,7 +41,7 @@ def test_installed_backends_carry_their_sources_digest() -> None:
 def test_over_a_mesh_only_multi_device_backends_decode() -> None:
     mesh = Mesh(np.array(jax.devices()[:1]), ("chips",))  # any mesh: builds only check for one
     four = Workload("decode", 8192, chips=4)
-    every = subjects.all_subjects("default", None, True)
+    every = references.all_subjects("default", None, True)
     built = {sid for sid, s in every.items() if s.build(four, mesh) is not None}
     multi_device = {i.name for i in pf.list_backends() if "multi_device" in i.capabilities}
     assert built == multi_device

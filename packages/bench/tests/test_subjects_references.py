@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from pallas_flash_bench import aot, cli, references, worker
-from pallas_flash_bench.subjects import all_subjects
+from pallas_flash_bench.references import all_subjects
 from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload, quick_sweep
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from pallas_flash_bench.scalar_flow import CMOV_RE
+__all__ = ["CMOV_RE", "Bundle", "Instruction", "scan_bundles"]
 
-__all__ = ["Bundle", "Instruction", "scan_bundles"]
+CMOV_RE = re.compile(r"^\(\s*(?P<pred>!?%p\w+)\s*,\s*(?P<old>[^)]+?)\s*\)\s*,\s*(?P<new>\S+)$")
+"""A conditional move's operands: ``(%p38_p0, %s37_s25), 0``."""
 
 _BUNDLE_RE = re.compile(
     r"^\s*(?P<addr>0x[0-9a-fA-F]+|\d+)\s+(?P<markers>(?:[A-Z]{2}\s*)*):\s*(?P<nest>>*)\s*\{"

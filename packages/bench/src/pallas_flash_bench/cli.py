@@ -11,6 +11,7 @@ import os
 import pathlib
 import sys
 
+import pallas_flash as pf
 from pallas_flash_bench.cache import ResultCache, default_dir
 from pallas_flash_bench.targets import DEFAULT_TARGET, TARGETS
 from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep, serving_sweep
@@ -142,32 +143,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _models(args: argparse.Namespace) -> list:
+def _models(args: argparse.Namespace, notes: list[str]) -> list:
     """The model workloads: all with ``--models`` (or the full sweep), the quick sweep's one
-    small row with ``--quick``; none when the LLaMa package is not installed (with a note)."""
+    small row with ``--quick``; none without the LLaMa package, and none that needs a backend
+    not installed (each left out with a note in ``notes``)."""
     if args.serving or args.ops or args.seq_lens or args.context:
         return []
     if importlib.util.find_spec("pallas_flash_llama") is None:
-        print("pallas-flash bench: pallas-flash-llama is not installed: no model rows",
-              file=sys.stderr)  # fmt: skip
+        _note(notes, "pallas-flash-llama is not installed: no model rows")
         return []
     from pallas_flash_bench import model_workloads
 
     if args.quick and not args.models:
-        return model_workloads.quick_models()
-    return model_workloads.default_models()
+        models = model_workloads.quick_models()
+    else:
+        models = model_workloads.default_models()
+    installed = {b.name for b in pf.list_backends()}
+    missing = sorted({b for w in models for b in (w.backend, w.decode_backend)} - installed)
+    if missing:
+        _note(notes, f"backend {', '.join(missing)} not installed: no model rows that use it")
+    return [w for w in models if {w.backend, w.decode_backend} <= installed]
 
 
-def _context(args: argparse.Namespace) -> list:
+def _context(args: argparse.Namespace, notes: list[str]) -> list:
     """The context-parallel workloads: the quick sweep's one small row with ``--quick``, else
-    all; none for a sweep of other rows only."""
+    all; none for a sweep of other rows only, or without the pallas backend (with a note)."""
     from pallas_flash_bench import context_workloads
 
     if args.serving or args.ops or args.seq_lens or args.models:
         return []
+    if "pallas" not in {b.name for b in pf.list_backends()}:
+        _note(notes, "backend pallas not installed: no context-parallel rows")
+        return []
     if args.quick and not args.context:
         return context_workloads.quick_context()
     return context_workloads.default_context()
+
+
+def _note(notes: list[str], note: str) -> None:
+    """A workload left out: said now, and in the report's notes."""
+    print(f"pallas-flash bench: {note}", file=sys.stderr)
+    notes.append(note)
 
 
 def _workloads(args: argparse.Namespace) -> list[Workload]:
@@ -199,12 +215,13 @@ def _bench(args: argparse.Namespace) -> int:
     target = TARGETS[args.target]
     if args.calibrate:
         return _calibrate(args)
+    left_out: list[str] = []
     options = BenchOptions(
         target=target,
         sweep="quick" if args.quick else "default",
         workloads=_workloads(args),
-        models=_models(args),
-        context=_context(args),
+        models=_models(args, left_out),
+        context=_context(args, left_out),
         backends=args.backends.split(",") if args.backends else None,
         references=not args.no_reference,
         fit=not args.no_fit and not args.models and not args.context,
@@ -213,6 +230,7 @@ def _bench(args: argparse.Namespace) -> int:
         out_dir=args.out,
         cache=ResultCache(None if args.no_cache else args.cache_dir),
         workers=args.workers,
+        notes=left_out,
     )
     results = run(options)
     rows = results["rows"] + results["models"] + results["context"]

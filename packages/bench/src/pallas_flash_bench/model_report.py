@@ -306,12 +306,9 @@ def breakdown_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def model_sections(results: Mapping[str, Any]) -> list[str]:
     """Every model section of the report (none when the run had no model workloads)."""
-    from pallas_flash_bench.model_workloads import ABLATION_DECODE, ablation
-
     models = list(results.get("models") or [])
     if not models:
         return []
-    steps = [(what, w.name) for what, w in ablation()]
-    steps += [(what, w.name) for what, w in ABLATION_DECODE]
+    steps = [tuple(step) for step in results.get("ablation") or []]
     return [*training_table(models), *serving_table(models), *sensitivity_table(models),
             *ablation_table(models, steps), *breakdown_table(models)]  # fmt: skip

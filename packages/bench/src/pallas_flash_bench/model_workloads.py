@@ -191,6 +191,12 @@ ABLATION_DECODE = [
 then over kv heads, then in int8."""
 
 
+def ablation_steps() -> list[tuple[str, str]]:
+    """The ablation's rows in order, ``(what the row changes, workload name)``: training, then
+    serving (results.json's ``ablation``, which the report's table follows)."""
+    return [(what, w.name) for what, w in [*ablation(), *ABLATION_DECODE]]
+
+
 def default_models() -> list[ModelWorkload]:
     """Every model workload: the training and serving rows, then the ablation's."""
     rows = [*TRAINING, *SERVING, *(w for _, w in ablation()), *(w for _, w in ABLATION_DECODE)]

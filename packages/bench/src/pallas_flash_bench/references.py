@@ -22,7 +22,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pallas_flash_bench import paged_reference, ragged_reference, rpa_reference
-from pallas_flash_bench.subjects import ArraySpec, Subject, array_specs, with_backward
+from pallas_flash_bench.subjects import (
+    ArraySpec,
+    Subject,
+    array_specs,
+    backend_subjects,
+    with_backward,
+)
 from pallas_flash_bench.workloads import Workload
 
 Config = TypeVar("Config")
@@ -359,3 +365,10 @@ def reference_subjects(sweep: str) -> list[Subject]:
             donate=rpa_reference.DONATE,
         )  # fmt: skip
     return subjects
+
+
+def all_subjects(sweep: str, backends: list[str] | None, references: bool) -> dict[str, Subject]:
+    """Every subject of a run by id, in report order: the installed backends (or those
+    named), then with ``references`` the references of ``sweep``."""
+    subjects = backend_subjects(backends) + (reference_subjects(sweep) if references else [])
+    return {s.id: s for s in subjects}

@@ -16,11 +16,11 @@ import jax
 import pallas_flash as pf
 from pallas_flash_bench import aot, calibration, estimate, measure, whole_program
 from pallas_flash_bench.cache import ResultCache
-from pallas_flash_bench.references import reference_notes
+from pallas_flash_bench.references import all_subjects, reference_notes
 from pallas_flash_bench.report import write_report
 from pallas_flash_bench.roofline import write_roofline
 from pallas_flash_bench.spread import ESTIMATES
-from pallas_flash_bench.subjects import Subject, all_subjects
+from pallas_flash_bench.subjects import Subject
 from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.workers import run_cached
 from pallas_flash_bench.workloads import Workload
@@ -52,6 +52,8 @@ class BenchOptions:
     out_dir: pathlib.Path
     cache: ResultCache
     workers: int
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the run left out and why (a package not installed), for the report's notes."""
 
 
 ANALYSIS_VERSION = 12
@@ -144,7 +146,7 @@ def run(options: BenchOptions) -> dict:
     toolchain = versions()
     subjects = all_subjects(options.sweep, options.backends, options.references)
     jobs = _jobs(options, subjects)
-    notes = reference_notes() if options.references else []
+    notes = [*options.notes, *(reference_notes() if options.references else [])]
     if toolchain["libtpu"] is None:
         notes.append("libtpu is not installed: nothing was compiled for the TPU")
         print(
@@ -195,6 +197,7 @@ def run(options: BenchOptions) -> dict:
         "rows": rows,
         "fits": fits,
         "models": models,
+        "ablation": _ablation_steps(options),
         "context": context,
     }
     options.out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +205,16 @@ def run(options: BenchOptions) -> dict:
     write_report(output, options.out_dir / "report.md")
     write_roofline(output, options.out_dir / "roofline.png")
     return output
+
+
+def _ablation_steps(options: BenchOptions) -> list[tuple[str, str]]:
+    """The model ablation's rows in order (`model_workloads.ablation_steps`), for the report's
+    table; none without model workloads (which need the LLaMa package)."""
+    if not options.models:
+        return []
+    from pallas_flash_bench.model_workloads import ablation_steps
+
+    return ablation_steps()
 
 
 def _program_row(job: dict, result: dict | None, options: BenchOptions) -> dict:

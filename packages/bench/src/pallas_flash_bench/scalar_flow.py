@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pallas_flash_bench.bundles import CMOV_RE
+
 if TYPE_CHECKING:
     from pallas_flash_bench.bundles import Bundle, Instruction
 
@@ -31,8 +33,6 @@ __all__ = ["Counter", "Defs", "Evaluator", "LoopContext", "LoopEval", "evaluate_
 _EVAL_CHUNK = 1 << 16
 _MASK32 = (1 << 32) - 1
 
-CMOV_RE = re.compile(r"^\(\s*(?P<pred>!?%p\w+)\s*,\s*(?P<old>[^)]+?)\s*\)\s*,\s*(?P<new>\S+)$")
-"""A conditional move's operands: ``(%p38_p0, %s37_s25), 0``."""
 _ITER_INDEX_RE = re.compile(r"iteration index, stage = (\d+)(?: iter bound = (\d+))?")
 _SPILL_STORE_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]\s*(?P<value>%s\w+)$")
 _FILL_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]$")

@@ -208,11 +208,3 @@ def backend_subjects(names: list[str] | None = None) -> list[Subject]:
         )
         for info in infos
     ]
-
-
-def all_subjects(sweep: str, backends: list[str] | None, references: bool) -> dict[str, Subject]:
-    """Subjects by id, in report order: backends first."""
-    from pallas_flash_bench.references import reference_subjects  # it builds on this module
-
-    subjects = backend_subjects(backends) + (reference_subjects(sweep) if references else [])
-    return {s.id: s for s in subjects}

@@ -195,7 +195,7 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
 
 def main(argv: list[str]) -> None:
     from pallas_flash.tpu import GENERATION_ENV_VAR
-    from pallas_flash_bench.subjects import all_subjects
+    from pallas_flash_bench.references import all_subjects
     from pallas_flash_bench.targets import TARGETS
     from pallas_flash_bench.workloads import Workload
 
