@@ -48,6 +48,7 @@ ON_STACKS = nox.parametrize(
 """Runs a session once per stack (``tests(pinned)``, ``tests(newest)``)."""
 CORE = str(PACKAGES / "core")
 CONFORMANCE = str(PACKAGES / "conformance")
+ESTIMATE = str(PACKAGES / "estimate")
 BENCH = str(PACKAGES / "bench")
 LLAMA = str(PACKAGES / "llama")
 BACKENDS = {
@@ -111,6 +112,7 @@ def tests(session: nox.Session, stack: str) -> None:
         "pytest-xdist",
         CORE,
         CONFORMANCE,
+        ESTIMATE,
         BENCH,
         f"{LLAMA}[flax]",
         *BACKENDS.values(),
@@ -186,7 +188,7 @@ def _bench(session: nox.Session, stack: str, out: pathlib.Path) -> None:
     ``out``, with the references this stack's constraints pin: tokamax (the bench package's
     ``tokamax`` extra) and tpu-inference (its Ragged Paged Attention v3), the latter without
     its dependencies (vllm, torch and more, none of which its kernel needs)."""
-    _install(session, CORE, f"{BENCH}[tokamax]", LLAMA, *BACKENDS.values(), stack=stack)
+    _install(session, CORE, ESTIMATE, f"{BENCH}[tokamax]", LLAMA, *BACKENDS.values(), stack=stack)
     _install(session, "--no-deps", "tpu-inference", stack=stack)
     args = list(session.posargs)
     if "--full" in args:
@@ -229,7 +231,7 @@ dependencies beyond these; jax, flax, optax and orbax at the pins of constraints
 
 def _maxtext_env(session: nox.Session) -> None:
     """maxtext without its dependencies, what its AOT path imports, and ours."""
-    session.install("--no-deps", "maxtext==0.2.4", CORE, BENCH)
+    session.install("--no-deps", "maxtext==0.2.4", CORE, ESTIMATE, BENCH)
     _install(session, "flax", "optax", "orbax-checkpoint", *MAXTEXT_REQUIREMENTS[1:])
 
 

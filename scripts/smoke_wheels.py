@@ -42,6 +42,7 @@ DISTRIBUTIONS = {
     "pallas-flash-pallas": "pallas_flash_pallas",
     "pallas-flash-splitkv": "pallas_flash_splitkv",
     "pallas-flash-conformance": "pallas_flash_conformance",
+    "pallas-flash-estimate": "pallas_flash_estimate",
     "pallas-flash-bench": "pallas_flash_bench",
     "pallas-flash-llama": "pallas_flash_llama",
 }

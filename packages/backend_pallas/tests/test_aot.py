@@ -28,8 +28,9 @@ from jax.sharding import SingleDeviceSharding
 import pallas_flash as pf
 from pallas_flash import tpu
 from pallas_flash.interpret import INTERPRET_ENV_VAR
-from pallas_flash_bench import aot, hlo
+from pallas_flash_bench import aot
 from pallas_flash_bench.targets import TARGETS
+from pallas_flash_estimate.read import hlo_ops
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
@@ -86,9 +87,9 @@ def _check(compiled: jax.stages.Compiled, grad_of: jax.ShapeDtypeStruct | None =
     program computes gradients."""
     text = compiled.as_text()
     kernels = ["pallas_flash_forward"] + (["pallas_flash_backward"] if grad_of else [])
-    assert [call.name.split(".")[0] for call in hlo.kernel_calls(text)] == kernels
+    assert [call.name.split(".")[0] for call in hlo_ops.kernel_calls(text)] == kernels
     assert text.count('custom_call_target="tpu_custom_call"') == len(kernels)
-    relayouts = [op for op in hlo.find_copy_trap(text) if op.relayout is not False]
+    relayouts = [op for op in hlo_ops.find_copy_trap(text) if op.relayout is not False]
     assert not relayouts, f"data is copied, transposed or padded: {relayouts}"
     memory = compiled.memory_analysis()
     allowed = MAX_TEMP_BYTES
@@ -215,7 +216,7 @@ def test_bias_and_its_gradient_compile(v5e: jax.Device, name: str) -> None:
     lowered = jax.jit(gradients).trace(qkv, qkv, qkv, bias, qkv)
     compiled = lowered.lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
-    names = [call.name.split(".")[0] for call in hlo.kernel_calls(text)]
+    names = [call.name.split(".")[0] for call in hlo_ops.kernel_calls(text)]
     assert names == ["pallas_flash_forward", "pallas_flash_backward"]
     grads = compiled.output_shardings  # dq, dk, dv (and dbias)
     assert len(jax.tree.leaves(grads)) == 3 + differentiated
@@ -234,7 +235,7 @@ def test_480k_tokens_train_on_one_v5e_chip(v5e: jax.Device) -> None:
     v, dout, the output, dq, dk, dv: 15 GiB) and the per-row statistics, within 16 GiB."""
     shape = (1, 16, 491_520, 128)
     compiled = _compile(v5e, [shape] * 3, jnp.bfloat16, grad=True, causal=True)
-    kernels = [call.name.split(".")[0] for call in hlo.kernel_calls(compiled.as_text())]
+    kernels = [call.name.split(".")[0] for call in hlo_ops.kernel_calls(compiled.as_text())]
     assert kernels == [
         "pallas_flash_forward",
         "pallas_flash_backward_dkdv",
@@ -270,10 +271,10 @@ def test_context_parallel_training_over_a_slice(target: str) -> None:
         lowered = jax.jit(gradients, out_shardings=split).trace(x, x, x, x)
         compiled = lowered.lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
-    kernels = {call.name.split(".")[0] for call in hlo.kernel_calls(text)}
+    kernels = {call.name.split(".")[0] for call in hlo_ops.kernel_calls(text)}
     assert kernels == {"pallas_flash_forward", "pallas_flash_backward"}
     share = 16 * tokens * 128 // mesh.size  # elements of one device's q (or K, V) chunk
-    for op in hlo.collectives(text):  # the result tuple holds the chunk sent and received
+    for op in hlo_ops.collectives(text):  # the result tuple holds the chunk sent and received
         assert op.opcode == "collective-permute-start"
         assert min(abs(op.bytes - 2 * share * size) for size in (2, 4)) <= 64, op
     memory = compiled.memory_analysis()
@@ -287,13 +288,13 @@ def test_long_gqa_gradients_fit_in_chunks(v5e: jax.Device) -> None:
     q_shape, kv_shape = (1, 16, 8192, 128), (1, 1, 8192, 128)
     compiled = _compile(v5e, [q_shape, kv_shape, kv_shape], jnp.bfloat16, grad=True, causal=True)
     text = compiled.as_text()
-    kernels = hlo.kernel_calls(text)
+    kernels = hlo_ops.kernel_calls(text)
     assert [call.name.split(".")[0] for call in kernels] == [
         "pallas_flash_forward",
         "pallas_flash_backward",
     ]
     assert "f32[1,1,2,8192,128]" in kernels[1].shape  # dk, dv partials of 2 chunks
-    assert not [op for op in hlo.find_copy_trap(text) if op.relayout is not False]
+    assert not [op for op in hlo_ops.find_copy_trap(text) if op.relayout is not False]
     # The float32 partials of dk and dv and the forward's output.
     assert compiled.memory_analysis().temp_size_in_bytes <= 2 * 4 * 8192 * 128 * 4 + (40 << 20)
 

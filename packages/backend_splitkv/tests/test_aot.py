@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash.interpret import INTERPRET_ENV_VAR
-from pallas_flash_bench import hlo
+from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_splitkv import KVCache, paged_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -75,19 +75,19 @@ PARTIAL_BYTES = BATCH * Q_HEADS * (HEAD_DIM + 1) * 4
 
 
 def _large_relayouts(text: str, partial_bytes: int = PARTIAL_BYTES) -> list[hlo.HloOp]:
-    trap = hlo.find_copy_trap(text)
+    trap = hlo_ops.find_copy_trap(text)
     return [op for op in trap if op.relayout is not False and op.bytes > partial_bytes]
 
 
 def _collective_bytes(text: str) -> list[int]:
-    return [op.bytes for op in hlo.collectives(text)]
+    return [op.bytes for op in hlo_ops.collectives(text)]
 
 
 def test_one_chip(v5e_devices: list[jax.Device]) -> None:
     mesh = Mesh(np.array(v5e_devices[:1]), ("kv",))
     compiled = _compile(mesh, PartitionSpec(), use_mesh=False)
     text = compiled.as_text()
-    names = [op.name.split(".")[0] for op in hlo.kernel_calls(text)]
+    names = [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)]
     assert names == [paged_kernel.CONTIGUOUS_KERNEL_NAME]
     assert not _large_relayouts(text)
     assert not _collective_bytes(text)
@@ -101,7 +101,7 @@ def test_four_chips_hold_a_quarter_each_and_exchange_only_partials(
     mesh = Mesh(np.array(v5e_devices), ("kv",))
     compiled = _compile(mesh, PartitionSpec(None, None, "kv", None), use_mesh=True)
     text = compiled.as_text()
-    assert len(hlo.kernel_calls(text)) == 1
+    assert len(hlo_ops.kernel_calls(text)) == 1
     quarter = f"bf16[{BATCH},{KV_HEADS},{MAX_LEN // 4},{HEAD_DIM}]"
     params = [op for op in hlo.parse_entry(text) if op.opcode == "parameter"]
     assert sum(op.shape.startswith(quarter) for op in params) == 2, params
@@ -134,7 +134,9 @@ def test_a_head_dim_64_cache_is_decoded_in_place_only_row_major(
     jitted = jax.jit(step, donate_argnums=0, out_shardings=(None, KVCache(kept, kept, None)))
     compiled = jitted.trace(cache, new, new, q).lower(lowering_platforms=("tpu",)).compile()
     side_bytes = math.prod(shape) * 2
-    copies = [op.name for op in hlo.find_copy_trap(compiled.as_text()) if op.bytes >= side_bytes]
+    copies = [
+        op.name for op in hlo_ops.find_copy_trap(compiled.as_text()) if op.bytes >= side_bytes
+    ]
     assert bool(copies) != row_major, copies
     if row_major:
         assert compiled.memory_analysis().alias_size_in_bytes >= 2 * side_bytes
@@ -159,7 +161,7 @@ def test_int8_cache_over_four_chips_holds_a_quarter_of_values_and_scales(
 
     args = (q, cache, cache, lengths, scale, scale)
     text = jax.jit(decode).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
-    assert len(hlo.kernel_calls(text)) == 1
+    assert len(hlo_ops.kernel_calls(text)) == 1
     params = [op.shape for op in hlo.parse_entry(text) if op.opcode == "parameter"]
     quarter = f"[{BATCH},{KV_HEADS},{MAX_LEN // 4}"
     assert sum(s.startswith(f"s8{quarter},{HEAD_DIM}]") for s in params) == 2, params
@@ -205,11 +207,11 @@ def test_an_int8_paged_serving_step_updates_the_pool_in_place(
     jitted = jax.jit(step, donate_argnums=0, out_shardings=(None, out_cache))
     compiled = jitted.trace(cache, new, new, q).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
-    assert [op.name.split(".")[0] for op in hlo.kernel_calls(text)] == [
+    assert [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)] == [
         "pallas_flash_split_kv_decode_paged"
     ]
     pool_bytes = math.prod(pool)
-    assert not [op.name for op in hlo.find_copy_trap(text) if op.bytes >= pool_bytes // 64]
+    assert not [op.name for op in hlo_ops.find_copy_trap(text) if op.bytes >= pool_bytes // 64]
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes >= 2 * pool_bytes
     assert memory.temp_size_in_bytes < pool_bytes // 16
@@ -249,8 +251,8 @@ def test_a_paged_int8_pool_over_four_chips_holds_a_quarter_and_appends_locally(
         return cache.decode(q, backend="splitkv", mesh=mesh)
 
     text = jax.jit(decode).trace(cache, q).lower(lowering_platforms=("tpu",)).compile().as_text()
-    kernels = {op.name for op in hlo.kernel_calls(text)}
-    assert len(kernels) == 2 and len(hlo.conditional_kernel_calls(text)) == 1  # the second pass
+    kernels = {op.name for op in hlo_ops.kernel_calls(text)}
+    assert len(kernels) == 2 and len(hlo_ops.conditional_kernel_calls(text)) == 1  # the second pass
     params = [op.shape for op in hlo.parse_entry(text) if op.opcode == "parameter"]
     quarter = f"[{num_pages // 4},{KV_HEADS},{page_size}"
     assert sum(s.startswith(f"s8{quarter},{HEAD_DIM}]") for s in params) == 2, params
@@ -263,5 +265,5 @@ def test_a_paged_int8_pool_over_four_chips_holds_a_quarter_and_appends_locally(
     new = struct((batch, KV_HEADS, HEAD_DIM), jnp.bfloat16)
     active = struct((batch,), jnp.bool_)
     compiled = step.trace(cache, new, new, active).lower(lowering_platforms=("tpu",)).compile()
-    assert not hlo.collectives(compiled.as_text())
+    assert not hlo_ops.collectives(compiled.as_text())
     assert compiled.memory_analysis().alias_size_in_bytes >= 2 * math.prod(pool) // 4

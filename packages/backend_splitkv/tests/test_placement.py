@@ -25,9 +25,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import pallas_flash as pf
-from pallas_flash_bench import hlo
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
+from pallas_flash_estimate.read import hlo_ops
 from pallas_flash_splitkv import KVCache, PagedKVCache, placement
 from pallas_flash_splitkv.cache import append_step
 from pallas_flash_splitkv.paged_cache import _append_step
@@ -162,7 +162,7 @@ def test_append_to_a_sequence_split_cache_stays_on_each_device() -> None:
     full = [0, 127, 128, 512]  # slice edges; a full sequence
     step = append_step(pf.cache_format(sharding), None, (mesh, ("kv",)))
     compiled = step.lower(cache(full, sharding), k_new, v_new).compile()
-    assert not hlo.collectives(compiled.as_text())
+    assert not hlo_ops.collectives(compiled.as_text())
     split, one = (
         compiled(cache(full, sharding), k_new, v_new),
         append_step(None, None, None)(cache(full, None), k_new, v_new),
@@ -218,7 +218,7 @@ def test_a_paged_cache_split_over_a_mesh_spreads_each_sequence_over_it(dtype) ->
     active = jnp.asarray(lengths > 0)
     step = _append_step(pf.kept_format(split.k), None if dtype == jnp.float32 else
                         pf.kept_format(split.k_scales), (mesh, ("kv",)))  # fmt: skip
-    assert not hlo.collectives(step.lower(split, k_new, v_new, active).compile().as_text())
+    assert not hlo_ops.collectives(step.lower(split, k_new, v_new, active).compile().as_text())
     for position in range(int(lengths.max())):
         k_new, v_new = (inputs.normal(10 * position + s, (3, KV_HEADS, HEAD_DIM)) for s in (0, 1))
         active = jnp.asarray(position < lengths)

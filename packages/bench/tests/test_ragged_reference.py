@@ -7,9 +7,11 @@ import math
 
 import pytest
 
-from pallas_flash_bench import aot, bundle_listing, dma, llo, loop_trips, ragged_reference, spread
+from pallas_flash_bench import aot, ragged_reference, spread
 from pallas_flash_bench.references import reference_subjects
 from pallas_flash_bench.workloads import SERVING_LENGTHS, Workload
+from pallas_flash_estimate.cost import dma, llo
+from pallas_flash_estimate.evaluate import bundle_listing, loop_trips
 
 needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
 

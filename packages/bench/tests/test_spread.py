@@ -1,5 +1,6 @@
 """A kernel under each estimate: schedule, MXU floor, critical path, weight pushes charged
-without overlap, and its DMA bytes, on trimmed real dumps (see test_critical_path)."""
+without overlap, and its DMA bytes, on trimmed real dumps (see the estimator's
+test_critical_path)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pallas_flash_bench import bundle_listing, dma, llo, spread
+from pallas_flash_bench import spread
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.cost import dma, llo
+from pallas_flash_estimate.evaluate import bundle_listing
 
-SAMPLES = Path(__file__).parent / "samples" / "llo"
+SAMPLES = Path(__file__).parents[2] / "estimate" / "tests" / "samples" / "llo"
+"""The estimator's trimmed dumps (read here until `spread` joins the estimator's cost stage)."""
 FORWARD = Workload("forward", 4096)
 
 

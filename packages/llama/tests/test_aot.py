@@ -30,7 +30,7 @@ from pallas_flash_splitkv import paged_kernel
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
 )
-hlo = pytest.importorskip("pallas_flash_bench.hlo")
+hlo_ops = pytest.importorskip("pallas_flash_estimate.read.hlo_ops")
 
 HBM_BYTES = 16 << 30
 SMALL_COPY = 1 << 20
@@ -54,7 +54,7 @@ def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
 def _large_operand_copies(text: str) -> list:
     return [
         (c.name, p.name, p.bytes)
-        for c, p in hlo.kernel_operand_copies(text)
+        for c, p in hlo_ops.kernel_operand_copies(text)
         if p.bytes >= SMALL_COPY
     ]
 
@@ -83,7 +83,7 @@ def test_train_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     step = make_train_step(config, train_config, backend="pallas", mesh=mesh)
     compiled = step.trace(state, batch).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
-    names = {call.name.split(".")[0] for call in hlo.kernel_calls(text)}
+    names = {call.name.split(".")[0] for call in hlo_ops.kernel_calls(text)}
     assert names == {"pallas_flash_forward", "pallas_flash_backward"}, names
     assert not _large_operand_copies(text)
     memory = compiled.memory_analysis()
@@ -105,13 +105,13 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices, split: str) -> None:
     step = generation.jitted("decode", cache, config, "splitkv", mesh)
     compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
-    calls = [call.name.split(".")[0] for call in hlo.kernel_calls(text)]
+    calls = [call.name.split(".")[0] for call in hlo_ops.kernel_calls(text)]
     assert calls.count(paged_kernel.CONTIGUOUS_KERNEL_NAME) == config.layers
     assert calls.count(row_write_kernel.KERNEL_NAME) == 2 * config.layers  # K and V rows
     assert len(calls) == 3 * config.layers
     assert not _large_operand_copies(text)
     chip_layer_cache = batch * config.kv_heads * max_len * config.head_dim * 2 // 4
-    assert not [op.name for op in hlo.find_copy_trap(text) if op.bytes >= chip_layer_cache]
+    assert not [op.name for op in hlo_ops.find_copy_trap(text) if op.bytes >= chip_layer_cache]
     _, out_cache = compiled.output_formats
     for fmt in (*out_cache.k, *out_cache.v):
         assert fmt.layout.major_to_minor == (0, 1, 2, 3)
@@ -120,7 +120,7 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices, split: str) -> None:
     assert memory.alias_size_in_bytes >= cache_bytes  # the cache is updated in place
     assert memory.temp_size_in_bytes < chip_layer_cache
     if split == "heads":  # the attention and MLP outputs' sums (and the logits'): no merge
-        collectives = hlo.collectives(text)
+        collectives = hlo_ops.collectives(text)
         assert {op.opcode.removesuffix("-start") for op in collectives} == {"all-reduce"}
         assert len(collectives) <= 2 * config.layers + 1
 
@@ -160,17 +160,17 @@ def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> Non
     tokens = struct((batch,), jnp.int32)
     compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
-    calls = hlo.kernel_calls(text)
+    calls = hlo_ops.kernel_calls(text)
     assert {call.name.split(".")[0] for call in calls} == {"pallas_flash_split_kv_decode_paged"}
-    assert len(calls) - len(hlo.conditional_kernel_calls(text)) == config.layers
+    assert len(calls) - len(hlo_ops.conditional_kernel_calls(text)) == config.layers
     assert not _large_operand_copies(text)
     layer_pool = math.prod(pool) // chips  # int8 bytes per chip
-    copies = hlo.find_copy_trap(text)  # weights prefetched into VMEM move, not re-laid out
+    copies = hlo_ops.find_copy_trap(text)  # weights prefetched into VMEM move, not re-laid out
     assert not [op.name for op in copies if op.relayout is not False and op.bytes >= 1 << 20]
     chip_pages = (f"s8[{num_pages // chips},", f"f32[{num_pages // chips},")
     assert not [op.name for op in copies if op.shape.startswith(chip_pages)]
     partials = batch * config.q_heads * (config.head_dim + 1) * 4
-    assert all(op.bytes <= partials for op in hlo.collectives(text)), hlo.collectives(text)
+    assert all(op.bytes <= partials for op in hlo_ops.collectives(text)), hlo_ops.collectives(text)
     _, out_cache = compiled.output_formats
     for fmt in (*out_cache.k, *out_cache.v):
         assert fmt.layout.major_to_minor == (0, 1, 2, 3)

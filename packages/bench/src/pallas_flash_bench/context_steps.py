@@ -21,11 +21,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash import context_layout, tpu
-from pallas_flash_bench import aot, hlo, program_loops, programs, whole_program
+from pallas_flash_bench import aot, programs, whole_program
 from pallas_flash_bench.context_workloads import ContextWorkload
-from pallas_flash_bench.hlo import HloOp
 from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.read import hlo
+from pallas_flash_estimate.read.hlo import HloOp
 
 DIAGONAL = context_layout.PAIR_KINDS.index("diagonal")
 

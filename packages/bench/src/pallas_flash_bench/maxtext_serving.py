@@ -233,8 +233,9 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
     at each end of the estimate (`tokens_per_second`) against the published figure."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot, estimate, llo, whole_program
+    from pallas_flash_bench import aot, estimate, whole_program
     from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_estimate.cost import llo
 
     target = TARGETS[ref.topology]
     programs = {}

@@ -185,8 +185,9 @@ def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
     on one chip of the slice, and the published measurement it is held against."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot, estimate, llo, whole_program
+    from pallas_flash_bench import aot, estimate, whole_program
     from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_estimate.cost import llo
 
     target = TARGETS[step.topology]
     schedules = llo.load_dump(work / "dump")

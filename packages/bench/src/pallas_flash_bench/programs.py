@@ -17,9 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from pallas_flash_bench import aot, hlo, llo, whole_program
+from pallas_flash_bench import aot, whole_program
 from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.cost import llo
+from pallas_flash_estimate.read import hlo_ops
 
 _NEEDED_RE = re.compile(r"memory required for HLO temporaries \((?P<size>[\d.]+)(?P<unit>[KMGT])\)")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -56,7 +58,7 @@ def analyse_program(
     "notes", ...}`` of the jitted ``step`` on abstract ``args`` (shardings on the target's
     devices) compiled for ``target``; ``dump_dir``: where this process's libtpu writes its LLO
     dump (None: no dump, no estimate). ``copies``: the entry computation's copies that change
-    a layout (`hlo.find_copy_trap`); ``flops``: the compiler's count (`cost_analysis`)."""
+    a layout (`hlo_ops.find_copy_trap`); ``flops``: the compiler's count (`cost_analysis`)."""
     if dump_dir is not None:
         shutil.rmtree(dump_dir, ignore_errors=True)
         dump_dir.mkdir(parents=True)
@@ -89,7 +91,7 @@ def analyse_program(
         + memory.temp_size_in_bytes,
     }
     text = compiled.as_text()
-    out["copies"] = hlo.relayout_copies(text)
+    out["copies"] = hlo_ops.relayout_copies(text)
     out["flops"] = aot.cost_analysis(compiled).get("flops")
     if dump_dir is None:
         out["notes"].append("no LLO dump was requested: no static schedule")

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash_bench import bundle_listing, critical_path, dma, estimate, llo, loop_trips
+from pallas_flash_bench import estimate
+from pallas_flash_estimate.cost import dma, llo
+from pallas_flash_estimate.evaluate import bundle_listing, loop_trips
+from pallas_flash_estimate.read import critical_path
 
 __all__ = ["ESTIMATES", "KernelEstimates", "kernel_entry", "kernel_estimates"]
 

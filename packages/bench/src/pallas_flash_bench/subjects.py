@@ -104,8 +104,9 @@ class Subject:
         another layout takes its own, so that no copy into ours is charged to it.
       loop_trips: ``(workload, kernel name) -> runs``: for a Pallas kernel whose loops read
         their trip counts from memory, how often each of those loops runs over the whole
-        kernel on the workload, outermost first (`pallas_flash_bench.loop_trips`); None for a
-        kernel it does not know. Without it such loops count once.
+        kernel on the workload, outermost first
+        (`pallas_flash_estimate.evaluate.loop_trips`); None for a kernel it does not know.
+        Without it such loops count once.
       min_hbm_bytes: the least the subject must move on a workload (default
         `Workload.min_hbm_bytes`), for a reference that reads less (no int8 scale arrays).
       notes: ``workload -> notes`` for its rows (what its figures rest on).

@@ -37,8 +37,11 @@ import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-from pallas_flash_bench import estimate, hlo, ici, llo, op_bytes, overlap, program_loops, spread
+from pallas_flash_bench import estimate, ici, spread
 from pallas_flash_bench.targets import SENSITIVITY, Target
+from pallas_flash_estimate.cost import llo, op_bytes, overlap
+from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.read import hlo, hlo_ops
 
 ANALYSIS_VERSION = 14
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
@@ -90,7 +93,7 @@ def signature(op: hlo.HloOp, comps: Mapping[str, hlo.Computation],
     fused = hlo.fused_computation(op, comps)
     body = tuple((o.opcode, o.shape) for o in fused.ops) if fused is not None else ()
     operands = tuple(shapes.get(n, "") for n in op.operands)
-    return (_stem(op.name), op.opcode, op.shape, operands, body, hlo.kernel_body(op))
+    return (_stem(op.name), op.opcode, op.shape, operands, body, hlo_ops.kernel_body(op))
 
 
 def _charged(op: hlo.HloOp) -> bool:
@@ -99,7 +102,7 @@ def _charged(op: hlo.HloOp) -> bool:
     if op.opcode in _NO_CODE or op.opcode.endswith("-done"):
         return False
     base = op.opcode.removesuffix("-start")
-    return base not in hlo.COLLECTIVES and not op.opcode.startswith("async")
+    return base not in hlo_ops.COLLECTIVES and not op.opcode.startswith("async")
 
 
 def op_times(
@@ -129,7 +132,7 @@ def op_times(
             out.append(OpTime(op.name, "other", runs.runs(op.name), 0.0, memory))
             continue
         if schedule.name not in cycles_of:
-            kernel = hlo.is_kernel_call(op)
+            kernel = hlo_ops.is_kernel_call(op)
             cycles_of[schedule.name] = _cycles(schedule, kernel, kernel_workload)
         c = cycles_of[schedule.name]
         once = c.kind != "kernel" and schedule.executed_bundles_max is None

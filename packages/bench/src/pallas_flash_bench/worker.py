@@ -32,7 +32,9 @@ def analyse_row(
 
     With ``keep_hlo`` the optimised HLO text is kept in the row (for ``pallas-flash inspect``).
     """
-    from pallas_flash_bench import aot, hlo, llo, spread
+    from pallas_flash_bench import aot, spread
+    from pallas_flash_estimate.cost import llo
+    from pallas_flash_estimate.read import hlo_ops
 
     mesh = aot.call_mesh(target, workload.chips)
     fn = subject.build(workload, mesh)
@@ -86,10 +88,10 @@ def analyse_row(
     text = compiled.as_text()
     if keep_hlo:
         row["hlo"] = text
-    row["copies"] = hlo.relayout_copies(text)
+    row["copies"] = hlo_ops.relayout_copies(text)
     row["collectives"] = [
         {"name": op.name, "opcode": op.opcode.removesuffix("-start"), "bytes": op.bytes}
-        for op in hlo.collectives(text)
+        for op in hlo_ops.collectives(text)
     ]
     if dump_dir is None:
         row["notes"].append("no LLO dump was requested: no static schedule")
@@ -99,8 +101,8 @@ def analyse_row(
     except FileNotFoundError as exc:
         row["notes"].append(f"LLO dump missing: {exc}")
         return row
-    calls = hlo.kernel_calls(text)
-    conditional = hlo.conditional_kernel_calls(text)
+    calls = hlo_ops.kernel_calls(text)
+    conditional = hlo_ops.conditional_kernel_calls(text)
     if subject.notes is not None:
         row["notes"] += subject.notes(workload)
     for call in calls:

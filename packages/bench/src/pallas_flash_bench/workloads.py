@@ -151,7 +151,7 @@ class Workload:
     @property
     def runs_conditional_kernels(self) -> bool:
         """Whether the kernels a program holds in ``conditional`` branches run for this
-        workload (`hlo.conditional_kernel_calls`; a static schedule cannot tell). The only
+        workload (`hlo_ops.conditional_kernel_calls`; a static schedule cannot tell). The only
         such kernel is splitkv's second pass over a paged pool split across chips, which runs
         when a chip holds more than ``ceil(pages_per_sequence / chips)`` pages of a sequence:
         never with pages that go round the chips. Anything else counts as run."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pallas_flash_bench.bundle_listing import BundleListing, Loop
+from pallas_flash_estimate.evaluate.bundle_listing import BundleListing, Loop
 
 __all__ = ["BundleCounts", "bundle_counts", "busiest", "instruction_runs", "weigh"]
 

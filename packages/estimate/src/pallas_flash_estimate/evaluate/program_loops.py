@@ -22,14 +22,13 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
-from pallas_flash_bench.hlo import (
-    BRANCHES_RE,
+from pallas_flash_estimate.read.hlo import (
     Computation,
     HloOp,
     fused_computation,
-    is_collective,
     parse_computations,
 )
+from pallas_flash_estimate.read.hlo_ops import BRANCHES_RE, is_collective
 
 _CONSTANT_RE = re.compile(
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*[su]\d+\[\]\S*\s+constant\((?P<value>-?\d+)\)",

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pallas_flash_bench.bundles import CMOV_RE
+from pallas_flash_estimate.read.bundles import CMOV_RE
 
 if TYPE_CHECKING:
-    from pallas_flash_bench.bundles import Bundle, Instruction
+    from pallas_flash_estimate.read.bundles import Bundle, Instruction
 
 __all__ = ["Counter", "Defs", "Evaluator", "LoopContext", "LoopEval", "evaluate_loop", "trip_count"]
 

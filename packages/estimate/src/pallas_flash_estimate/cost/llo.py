@@ -1,14 +1,14 @@
 """A kernel's static schedule from its libtpu LLO dump: a `KernelSchedule` per compiled HLO op.
 
-`load_dump` reads a dump folder (`pallas_flash_bench.dump_files`): per op, its bundle listing
-(`pallas_flash_bench.bundle_listing`), its per-bundle utilization and schedule analysis, and
+`load_dump` reads a dump folder (`read.dump_files`): per op, its bundle listing
+(`evaluate.bundle_listing`), its per-bundle utilization and schedule analysis, and
 when dumped its memory allocations (the VMEM a kernel uses) and critical path
-(`pallas_flash_bench.critical_path`). `build_schedule` sums them up: the grid loop's bundles,
+(`read.critical_path`). `build_schedule` sums them up: the grid loop's bundles,
 slots and spills, and the bundles the whole kernel executes (one per cycle: static cycles).
 
 Any other per-bundle figure is weighed like the executed bundles by :func:`executed_weight` (the
-busiest MXU's cycles, the critical path of `pallas_flash_bench.critical_path`), an instruction's
-executions counted by :func:`executed_instruction` (the DMAs of `pallas_flash_bench.dma`).
+busiest MXU's cycles, the critical path of `read.critical_path`), an instruction's
+executions counted by :func:`executed_instruction` (the DMAs of `cost.dma`).
 
 No JAX import: this module only reads text.
 """
@@ -21,8 +21,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from pallas_flash_bench import critical_path
-from pallas_flash_bench.bundle_listing import (
+from pallas_flash_estimate.evaluate.bundle_listing import (
     BundleListing,
     Loop,
     covered,
@@ -30,7 +29,8 @@ from pallas_flash_bench.bundle_listing import (
     hlo_opcode,
     parse_bundles,
 )
-from pallas_flash_bench.dump_files import (
+from pallas_flash_estimate.read import critical_path
+from pallas_flash_estimate.read.dump_files import (
     ScheduleAnalysis,
     Utilization,
     find_dump_files,
@@ -306,7 +306,7 @@ def load_kernel(
     counter_grid: tuple[int, ...] | None = None,
 ) -> KernelSchedule:
     """Load one kernel from its final_bundles file (and optional companions); ``counter_grid``
-    as in `pallas_flash_bench.bundle_listing.parse_bundles`.
+    as in `evaluate.bundle_listing.parse_bundles`.
 
     Raises :class:`FileNotFoundError` naming the path when a given file is missing.
     """

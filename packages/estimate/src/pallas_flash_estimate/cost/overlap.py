@@ -38,8 +38,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from pallas_flash_bench.hlo import COLLECTIVES, Computation, HloOp
-from pallas_flash_bench.program_loops import ProgramRuns, branches, callees, is_async_start
+from pallas_flash_estimate.evaluate.program_loops import (
+    ProgramRuns,
+    branches,
+    callees,
+    is_async_start,
+)
+from pallas_flash_estimate.read.hlo import Computation, HloOp
+from pallas_flash_estimate.read.hlo_ops import COLLECTIVES
 
 
 def _role(op: HloOp) -> str:

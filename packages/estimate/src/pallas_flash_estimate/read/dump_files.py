@@ -2,8 +2,8 @@
 
 Compiling a JAX program for TPU with ``LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR`` makes libtpu write,
 per compiled HLO op, ``<fingerprint>-<op name>-<NN>-<stage>.txt`` files (`find_dump_files`).
-Besides the scheduled program (``...-final_bundles.txt``: `pallas_flash_bench.bundle_listing`)
-and the compiler's critical path (``...-critical-path.txt``: `pallas_flash_bench.critical_path`),
+Besides the scheduled program (``...-final_bundles.txt``: `evaluate.bundle_listing`)
+and the compiler's critical path (``...-critical-path.txt``: `read.critical_path`),
 these are read:
 
 ``...-final_hlo-static-per-bundle-utilization.txt``

@@ -13,7 +13,7 @@ read or written once, except where the op touches only part of them:
 - an asynchronous copy or slice (``copy-start``, ``slice-start``: a prefetch into VMEM or a
   write back) moves its destination's bytes once, HBM being one side of it.
 
-No JAX import: this module only reads HLO text (`pallas_flash_bench.hlo`).
+No JAX import: this module only reads HLO text (`read.hlo`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from pallas_flash_bench.hlo import (
+from pallas_flash_estimate.read.hlo import (
     Computation,
     HloOp,
-    cost_estimate,
     fused_computation,
     hbm_bytes,
-    is_kernel_call,
     shape_bytes,
     tuple_elements,
 )
+from pallas_flash_estimate.read.hlo_ops import cost_estimate, is_kernel_call
 
 _PARAMETER_INDEX_RE = re.compile(r"^param_(?P<index>\d+)")
 _PARTIAL_READS = ("slice", "dynamic-slice", "gather")

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pallas_flash_bench import bundle_listing, dump_files, llo, scalar_flow
+from pallas_flash_estimate.cost import llo
+from pallas_flash_estimate.evaluate import bundle_listing, scalar_flow
+from pallas_flash_estimate.read import dump_files
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
 FLASH = SAMPLES / "flash_causal"

@@ -8,7 +8,7 @@ The address is decimal (``0``) or hex (``0x10``) and counts bundles. An optional
 loop body, ``PF`` predicated-region fallthrough; the key also lists ``LH``, ``LE``, ``PB``,
 ``CT``) comes before the colon. The ``>`` characters give the loop nesting of the bundle, **but
 only on bundles with non-control work**: empty bundles (``{}``) and the bundle holding a loop's
-back-edge branch print no ``>`` even inside a loop (`pallas_flash_bench.bundle_listing` finds
+back-edge branch print no ``>`` even inside a loop (`evaluate.bundle_listing` finds
 loop extents from the branches). Instructions are separated by ``;;``; comments (``/* .. */``)
 may span lines (DMA descriptors with ``iteration_bounds: (1, 16, 8, 8)``): continuation lines
 are no bundles.

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_flash_bench import hlo, overlap, program_loops
+from pallas_flash_estimate.cost import overlap
+from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.read import hlo
 
 # A loop of 4 steps whose body picks one of three branches, as the ring's lax.switch does;
 # the diagonal branch also calls a computation of its own; the loop ends with a permute.

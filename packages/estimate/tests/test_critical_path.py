@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pallas_flash_bench import critical_path, dump_files, llo
+from pallas_flash_estimate.cost import llo
+from pallas_flash_estimate.read import critical_path, dump_files
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
 PALLAS = SAMPLES / "pallas_forward_4096"

@@ -27,7 +27,8 @@ import dataclasses
 import math
 import re
 
-from pallas_flash_bench import bundle_listing, llo, loop_trips
+from pallas_flash_estimate.cost import llo
+from pallas_flash_estimate.evaluate import bundle_listing, loop_trips
 
 __all__ = ["Transfer", "executed_bytes", "transfers"]
 

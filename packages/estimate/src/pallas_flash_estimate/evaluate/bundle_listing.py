@@ -1,6 +1,6 @@
 """A kernel's bundle listing: its loops and predicated regions, and how often each bundle runs.
 
-`parse_bundles` reads a ``...-final_bundles.txt`` text (its bundles: `pallas_flash_bench.bundles`)
+`parse_bundles` reads a ``...-final_bundles.txt`` text (its bundles: `read.bundles`)
 into a `BundleListing`.
 
 Control flow is ``sbr.rel (%p) target = $regionN`` (or ``(!%p)``: taken when ``%p`` is false),
@@ -25,7 +25,7 @@ pipeline's buffer-slot counters its DMA predicates compare. Predicates that read
 attention's block masks) stay undecided: those regions count as executed in
 ``executed_bundles_max`` and skipped in ``executed_bundles_min``. Each loop keeps its evaluation
 (:attr:`Loop.context`) for other per-bundle figures, given as `prefix_sums`, to be weighed the
-same way (`pallas_flash_bench.llo.executed_weight`).
+same way (`cost.llo.executed_weight`).
 
 No JAX import: this module only reads text.
 """
@@ -37,14 +37,14 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from pallas_flash_bench.bundles import Bundle, Instruction, scan_bundles
-from pallas_flash_bench.scalar_flow import (
+from pallas_flash_estimate.evaluate.scalar_flow import (
     Defs,
     LoopContext,
     LoopEval,
     evaluate_loop,
     trip_count,
 )
+from pallas_flash_estimate.read.bundles import Bundle, Instruction, scan_bundles
 
 __all__ = [
     "BRANCH_DELAY_SLOTS",
@@ -226,7 +226,7 @@ def parse_bundles(
     """Parse a ``final_bundles`` text into bundles, loops and predicated regions.
 
     The grid is the DMA descriptors' largest ``iteration_bounds``; ``counter_grid`` (the grid
-    read from the kernel's index counters, `pallas_flash_bench.dump_files.parse_grid`) stands in
+    read from the kernel's index counters, `read.dump_files.parse_grid`) stands in
     for it when the kernel has no DMA descriptor.
     """
     warnings: list[str] = []

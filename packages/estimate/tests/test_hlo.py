@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pallas_flash_bench import hlo
+from pallas_flash_estimate.read import hlo, hlo_ops
 
 SAMPLES = Path(__file__).parent / "samples" / "hlo"
 FLASH = (SAMPLES / "flash_noncausal.txt").read_text()
@@ -38,9 +38,9 @@ def test_parse_entry_flash():
     assert kernel.bytes == 16 * MiB and kernel.operands == ("q.1", "k.1", "v.1")
     assert kernel.shape == "bf16[1,16,4096,128]{3,2,1,0:T(8,128)(2,1)}"
     assert kernel.detail == "tpu_custom_call" and kernel.computation == "main.2"
-    assert hlo.find_copy_trap(FLASH) == []
-    assert [op.name for op in hlo.kernel_calls(FLASH)] == ["flash_attention.1"]
-    assert hlo.cost_estimate(kernel) == {
+    assert hlo_ops.find_copy_trap(FLASH) == []
+    assert [op.name for op in hlo_ops.kernel_calls(FLASH)] == ["flash_attention.1"]
+    assert hlo_ops.cost_estimate(kernel) == {
         "flops": 137975824384,
         "transcendentals": 268435456,
         "bytes_accessed": 67108864,
@@ -67,17 +67,17 @@ def test_splash_entry_multiline_instructions_and_kernels():
     assert by_name["constant.6"].operands == ()
     assert by_name["custom-call"].detail == "ConcatBitcast"
     assert by_name["fusion"].detail == "kind=kLoop calls=%fused_computation.3"
-    kernels = hlo.kernel_calls(SPLASH)
+    kernels = hlo_ops.kernel_calls(SPLASH)
     assert [k.name for k in kernels] == [
         "splash_mha_fwd_residuals.1",
         "splash_mha_dkv_no_residuals.1",
         "splash_mha_dq_no_residuals.1",
     ]
-    assert hlo.cost_estimate(kernels[0]) is None  # splash declares none
+    assert hlo_ops.cost_estimate(kernels[0]) is None  # splash declares none
 
 
 def test_splash_copy_trap():
-    trap = hlo.find_copy_trap(SPLASH)
+    trap = hlo_ops.find_copy_trap(SPLASH)
     got = [(op.name, op.opcode, op.bytes, op.relayout) for op in trap]
     assert got == [
         ("copy", "copy", 4 * 2048 * 128 * 4, True),
@@ -99,7 +99,7 @@ def test_splash_copy_trap():
 
 
 def test_dense_transposed_layout_copy_trap():
-    trap = hlo.find_copy_trap(DENSE)
+    trap = hlo_ops.find_copy_trap(DENSE)
     got = [(op.name, op.opcode, op.bytes, op.relayout) for op in trap]
     assert got == [
         ("copy-start", "copy-start", 2 * MiB, False),
@@ -112,7 +112,7 @@ def test_dense_transposed_layout_copy_trap():
         "relayout {2,3,1,0:T(8,128)(2,1)} -> {3,2,1,0:T(8,128)(2,1)}, memory space S(1) -> S(0)"
     )
     assert sum(op.bytes for op in trap if op.relayout) == 2 * MiB
-    assert hlo.kernel_calls(DENSE) == []
+    assert hlo_ops.kernel_calls(DENSE) == []
     entry = hlo.parse_entry(DENSE)
     assert entry[-1].name == "copy.2" and entry[-1].operands == ("fusion.9",)
 
@@ -150,7 +150,7 @@ ENTRY %main (x: f32[8,128]) -> f32[128,16] {
 
 
 def test_toy_module_every_kind_of_copy():
-    trap = hlo.find_copy_trap(TOY)
+    trap = hlo_ops.find_copy_trap(TOY)
     got = [(op.name, op.opcode, op.bytes, op.relayout, op.detail) for op in trap]
     assert got == [
         ("c", "copy", 4096, True, "relayout {1,0} -> {0,1}"),
@@ -160,7 +160,7 @@ def test_toy_module_every_kind_of_copy():
         ("d", "copy-done", 4096, False, "same layout and memory space"),
     ]
     # kernels of the entry first, then those in other computations (here a called body)
-    assert [(k.name, k.computation) for k in hlo.kernel_calls(TOY)] == [
+    assert [(k.name, k.computation) for k in hlo_ops.kernel_calls(TOY)] == [
         ("k", "main"),
         ("k.0", "body"),
     ]
@@ -183,7 +183,7 @@ ENTRY %main (q: bf16[1,64,2,128]) -> bf16[1,2,64,128] {
 def test_a_kernel_operand_copied_behind_a_bitcast_is_found():
     """jax 0.12's XLA transposes q for a kernel by a copy into the transposed layout and a
     bitcast to the kernel's shape; a bitcast of the parameter itself copies nothing."""
-    found = hlo.kernel_operand_copies(BITCAST_TOY)
+    found = hlo_ops.kernel_operand_copies(BITCAST_TOY)
     assert [(call.name, producer.name) for call, producer in found] == [("k", "copy.2")]
 
 
@@ -213,13 +213,13 @@ ENTRY %main (x: f32[1,32,128], m: f32[1,32]) -> f32[4,32,128] {
 
 
 def test_collectives_in_program_order_with_their_bytes():
-    got = [(op.name, op.opcode, op.bytes) for op in hlo.collectives(COLLECTIVE_TOY)]
+    got = [(op.name, op.opcode, op.bytes) for op in hlo_ops.collectives(COLLECTIVE_TOY)]
     assert got == [
         ("pmax", "all-reduce", 32 * 4),
         ("psum", "all-reduce", (32 * 128 + 32) * 4),
         ("ag", "all-gather-start", 4 * 32 * 128 * 4),  # the pair counts once
     ]
-    assert hlo.collectives(TOY) == []
+    assert hlo_ops.collectives(TOY) == []
 
 
 CONDITIONAL_TOY = """HloModule conditional
@@ -243,6 +243,6 @@ ENTRY %main (x: f32[8], b: pred[]) -> f32[8] {
 
 
 def test_kernels_in_a_conditional_branch_are_told_apart():
-    assert [op.name for op in hlo.kernel_calls(CONDITIONAL_TOY)] == ["first", "rest"]
-    assert hlo.conditional_kernel_calls(CONDITIONAL_TOY) == {"rest"}
-    assert hlo.conditional_kernel_calls(TOY) == set()
+    assert [op.name for op in hlo_ops.kernel_calls(CONDITIONAL_TOY)] == ["first", "rest"]
+    assert hlo_ops.conditional_kernel_calls(CONDITIONAL_TOY) == {"rest"}
+    assert hlo_ops.conditional_kernel_calls(TOY) == set()

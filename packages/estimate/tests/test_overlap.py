@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_flash_bench import hlo, overlap, program_loops
+from pallas_flash_estimate.cost import overlap
+from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.read import hlo
 
 # A scanned layer in the shape libtpu leaves an FSDP all-gather: an async collective start,
 # a matmul between, its done, then an add; after the loop a synchronous all-reduce.

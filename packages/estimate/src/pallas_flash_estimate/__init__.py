@@ -1,0 +1,19 @@
+"""A static estimate of how long a JAX program takes on a TPU, from the TPU compiler's own
+output, without a TPU.
+
+The estimator is a library by stage, as a program's compiled output flows through it:
+
+- `pallas_flash_estimate.read`: the compiler's text, parsed: optimized HLO (`read.hlo`, and
+  the kernel calls, collectives and copies in it: `read.hlo_ops`), libtpu's LLO dump files
+  (`read.dump_files`), a kernel's VLIW bundles (`read.bundles`) and its critical path
+  (`read.critical_path`).
+- `pallas_flash_estimate.evaluate`: a listing evaluated: its loops and predicated regions and
+  how often each bundle runs (`evaluate.bundle_listing`, on the scalar data flow of
+  `evaluate.scalar_flow`), loops whose trips are read from memory (`evaluate.loop_trips`), and
+  the trips of a whole program's ``while`` loops (`evaluate.program_loops`).
+- `pallas_flash_estimate.cost`: what that costs: a kernel's static schedule (`cost.llo`), its
+  DMA traffic (`cost.dma`), an op's HBM bytes (`cost.op_bytes`), and how much of a program's
+  collective and copy time its own schedule hides (`cost.overlap`).
+
+No module here imports JAX: the estimator reads text that a compile produced.
+"""

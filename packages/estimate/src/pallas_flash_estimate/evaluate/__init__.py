@@ -1,0 +1,1 @@
+"""Evaluating a listing: which bundles and ops run, and how often."""

@@ -1,0 +1,1 @@
+"""Reading the compiler's output: optimized HLO text and libtpu's LLO dump files."""
