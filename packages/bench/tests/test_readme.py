@@ -50,11 +50,9 @@ def test_the_readme_and_the_report_page_state_the_committed_main_run() -> None:
     assert (DOCS / readme.REPORT_PAGE).read_text() == readme.render_report_page(results), RERUN
 
 
-def test_the_readme_and_the_models_page_state_the_committed_models_run() -> None:
+def test_the_models_page_states_the_committed_models_run() -> None:
     results = json.loads(MODELS_RUN.read_text())
     assert results["meta"]["model_analysis"] == whole_program.ANALYSIS_VERSION, RERUN
-    block = _block(README.read_text(), readme.MODELS_BEGIN, readme.MODELS_END)
-    assert block == readme.render_models_block(results), RERUN
     assert (DOCS / readme.MODELS_PAGE).read_text() == readme.render_models_page(results), RERUN
 
 
@@ -64,19 +62,16 @@ def test_the_context_page_states_the_committed_context_run() -> None:
     assert (DOCS / readme.CONTEXT_PAGE).read_text() == readme.render_context_page(results), RERUN
 
 
-def test_the_models_block_is_rewritten_on_its_own(tmp_path) -> None:
-    """A --models run rewrites the models block and leaves the main block alone."""
-    text = (
-        f"{readme.BEGIN}\nmain\n{readme.END}\n\n{readme.MODELS_BEGIN}\nold\n{readme.MODELS_END}\n"
-    )
+def test_a_models_run_rewrites_its_page_and_leaves_the_readme_alone(tmp_path) -> None:
+    text = f"{readme.BEGIN}\nmain\n{readme.END}\n"
     path = tmp_path / "README.md"
     path.write_text(text)
     models = {"meta": {"date": "2026-11-25", "versions": {"jax": "0.10.2"}}, "models": []}
     readme.update(path, None, models, tmp_path)
-    new = path.read_text()
-    assert new.startswith(f"{readme.BEGIN}\nmain\n{readme.END}\n")
-    assert "From one run of `pallas-flash bench --models` on 2026-11-25 (jax 0.10.2" in new
-    assert (tmp_path / readme.MODELS_PAGE).read_text().startswith("# Model-level figures")
+    assert path.read_text() == text
+    page = (tmp_path / readme.MODELS_PAGE).read_text()
+    assert page.startswith("# Model-level figures")
+    assert "From one run of `pallas-flash bench --models` on 2026-11-25 (jax 0.10.2" in page
 
 
 def test_the_stacks_page_states_the_committed_runs_of_both_stacks() -> None:

@@ -111,9 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     readme.add_argument(
         "--models",
         type=pathlib.Path,
-        help="a `pallas-flash bench --models` run's results.json: rewrite the models block too",
+        help="a `pallas-flash bench --models` run's results.json: rewrite the docs' models page",
     )
-    readme.add_argument("--only-models", action="store_true", help="leave the main block as it is")
+    readme.add_argument(
+        "--only-models", action="store_true", help="leave the README's block as it is"
+    )
     readme.add_argument(
         "--context",
         type=pathlib.Path,

@@ -2,8 +2,8 @@
 
 ``pallas-flash readme`` rewrites, from one run's ``results.json`` (committed under
 ``docs/results/``): the README's headline block (the calibrated comparison with jax's
-kernels), the docs' full report page, and from a ``--models`` run the README's models block
-and the docs' models page; from a ``--calibrate`` run the calibration page's block. The
+kernels), the docs' full report page, and from a ``--models`` run the docs' models page; from
+a ``--calibrate`` run the calibration page's block. The
 bench's tests render them again from the committed files and fail where a stated figure
 differs, or where a file's analysis is not the code's.
 """
@@ -21,8 +21,6 @@ from pallas_flash_bench.stacks_report import stacks_section
 
 BEGIN = "<!-- pallas-flash readme: begin -->"
 END = "<!-- pallas-flash readme: end -->"
-MODELS_BEGIN = "<!-- pallas-flash readme models: begin -->"
-MODELS_END = "<!-- pallas-flash readme models: end -->"
 CALIBRATION_BEGIN = "<!-- pallas-flash calibration: begin -->"
 CALIBRATION_END = "<!-- pallas-flash calibration: end -->"
 
@@ -67,25 +65,6 @@ def render_block(results: Mapping[str, Any]) -> str:
         "",
         *comparison.headline_table(rows),
         END,
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def render_models_block(results: Mapping[str, Any]) -> str:
-    """The README's models block (markers included) for a ``--models`` run: the training and
-    serving tables, one heading level down; the rest is on the models page."""
-    models = list(results.get("models") or [])
-    sections = [*model_report.training_table(models), *model_report.serving_table(models),
-                *model_report.sensitivity_table(models)]  # fmt: skip
-    lines = [
-        MODELS_BEGIN,
-        "",
-        f"{provenance(results, 'pallas-flash bench --models')} Ours are static estimates; "
-        "the references' figures were measured on TPUs. The whole breakdown: "
-        f"[docs/{MODELS_PAGE}](docs/{MODELS_PAGE}).",
-        "",
-        *(f"#{line}" if line.startswith("## ") else line for line in sections),
-        MODELS_END,
     ]
     return "\n".join(lines) + "\n"
 
@@ -164,10 +143,10 @@ def update(
     context: Mapping[str, Any] | None = None,
     newest: Mapping[str, Any] | None = None,
 ) -> None:
-    """Rewrites the file ``readme``'s block from ``results`` and its models block from
-    ``models`` (a ``--models`` run), each when given, and with ``docs`` (the docs folder)
-    the generated pages of each, the context page from ``context`` (a ``--context`` run)
-    and the stacks page from ``results`` and ``newest`` (the same sweep on the newest
+    """Rewrites the file ``readme``'s block from ``results`` when given, and with ``docs``
+    (the docs folder) the generated pages: the report page from ``results``, the models page
+    from ``models`` (a ``--models`` run), the context page from ``context`` (a ``--context``
+    run) and the stacks page from ``results`` and ``newest`` (the same sweep on the newest
     stack)."""
     if context is not None and docs is not None:
         (docs / CONTEXT_PAGE).write_text(render_context_page(context))
@@ -178,8 +157,6 @@ def update(
         text = replace_block(text, render_block(results))
         if docs is not None:
             (docs / REPORT_PAGE).write_text(render_report_page(results))
-    if models is not None:
-        text = replace_block(text, render_models_block(models), MODELS_BEGIN, MODELS_END)
-        if docs is not None:
-            (docs / MODELS_PAGE).write_text(render_models_page(models))
+    if models is not None and docs is not None:
+        (docs / MODELS_PAGE).write_text(render_models_page(models))
     readme.write_text(text)
