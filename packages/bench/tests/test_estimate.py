@@ -1,4 +1,5 @@
-"""Static cycle model and derived figures."""
+"""A row's derived figures, and what the bench's workloads tell the kernel cost model (their
+occupancy: a ragged decode's filled blocks and copied pages)."""
 
 from __future__ import annotations
 
@@ -9,60 +10,9 @@ import pytest
 from pallas_flash_bench import estimate
 from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.cost import kernel_cost
 
 V5E = TARGETS["v5e-1"]
-
-
-def test_causal_active_fraction_of_square_blocks_is_the_lower_triangle() -> None:
-    assert estimate.causal_active_fraction(8, 8) == 36 / 64
-    assert estimate.causal_active_fraction(1, 1) == 1.0
-
-
-def test_causal_active_fraction_with_longer_kv_blocks() -> None:
-    # 4 query blocks x 2 kv blocks over a square mask: kv block 1 starts at half the keys,
-    # so query blocks 0 and 1 (the first half of the queries) do not touch it.
-    assert estimate.causal_active_fraction(4, 2) == 6 / 8
-
-
-def test_kernel_cycles_when_every_region_is_decided() -> None:
-    assert estimate.kernel_cycles(1_469_086, 1_469_086, 9, (1, 16, 8, 8), causal=True) == (
-        1_469_086,
-        "every predicated region decided",
-    )
-
-
-def test_undecided_regions_between_their_bounds() -> None:
-    assert estimate.undecided_fraction((16, 4, 4), causal=True) == 10 / 16
-    assert estimate.undecided_fraction((16, 4, 4), causal=False) == 1.0
-    assert estimate.undecided_fraction(None, causal=True) == 1.0
-    # splash's critical path: its block-mask region (4,292 cycles) on 160 of 256 steps
-    assert estimate.between((17_141, 1_115_893), 10 / 16) == 17_141 + 160 * 4292
-    assert estimate.between((0, 3), 0.5) == 2  # rounded up
-    assert estimate.between(None, 0.5) is None
-
-
-def test_undecided_regions_run_on_the_causal_fraction_of_steps() -> None:
-    cycles, how = estimate.kernel_cycles(1000, 2000, 9, (1, 4, 8, 8), causal=True)
-    assert cycles == 1000 + 1000 * 36 // 64 + 1  # ceil of 562.5
-    assert "56%" in how
-
-
-def test_undecided_regions_all_run_without_a_causal_mask() -> None:
-    assert estimate.kernel_cycles(1000, 2000, 9, (1, 4, 8, 8), causal=False)[0] == 2000
-
-
-def test_an_mxu_bound_kernel_takes_its_busiest_mxus_cycles() -> None:
-    cycles, how = estimate.kernel_cycles(1000, 1000, 9, (1, 4, 8, 8), False, 1200, 1200)
-    assert cycles == 1200
-    assert "MXU-bound: the busiest MXU needs 1200 cycles for 1000 bundles" in how
-    assert estimate.kernel_cycles(1000, 1000, 9, (1, 4, 8, 8), False, 800, 800)[0] == 1000
-
-
-def test_kernel_cycles_fall_back_to_steps_times_bundles() -> None:
-    assert estimate.kernel_cycles(None, None, 1620 * 1024, None, causal=False) == (
-        1620 * 1024,
-        "grid steps x bundles per step",
-    )
 
 
 def test_static_figures_mfu_follows_from_cycles() -> None:
@@ -207,12 +157,12 @@ def test_spread_gives_latency_and_mfu_under_each_estimate() -> None:
 def test_ragged_decode_runs_its_undecided_regions_on_the_blocks_holding_tokens() -> None:
     w = Workload("decode", 8192, batch=2, lengths=(512, 8192))
     fraction = w.active_fraction(4)
-    assert estimate.undecided_fraction((2, 1, 4), False, w) == fraction < 1
-    assert estimate.undecided_fraction((1, 2, 8, 4), False, w) == fraction  # jax-paged's grid
-    cycles, _ = estimate.kernel_cycles(1000, 2000, 9, (2, 1, 4), False, workload=w)
-    assert cycles == estimate.between((1000, 2000), fraction)
+    assert kernel_cost.undecided_fraction((2, 1, 4), False, w) == fraction < 1
+    assert kernel_cost.undecided_fraction((1, 2, 8, 4), False, w) == fraction  # jax-paged's grid
+    cycles, _ = kernel_cost.kernel_cycles(1000, 2000, 9, (2, 1, 4), False, occupancy=w)
+    assert cycles == kernel_cost.between((1000, 2000), fraction)
     # without executed bundles: the full-grid figure on the active steps only
-    cycles, how = estimate.kernel_cycles(None, None, 8000, (2, 1, 4), False, workload=w)
+    cycles, how = kernel_cost.kernel_cycles(None, None, 8000, (2, 1, 4), False, occupancy=w)
     assert cycles == math.ceil(8000 * fraction) and "counted free" in how
 
 
@@ -222,18 +172,18 @@ def test_page_copying_kernels_read_the_pages_holding_tokens_block_specs_whole_bl
     w = Workload("decode", 2048, batch=2, lengths=(1, 1025), even_lengths=True)
     assert w.sequence_lengths.tolist() == [1, 1025]
     grid = (2, 2)
-    assert estimate.copied_fraction("pallas_flash_split_kv_decode.3", grid, w) == 3 / 4
+    assert kernel_cost.copied_fraction("pallas_flash_split_kv_decode.3", grid, w) == 3 / 4
     contiguous = "pallas_flash_split_kv_decode_contiguous_pages.7"
-    assert estimate.copied_fraction(contiguous, grid, w) == 10 / 32
+    assert kernel_cost.copied_fraction(contiguous, grid, w) == 10 / 32
     full = Workload("decode", 2048, batch=2)  # no lengths: every position, every block
-    assert estimate.copied_fraction(contiguous, grid, full) == 1.0
+    assert kernel_cost.copied_fraction(contiguous, grid, full) == 1.0
 
 
 def test_paged_kernel_reads_the_pages_the_lengths_use() -> None:
     w = Workload("decode", 2048, batch=2, lengths=(1, 1025), even_lengths=True,
                  cache="paged", page_size=256)  # fmt: skip
-    assert w.copied_fraction(999) == (1 + 5) / 16  # a paged cache's own pages
-    assert estimate.copied_fraction("pallas_flash_split_kv_decode_paged", (2, 2), w) == 6 / 16
+    assert w.page_fraction(999) == (1 + 5) / 16  # a paged cache's own pages
+    assert kernel_cost.copied_fraction("pallas_flash_split_kv_decode_paged", (2, 2), w) == 6 / 16
 
 
 def test_even_lengths_are_every_length_of_the_range_once() -> None:

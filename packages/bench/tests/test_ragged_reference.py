@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from pallas_flash_bench import aot, ragged_reference, spread
+from pallas_flash_bench import aot, ragged_reference
 from pallas_flash_bench.references import reference_subjects
 from pallas_flash_bench.workloads import SERVING_LENGTHS, Workload
-from pallas_flash_estimate.cost import dma, llo
+from pallas_flash_estimate.cost import dma, llo, spread
 from pallas_flash_estimate.evaluate import bundle_listing, loop_trips
 
 needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")

@@ -3,7 +3,7 @@
 For a kernel writer without a TPU: the program is compiled for one chip of the target with
 libtpu on this host (in a worker process, whose libtpu writes the LLO dump) and estimated as
 a whole (`whole_program`): every op by its own listing, a Pallas kernel that is not one of
-ours by its own listing and grid (`estimate.FULL_GRID`: every step and every region the
+ours by its own listing and grid (`kernel_cost.FULL_GRID`: every step and every region the
 schedule cannot decide charged), its memory from the compiler's analysis. The calibration
 (`calibration`) turns the static figure into the time the published v5e measurements say
 such a program takes, with the error band of its kind of program.
@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pallas_flash_bench import calibration
 from pallas_flash_bench.program_refs import ProgramRef
 from pallas_flash_bench.targets import TARGETS, Target
+from pallas_flash_estimate.cost import kernel_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +87,13 @@ def analyse(ref: ProgramRef, target: Target, dump_dir) -> dict:
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from pallas_flash_bench import aot, estimate, programs, whole_program
+    from pallas_flash_bench import aot, programs, whole_program
 
     device = SingleDeviceSharding(aot.target_devices(target)[0])
     args = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype), sharding=device) for a in ref.args]
 
-    def occupancy(kernel: str) -> estimate.FullGrid:
-        return estimate.FullGrid(loop_trips=ref.trips_of(kernel))
+    def occupancy(kernel: str) -> kernel_cost.FullGrid:
+        return kernel_cost.FullGrid(loop_trips=ref.trips_of(kernel))
 
     def estimate_whole(text: str, schedules) -> dict:
         return whole_program.program_estimate(text, schedules, occupancy, target, 1)

@@ -31,6 +31,7 @@ import subprocess
 import sys
 
 from pallas_flash_bench.maxtext_steps import MAXTEXT_VERSION
+from pallas_flash_estimate.cost import kernel_cost
 
 PROGRAMS = ("generate", "prefill", "insert")
 """MaxEngine's programs a served request runs: its prompt's prefill, the prefix's insert into
@@ -233,7 +234,7 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
     at each end of the estimate (`tokens_per_second`) against the published figure."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot, estimate, whole_program
+    from pallas_flash_bench import aot, whole_program
     from pallas_flash_bench.targets import TARGETS
     from pallas_flash_estimate.cost import llo
 
@@ -242,7 +243,7 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
     for program in PROGRAMS:
         # Prefill's attention is splash (causal: blocks above the diagonal skipped); decode's
         # is XLA's dot product over the whole cache, no Pallas kernel to charge.
-        occupancy = estimate.FullGrid(causal=program == "prefill")
+        occupancy = kernel_cost.FullGrid(causal=program == "prefill")
         found = whole_program.program_estimate(
             (work / program / "program.hlo.txt").read_text(),
             llo.load_dump(work / program / "dump"), lambda _, o=occupancy: o, target,

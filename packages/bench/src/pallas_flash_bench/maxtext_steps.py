@@ -185,13 +185,13 @@ def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
     on one chip of the slice, and the published measurement it is held against."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot, estimate, whole_program
+    from pallas_flash_bench import aot, whole_program
     from pallas_flash_bench.targets import TARGETS
-    from pallas_flash_estimate.cost import llo
+    from pallas_flash_estimate.cost import kernel_cost, llo
 
     target = TARGETS[step.topology]
     schedules = llo.load_dump(work / "dump")
-    occupancy = estimate.FullGrid(causal=True)  # splash's blocks above the diagonal skipped
+    occupancy = kernel_cost.FullGrid(causal=True)  # splash's blocks above the diagonal skipped
     found = whole_program.program_estimate(
         (work / "step.hlo.txt").read_text(), schedules, lambda _: occupancy, target,
         target.chips,

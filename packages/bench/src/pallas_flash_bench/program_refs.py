@@ -27,7 +27,7 @@ class ProgramRef:
 
     ``loop_trips``: for a Pallas kernel whose grid is sized at run time (a trip count read
     from memory), its name (without the ``.N`` suffix) and how often its loops run,
-    outermost first (`estimate.FullGrid`)."""
+    outermost first (`kernel_cost.FullGrid`)."""
 
     function: str
     args: tuple[ArraySpec, ...]

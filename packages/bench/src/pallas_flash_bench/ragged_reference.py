@@ -13,7 +13,7 @@ Its grid is ``(head blocks, query blocks)``; each step loops over the sequences 
 the block holds and, per sequence, over its kv blocks of ``num_kv_pages_per_block`` pages,
 both ``while`` loops whose trip counts read ``kv_lens`` and ``cu_q_lens``. A static schedule
 runs such a loop's body once: `loop_trips` gives each loop's executions over the whole kernel
-from the workload's lengths, with which `pallas_flash_bench.spread` weighs its bundles.
+from the workload's lengths, with which `pallas_flash_estimate.cost.spread` weighs its bundles.
 """
 
 from __future__ import annotations

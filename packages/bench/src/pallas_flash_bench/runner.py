@@ -19,11 +19,11 @@ from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.references import all_subjects, reference_notes
 from pallas_flash_bench.report import write_report
 from pallas_flash_bench.roofline import write_roofline
-from pallas_flash_bench.spread import ESTIMATES
 from pallas_flash_bench.subjects import Subject
 from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.workers import run_cached
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.cost.spread import ESTIMATES
 
 if TYPE_CHECKING:
     from pallas_flash_bench.context_workloads import ContextWorkload

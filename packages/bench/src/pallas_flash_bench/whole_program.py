@@ -37,9 +37,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-from pallas_flash_bench import estimate, ici, spread
+from pallas_flash_bench import ici
 from pallas_flash_bench.targets import SENSITIVITY, Target
-from pallas_flash_estimate.cost import llo, op_bytes, overlap
+from pallas_flash_estimate.cost import kernel_cost, llo, op_bytes, overlap, spread
 from pallas_flash_estimate.evaluate import program_loops
 from pallas_flash_estimate.read import hlo, hlo_ops
 
@@ -109,7 +109,7 @@ def op_times(
     comps: Mapping[str, hlo.Computation],
     runs: program_loops.ProgramRuns,
     schedules: Mapping[str, llo.KernelSchedule],
-    kernel_workload: Callable[[str], estimate.Occupancy],
+    kernel_workload: Callable[[str], kernel_cost.Occupancy],
     target: Target,
 ) -> tuple[list[OpTime], list[str]]:
     """`OpTime` of every op the program runs but its collectives (``comps`` and ``runs``: its
@@ -155,19 +155,19 @@ class _ListingCost:
 def _cycles(
     schedule: llo.KernelSchedule,
     kernel: bool,
-    kernel_workload: Callable[[str], estimate.Occupancy],
+    kernel_workload: Callable[[str], kernel_cost.Occupancy],
 ) -> _ListingCost:
     """The cost of one run of a listing: a kernel as the kernel rows charge it, reading the
     share of its cache a ragged decode's lengths fill, by the block or by the page as it
-    copies (`estimate.copied_fraction`), with its grid steps and block copies."""
+    copies (`kernel_cost.copied_fraction`), with its grid steps and block copies."""
     if kernel:
         workload = kernel_workload(schedule.name)
-        trips = workload.loop_trips if isinstance(workload, estimate.FullGrid) else None
+        trips = workload.loop_trips if isinstance(workload, kernel_cost.FullGrid) else None
         entry = spread.kernel_entry(schedule, workload, trips)
-        read = estimate.copied_fraction(schedule.name, schedule.grid, workload)
+        read = kernel_cost.copied_fraction(schedule.name, schedule.grid, workload)
         steps = trips[0] if trips else entry["steps"]  # a grid sized at run time: as given
         # undecided regions charged in full: only where no occupancy says how often they run
-        full = (isinstance(workload, estimate.FullGrid) and entry["undecided_bundles"]) or 0
+        full = (isinstance(workload, kernel_cost.FullGrid) and entry["undecided_bundles"]) or 0
         return _ListingCost(entry["cycles"], "kernel", read, steps, entry["dma_bytes"] or 0, full)
     if schedule.executed_bundles_max is None:
         return _ListingCost(schedule.bundles, "other", 1.0)
@@ -190,7 +190,7 @@ def _async_copies(comps: Mapping[str, hlo.Computation],
 def program_estimate(
     text: str,
     schedules: Mapping[str, llo.KernelSchedule],
-    kernel_workload: Callable[[str], estimate.Occupancy],
+    kernel_workload: Callable[[str], kernel_cost.Occupancy],
     target: Target,
     chips: int,
     branch_shares: program_loops.BranchShares | None = None,
@@ -229,7 +229,7 @@ class _Program(NamedTuple):
 def _cost(
     program: _Program,
     schedules: Mapping[str, llo.KernelSchedule],
-    kernel_workload: Callable[[str], estimate.Occupancy],
+    kernel_workload: Callable[[str], kernel_cost.Occupancy],
     target: Target,
     chips: int,
 ) -> dict:

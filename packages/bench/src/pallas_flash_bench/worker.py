@@ -32,8 +32,8 @@ def analyse_row(
 
     With ``keep_hlo`` the optimised HLO text is kept in the row (for ``pallas-flash inspect``).
     """
-    from pallas_flash_bench import aot, spread
-    from pallas_flash_estimate.cost import llo
+    from pallas_flash_bench import aot
+    from pallas_flash_estimate.cost import llo, spread
     from pallas_flash_estimate.read import hlo_ops
 
     mesh = aot.call_mesh(target, workload.chips)

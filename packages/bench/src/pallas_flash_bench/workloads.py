@@ -17,6 +17,15 @@ LENGTHS_SEED = 0
 """Seed of the ragged lengths a serving workload draws (`Workload.sequence_lengths`)."""
 
 
+PAGE_COPYING_KERNELS = {
+    "pallas_flash_split_kv_decode_paged": None,
+    "pallas_flash_split_kv_decode_contiguous_pages": 128,
+}
+"""Decode kernels (splitkv's ``paged_kernel``) that copy each block by the page, only the
+pages that hold a token, by name: the positions of a contiguous cache's page (None: a paged
+cache's own pages)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One call: ``op`` at ``seq_len`` (queries = keys for attention; cached tokens for decode),
@@ -189,7 +198,7 @@ class Workload:
             active = sum(math.ceil(n / block) for n in self.chip_tokens()[chip])
         return active / (self.batch * blocks_per_sequence)
 
-    def copied_fraction(self, page: int) -> float:
+    def page_fraction(self, page: int) -> float:
         """Decode, by a kernel that copies only the pages holding a token: the fraction of the
         busiest chip's cache (``batch x`` its share of each sequence's positions) in those
         pages, of ``page`` positions of a contiguous cache, a paged cache's own pages."""
@@ -198,6 +207,31 @@ class Workload:
             return float(self.chip_pages()[chip].sum()) / (self.batch * self.table_share)
         pages = np.ceil(self.chip_tokens()[chip] / page).sum() * page
         return float(pages) / (self.batch * (self.seq_len // self.chips))
+
+    @property
+    def ragged(self) -> bool:
+        """A decode of ragged lengths: its blocks past a sequence's end hold no token."""
+        return self.op == "decode" and self.lengths is not None
+
+    def filled_fraction(self, grid: tuple[int, ...] | None) -> float | None:
+        """`pallas_flash_estimate.cost.kernel_cost.Occupancy`: a ragged decode's kernel whose
+        grid leads with the batch (jax-paged: ``(cores, batch, heads, blocks)``) and ends with
+        each sequence's blocks, the blocks that hold a cached token (`active_fraction`); 1.0
+        for its other grids; None for every other call."""
+        if not self.ragged:
+            return None
+        if grid is not None and len(grid) >= 2 and self.batch in grid[:2]:
+            return self.active_fraction(grid[-1])
+        return 1.0
+
+    def copied_fraction(self, kernel: str) -> float | None:
+        """`pallas_flash_estimate.cost.kernel_cost.Occupancy`: a ragged decode's page-copying
+        kernel (`PAGE_COPYING_KERNELS`) reads the pages holding a token (`page_fraction`);
+        None for any other kernel or call."""
+        stem = kernel.split(".")[0]
+        if not self.ragged or stem not in PAGE_COPYING_KERNELS:
+            return None
+        return self.page_fraction(PAGE_COPYING_KERNELS[stem] or self.page_size)
 
     @property
     def itemsize(self) -> int:

@@ -12,8 +12,10 @@ The estimator is a library by stage, as a program's compiled output flows throug
   `evaluate.scalar_flow`), loops whose trips are read from memory (`evaluate.loop_trips`), and
   the trips of a whole program's ``while`` loops (`evaluate.program_loops`).
 - `pallas_flash_estimate.cost`: what that costs: a kernel's static schedule (`cost.llo`), its
-  DMA traffic (`cost.dma`), an op's HBM bytes (`cost.op_bytes`), and how much of a program's
-  collective and copy time its own schedule hides (`cost.overlap`).
+  headline cycles and the share of its grid a call uses (`cost.kernel_cost`, whose
+  `Occupancy` is what the estimator asks of a call), the same kernel under every estimate
+  (`cost.spread`), its DMA traffic (`cost.dma`), an op's HBM bytes (`cost.op_bytes`), and how
+  much of a program's collective and copy time its own schedule hides (`cost.overlap`).
 
 No module here imports JAX: the estimator reads text that a compile produced.
 """

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash_bench import estimate
-from pallas_flash_estimate.cost import dma, llo
+from pallas_flash_estimate.cost import dma, kernel_cost, llo
 from pallas_flash_estimate.evaluate import bundle_listing, loop_trips
 from pallas_flash_estimate.read import critical_path
 
@@ -105,47 +104,52 @@ def _larger(a: Range | None, b: Range | None) -> Range | None:
 
 
 def kernel_entry(
-    schedule: llo.KernelSchedule, workload: estimate.Occupancy, trips: tuple[int, ...] | None = None
+    schedule: llo.KernelSchedule,
+    occupancy: kernel_cost.Occupancy,
+    trips: tuple[int, ...] | None = None,
 ) -> dict:
     """One Pallas kernel's row entry: its static schedule, headline ``cycles`` (see
-    `estimate.kernel_cycles`), ``estimates`` (cycles per estimate, `ESTIMATES`), ``dma_bytes``
+    `kernel_cost.kernel_cycles`), ``estimates`` (cycles per estimate, `ESTIMATES`), ``dma_bytes``
     over all grid steps (at most) and ``pushes`` in the grid loop body.
 
     ``trips``: for a kernel with loops whose trip counts read memory, how often each runs over
-    the whole kernel for this workload (`Subject.loop_trips`), outermost first; see
-    `_entry_with_trips`."""
+    the whole kernel for this call (the bench's ``Subject.loop_trips``), outermost first;
+    see `_entry_with_trips`."""
     if trips is not None and schedule.executed_bundles_min is None:
         assert schedule.listing is not None, "the schedule was built without its listing"
         counts = loop_trips.bundle_counts(schedule.listing, trips)
         if not isinstance(counts, str):
-            return _entry_with_trips(schedule, trips, counts, workload)
+            return _entry_with_trips(schedule, trips, counts, occupancy)
         schedule = dataclasses.replace(
             schedule, warnings=(*schedule.warnings, f"loop trip counts not applied: {counts}")
         )
     steps = schedule.grid_steps or schedule.trip_count or 1
-    cycles, how = estimate.kernel_cycles(
+    cycles, how = kernel_cost.kernel_cycles(
         schedule.executed_bundles_min,
         schedule.executed_bundles_max,
         steps * schedule.bundles_per_step,
         schedule.grid,
-        workload.causal,
+        occupancy.causal,
         schedule.executed_mxu_cycles_min,
         schedule.executed_mxu_cycles_max,
-        workload,
+        occupancy,
     )
     found = kernel_estimates(schedule)
-    fraction = estimate.undecided_fraction(schedule.grid, workload.causal, workload)
-    return _entry(schedule, steps, cycles, how, found, _dma_bytes(found, workload, fraction),
-                  fraction)  # fmt: skip
+    fraction = kernel_cost.undecided_fraction(schedule.grid, occupancy.causal, occupancy)
+    dma_bytes = _dma_bytes(found, occupancy, schedule.grid, fraction)
+    return _entry(schedule, steps, cycles, how, found, dma_bytes, fraction)
 
 
-def _dma_bytes(found: KernelEstimates, workload: estimate.Occupancy, fraction: float) -> int | None:
-    """The bytes its DMAs move: at most, but for a ragged decode, whose blocks past a
-    sequence's end are not copied (``fraction`` of the undecided ones)."""
+def _dma_bytes(
+    found: KernelEstimates, occupancy: kernel_cost.Occupancy, grid: tuple[int, ...] | None,
+    fraction: float,
+) -> int | None:  # fmt: skip
+    """The bytes its DMAs move: at most, but for a call whose blocks past its data are not
+    copied (a ragged decode), ``fraction`` of the undecided ones."""
     if found.dma_bytes is None:
         return None
-    ragged = workload.op == "decode" and workload.lengths is not None
-    return estimate.between(found.dma_bytes, fraction) if ragged else found.dma_bytes[1]
+    partly_filled = occupancy.filled_fraction(grid) is not None
+    return kernel_cost.between(found.dma_bytes, fraction) if partly_filled else found.dma_bytes[1]
 
 
 def _entry(
@@ -171,7 +175,9 @@ def _entry(
         "vmem_bytes": schedule.vmem_bytes,
         "cycles": cycles,
         "cycles_from": how,
-        "estimates": {name: estimate.between(found.ranges[name], fraction) for name in ESTIMATES},
+        "estimates": {
+            name: kernel_cost.between(found.ranges[name], fraction) for name in ESTIMATES
+        },
         # bundles in regions the schedule cannot decide (run on ``fraction`` of the steps)
         "undecided_bundles": _span(found.ranges["schedule"]),
         # at most: a copy whose predicate the schedule cannot decide is taken to run
@@ -188,22 +194,22 @@ def _entry_with_trips(
     schedule: llo.KernelSchedule,
     trips: tuple[int, ...],
     counts: loop_trips.BundleCounts,
-    workload: estimate.Occupancy,
+    occupancy: kernel_cost.Occupancy,
 ) -> dict:
     """`kernel_entry` of a kernel whose loops without a trip count run ``trips`` times
     (`loop_trips`): every estimate weighs each bundle by its executions, and predicated regions
     that the schedule cannot decide run on the share of the runs that `kernel_entry` gives a
-    kernel without such loops (`estimate.undecided_fraction`: the causal or ragged share of
+    kernel without such loops (`kernel_cost.undecided_fraction`: the causal or ragged share of
     the grid; all of them, their max, for a kernel whose grid says nothing of it, such as
     a ragged kernel's one step, where the prefetch of the next block runs on every block but
     the last), as do copies whose predicate it cannot decide (at most)."""
     found = kernel_estimates(schedule, counts)
-    fraction = estimate.undecided_fraction(schedule.grid, workload.causal, workload)
+    fraction = kernel_cost.undecided_fraction(schedule.grid, occupancy.causal, occupancy)
     bundles = found.ranges["schedule"]
     mxu = found.ranges["mxu"]
     assert bundles is not None and mxu is not None
-    cycles = estimate.between(bundles, fraction)
-    busiest = estimate.between(mxu, fraction)
+    cycles = kernel_cost.between(bundles, fraction)
+    busiest = kernel_cost.between(mxu, fraction)
     assert cycles is not None and busiest is not None
     loops = ", ".join(str(n) for n in trips)
     how = (
@@ -215,5 +221,5 @@ def _entry_with_trips(
         how += f"; MXU-bound: the busiest MXU needs {busiest} cycles for {cycles} bundles"
         cycles = busiest
     steps = schedule.grid_steps or schedule.trip_count or 1
-    return _entry(schedule, steps, cycles, how, found, _dma_bytes(found, workload, fraction),
-                  fraction)  # fmt: skip
+    dma_bytes = _dma_bytes(found, occupancy, schedule.grid, fraction)
+    return _entry(schedule, steps, cycles, how, found, dma_bytes, fraction)

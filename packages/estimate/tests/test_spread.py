@@ -1,6 +1,5 @@
 """A kernel under each estimate: schedule, MXU floor, critical path, weight pushes charged
-without overlap, and its DMA bytes, on trimmed real dumps (see the estimator's
-test_critical_path)."""
+without overlap, and its DMA bytes, on trimmed real dumps (see test_critical_path)."""
 
 from __future__ import annotations
 
@@ -8,14 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pallas_flash_bench import spread
-from pallas_flash_bench.workloads import Workload
-from pallas_flash_estimate.cost import dma, llo
+from pallas_flash_estimate.cost import dma, kernel_cost, llo, spread
 from pallas_flash_estimate.evaluate import bundle_listing
 
-SAMPLES = Path(__file__).parents[2] / "estimate" / "tests" / "samples" / "llo"
-"""The estimator's trimmed dumps (read here until `spread` joins the estimator's cost stage)."""
-FORWARD = Workload("forward", 4096)
+SAMPLES = Path(__file__).parent / "samples" / "llo"
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +87,7 @@ def test_dma_transfers_and_their_steps(pallas) -> None:
 
 
 def test_kernel_entry_resolves_every_estimate(splash) -> None:
-    entry = spread.kernel_entry(splash, FORWARD)
+    entry = spread.kernel_entry(splash, kernel_cost.FULL_GRID)  # no mask
     assert entry["cycles"] == 102_400
     assert entry["cycles_from"].startswith("data-dependent regions run on 100% of the steps")
     assert entry["estimates"] == {
@@ -105,7 +100,7 @@ def test_kernel_entry_resolves_every_estimate(splash) -> None:
     # splash reads q, k and v from VMEM (XLA prefetched them): only outputs leave by DMA
     assert entry["dma_bytes"] == 64 * (256 << 10) + 3 * (512 << 10)
     assert entry["pushes"] == 192 and entry["steps"] == 256
-    causal = spread.kernel_entry(splash, Workload("forward", 4096, causal=True))
+    causal = spread.kernel_entry(splash, kernel_cost.FullGrid(causal=True))
     assert causal["estimates"]["critical_path"] == 1_115_893 - 4292 * (256 - 160)
 
 
