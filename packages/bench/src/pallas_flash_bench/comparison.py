@@ -37,7 +37,7 @@ ESTIMATE_TITLES = {
 """The program estimates of a row (``runner.SPREAD``), as the report names them."""
 
 
-def _estimate(row: Mapping[str, Any], name: str, key: str) -> float | None:
+def estimate_figure(row: Mapping[str, Any], name: str, key: str) -> float | None:
     """A row's figure ``key`` (``cycles``, ``latency_seconds``, ``mfu``) under one estimate."""
     return finite_number(((row.get("estimates") or {}).get(name) or {}).get(key))
 
@@ -50,9 +50,12 @@ floor alone are its two parts (each a bound on time only), left out of the MFU r
 def mfu_range(row: Mapping[str, Any]) -> str:
     """Least and most MFU over the headline and the whole estimates (`RANGE_ESTIMATES`):
     ``66.7 to 97.6 %``; ``—`` without them."""
-    if not any(_estimate(row, name, "mfu") is not None for name in RANGE_ESTIMATES):
+    if not any(estimate_figure(row, name, "mfu") is not None for name in RANGE_ESTIMATES):
         return MISSING
-    values = [figure(row, "mfu")[0], *(_estimate(row, name, "mfu") for name in RANGE_ESTIMATES)]
+    values = [
+        figure(row, "mfu")[0],
+        *(estimate_figure(row, name, "mfu") for name in RANGE_ESTIMATES),
+    ]
     known = [v for v in values if v is not None]
     if not known:
         return MISSING
@@ -74,7 +77,7 @@ def spread_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             label(row),
             subject(row),
             tagged(row, "mfu", percent),
-            *(percent(_estimate(row, name, "mfu")) for name in ESTIMATE_TITLES),
+            *(percent(estimate_figure(row, name, "mfu")) for name in ESTIMATE_TITLES),
         ]
         for row in with_spread
     ]
@@ -214,8 +217,8 @@ def _verdicts(
     verdicts: dict[str, list[str]] = {"ahead": [], "level": [], "behind": [], "unknown": []}
     turns: list[str] = []
     for name, title in ESTIMATE_TITLES.items():
-        mine = _estimate(row, name, "latency_seconds")
-        theirs = [_estimate(r, name, "latency_seconds") for r in references]
+        mine = estimate_figure(row, name, "latency_seconds")
+        theirs = [estimate_figure(r, name, "latency_seconds") for r in references]
         if not mine or not all(theirs):
             verdicts["unknown"].append(title)
             continue
@@ -288,8 +291,11 @@ def headlines(rows: Sequence[Mapping[str, Any]]) -> list[Headline]:
     for group in _by_workload(rows):
         references = [r for r in group if r.get("kind") == "reference"]
         known = [r for r in references if _calibrated(r) is not None]
-        ours = [r for r in group if r.get("kind") != "reference" and _calibrated(r)
-                and any(_estimate(r, name, "cycles") for name in ESTIMATE_TITLES)]  # fmt: skip
+        ours = [
+            r for r in group
+            if r.get("kind") != "reference" and _calibrated(r)
+            and any(estimate_figure(r, name, "cycles") for name in ESTIMATE_TITLES)
+        ]  # fmt: skip
         if not references or not ours:
             continue
         fastest = min(known, key=_calibrated) if known else None

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pallas_flash_bench.cells import MISSING, figure, label, markdown_table, ms, sort_key, subject
-from pallas_flash_bench.comparison import ESTIMATE_TITLES, headlines
+from pallas_flash_bench.comparison import ESTIMATE_TITLES, estimate_figure, headlines
 
 Rows = Sequence[Mapping[str, Any]]
 """One run's compiled rows (``results.json``'s ``rows``)."""
@@ -92,8 +92,7 @@ def only_on_one(pinned: Rows, newest: Rows) -> list[str]:
 
 def _unknown(row: Mapping[str, Any]) -> set[str]:
     """The estimates under which a row has no figure."""
-    estimates = row.get("estimates") or {}
-    return {name for name in ESTIMATE_TITLES if not (estimates.get(name) or {}).get("cycles")}
+    return {name for name in ESTIMATE_TITLES if not estimate_figure(row, name, "cycles")}
 
 
 def unknown_on_one(pinned: Rows, newest: Rows) -> list[str]:

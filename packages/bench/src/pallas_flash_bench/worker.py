@@ -10,6 +10,7 @@ Run: ``python -m pallas_flash_bench.worker JOBS.json [DUMP_DIR]``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -195,47 +196,72 @@ def longest_fitting(subject, op: str, target, limit: int, step: int) -> dict:
     return result
 
 
+@functools.cache
+def _subjects(sweep: str, backends: tuple[str, ...] | None, references: bool) -> dict:
+    """The run's subjects by id (`references.all_subjects`), built once per worker."""
+    from pallas_flash_bench.references import all_subjects
+
+    return all_subjects(sweep, None if backends is None else list(backends), references)
+
+
+def _subject(job: dict):
+    backends = None if job["backends"] is None else tuple(job["backends"])
+    return _subjects(job["sweep"], backends, job["references"])[job["subject"]]
+
+
+def _row_job(job: dict, target, dump_dir: pathlib.Path | None) -> dict | None:
+    from pallas_flash_bench.workloads import Workload
+
+    workload = Workload(**job["workload"])
+    return analyse_row(_subject(job), workload, target, dump_dir, job.get("keep_hlo", False))
+
+
+def _fit_job(job: dict, target, dump_dir: pathlib.Path | None) -> dict:
+    return longest_fitting(_subject(job), job["op"], target, job["limit"], job["step"])
+
+
+def _model_job(job: dict, target, dump_dir: pathlib.Path | None) -> dict:
+    from pallas_flash_bench import model_steps, model_workloads  # the LLaMa package: only here
+
+    return model_steps.analyse_model(model_workloads.ModelWorkload(**job["workload"]), dump_dir)
+
+
+def _context_job(job: dict, target, dump_dir: pathlib.Path | None) -> dict:
+    from pallas_flash_bench import context_steps, context_workloads
+
+    context = context_workloads.ContextWorkload(**job["workload"])
+    return context_steps.analyse_context(context, dump_dir)
+
+
+def _program_job(job: dict, target, dump_dir: pathlib.Path | None) -> dict:
+    from pallas_flash_bench import any_program
+    from pallas_flash_bench.program_refs import ProgramRef
+
+    return any_program.analyse(ProgramRef.from_json(job["program"]), target, dump_dir)
+
+
+JOB_KINDS = {
+    "row": _row_job,
+    "fit": _fit_job,
+    "model": _model_job,
+    "context": _context_job,
+    "program": _program_job,
+}
+"""A job's ``kind`` -> what runs it: ``(job, target, dump folder) -> result`` (None: the
+subject does not support the workload)."""
+
+
 def main(argv: list[str]) -> None:
     from pallas_flash.tpu import GENERATION_ENV_VAR
-    from pallas_flash_bench.references import all_subjects
     from pallas_flash_bench.targets import TARGETS
-    from pallas_flash_bench.workloads import Workload
 
     jobs = json.loads(pathlib.Path(argv[0]).read_text())
     dump_dir = pathlib.Path(argv[1]) if len(argv) > 1 else None
-    subjects_by_config: dict[tuple, dict] = {}
     for job in jobs:
-        key = (job["sweep"], tuple(job["backends"] or ()), job["references"])
-        if job["kind"] in ("row", "fit") and key not in subjects_by_config:
-            subjects_by_config[key] = all_subjects(job["sweep"], job["backends"], job["references"])
         target = TARGETS[job["target"]]
         os.environ[GENERATION_ENV_VAR] = target.generation  # kernels sized for the target
         try:
-            if job["kind"] == "model":  # needs the LLaMa package: imported only then
-                from pallas_flash_bench import model_steps, model_workloads
-
-                model = model_workloads.ModelWorkload(**job["workload"])
-                result = model_steps.analyse_model(model, dump_dir)
-            elif job["kind"] == "context":
-                from pallas_flash_bench import context_steps, context_workloads
-
-                context = context_workloads.ContextWorkload(**job["workload"])
-                result = context_steps.analyse_context(context, dump_dir)
-            elif job["kind"] == "program":
-                from pallas_flash_bench import any_program
-                from pallas_flash_bench.program_refs import ProgramRef
-
-                ref = ProgramRef.from_json(job["program"])
-                result = any_program.analyse(ref, target, dump_dir)
-            elif job["kind"] == "row":
-                workload = Workload(**job["workload"])
-                subject = subjects_by_config[key][job["subject"]]
-                result = analyse_row(
-                    subject, workload, target, dump_dir, job.get("keep_hlo", False)
-                )
-            else:
-                subject = subjects_by_config[key][job["subject"]]
-                result = longest_fitting(subject, job["op"], target, job["limit"], job["step"])
+            result = JOB_KINDS[job["kind"]](job, target, dump_dir)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next job
             result = {"job_error": _error_text(exc), "traceback": traceback.format_exc()}
         print(RESULT_PREFIX + json.dumps({"job": job["id"], "result": result}), flush=True)
