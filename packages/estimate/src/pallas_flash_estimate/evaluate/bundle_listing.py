@@ -37,13 +37,8 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from pallas_flash_estimate.evaluate.scalar_flow import (
-    Defs,
-    LoopContext,
-    LoopEval,
-    evaluate_loop,
-    trip_count,
-)
+from pallas_flash_estimate.evaluate.scalar_defs import Defs, trip_count
+from pallas_flash_estimate.evaluate.scalar_flow import LoopContext, LoopEval, evaluate_loop
 from pallas_flash_estimate.read.bundles import Bundle, Instruction, scan_bundles
 
 __all__ = [

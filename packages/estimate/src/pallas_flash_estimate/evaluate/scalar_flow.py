@@ -2,7 +2,8 @@
 
 The scalar core computes, per loop iteration, the predicates that decide which predicated
 regions (and which guarded instructions, such as a pipeline's DMAs) run. `Defs` maps every
-register to its defining instruction, `trip_count` reads a loop's exit test, and `Evaluator`
+register to its defining instruction and `trip_count` reads a loop's exit test
+(`scalar_defs`); `Evaluator`
 computes registers and predicates for all iterations at once (NumPy arrays) from the loop
 counter, the grid indices of the ``sphi`` registers annotated ``iteration index, stage = S iter
 bound = D``, and counters that step by an amount independent of themselves (a pipeline's
@@ -17,220 +18,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pallas_flash_estimate.evaluate.scalar_defs import CMP_RE, INT_RE, Counter, Defs
 from pallas_flash_estimate.read.bundles import CMOV_RE
 
 if TYPE_CHECKING:
-    from pallas_flash_estimate.read.bundles import Bundle, Instruction
+    from pallas_flash_estimate.read.bundles import Instruction
 
-__all__ = ["Counter", "Defs", "Evaluator", "LoopContext", "LoopEval", "evaluate_loop", "trip_count"]
+__all__ = ["Evaluator", "LoopContext", "LoopEval", "evaluate_loop"]
 
 #: Evaluate in chunks of this many iterations.
 _EVAL_CHUNK = 1 << 16
 _MASK32 = (1 << 32) - 1
-
 _ITER_INDEX_RE = re.compile(r"iteration index, stage = (\d+)(?: iter bound = (\d+))?")
-_SPILL_STORE_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]\s*(?P<value>%s\w+)$")
-_FILL_RE = re.compile(r"^\[smem:\[(?P<slot>#allocation\d+_spill)\]\]$")
-_CMP_RE = re.compile(r"^scmp\.(?P<cc>lt|le|gt|ge|eq|ne)\.(?P<ty>[su]32)")
-_INT_RE = re.compile(r"^-?\d+$")
-
-
-class Defs:
-    """SSA definitions of a listing: ``%x`` -> defining instruction."""
-
-    def __init__(self, bundles: Iterable[Bundle]):
-        self.defs: dict[str, Instruction] = {}
-        # a divide's ``sdivrem`` -> the registers its ``spop.drf``s pop (quotient, remainder)
-        self.pops: dict[str, list[str]] = {}
-        stored: dict[str, set[str]] = {}  # spill slot -> registers stored to it
-        for b in bundles:
-            for ins in b.instructions:
-                if ins.dest is not None:
-                    self.defs.setdefault(ins.dest, ins)
-                    if ins.opcode == "spop.drf":
-                        self.pops.setdefault(ins.args.strip(), []).append(ins.dest)
-                if ins.opcode == "sst" and ins.guard is None:
-                    m = _SPILL_STORE_RE.match(ins.args)
-                    if m:
-                        stored.setdefault(m["slot"], set()).add(m["value"])
-        # A spill slot stored from one register only ever holds that register's value.
-        self.slots = {slot: next(iter(v)) for slot, v in stored.items() if len(v) == 1}
-
-    def link_fills(
-        self,
-        bundles: Iterable[Bundle],
-        loops: Iterable[tuple[int, int]],
-        regions: Iterable[tuple[int, int]],
-    ) -> None:
-        """Give the fills of a spill slot stored from several registers the value that reaches
-        them, where the listing's order decides it (the slot is reused for other values).
-
-        A fill at bundle ``i`` reads the last store to its slot before ``i``; where none lies
-        between the head of ``i``'s innermost loop and ``i``, it reads, like an ``sphi``, the
-        store before the loop on the first iteration and the loop body's last store on the
-        others (a loop counter kept in a spill slot). A store counts only when it is not
-        predicated and every loop and predicated region (``(start, end)`` bundle spans) around
-        it also holds the fill; else the fill stays undecidable."""
-        loops, regions = list(loops), list(regions)
-        stores: dict[str, list[tuple[int, str | None]]] = {}  # slot -> (bundle, value)
-        fills: list[tuple[int, Instruction, str]] = []
-        for b in bundles:
-            for ins in b.instructions:
-                if ins.opcode == "sst" and (m := _SPILL_STORE_RE.match(ins.args)):
-                    stores.setdefault(m["slot"], []).append(
-                        (b.index, m["value"] if ins.guard is None else None)
-                    )
-                elif (
-                    ins.opcode == "sld"
-                    and ins.guard is None
-                    and ins.dest is not None
-                    and (m := _FILL_RE.match(ins.args))
-                    and m["slot"] not in self.slots
-                ):
-                    fills.append((b.index, ins, m["slot"]))
-
-        def around(index: int) -> list[tuple[int, int]]:
-            return [s for s in (*loops, *regions) if s[0] <= index <= s[1]]
-
-        def reaching(slot: str, before: int, at: int, lowest: int = -1) -> str | None:
-            """The value of the last store to ``slot`` in [lowest, before) seen at ``at``."""
-            found = [(j, v) for j, v in stores.get(slot, []) if lowest <= j < before]
-            if not found:
-                return None
-            j, value = found[-1]
-            inside = all(s[0] <= at <= s[1] for s in around(j))
-            return value if inside else None
-
-        for index, ins, slot in fills:
-            inside = [lp for lp in loops if lp[0] <= index <= lp[1]]
-            head = min(inside, key=lambda lp: lp[1] - lp[0], default=None)
-            if head is not None and not any(head[0] <= j < index for j, _ in stores.get(slot, [])):
-                first = reaching(slot, head[0], head[0])
-                again = reaching(slot, head[1] + 1, head[1], lowest=index)
-                if first is not None and again is not None:
-                    self.defs[ins.dest] = dataclasses.replace(
-                        ins, opcode="sphi", args=f"{first}, {again}", note="spill slot, loop head"
-                    )
-                continue
-            value = reaching(slot, index, index)
-            if value is not None:
-                self.defs[ins.dest] = dataclasses.replace(ins, opcode="smov", args=value)
-
-    def resolve(self, name: str) -> str:
-        """Follow plain copies (``smov %x``) and spill/fill round trips to the original value."""
-        for _ in range(64):
-            ins = self.defs.get(name)
-            if ins is None or ins.guard is not None:
-                return name
-            if ins.opcode == "smov" and re.fullmatch(r"%s\w+", ins.args):
-                name = ins.args
-            elif (
-                ins.opcode == "sld" and (m := _FILL_RE.match(ins.args)) and m["slot"] in self.slots
-            ):
-                name = self.slots[m["slot"]]
-            else:
-                return name
-        return name
-
-    def get(self, name: str) -> Instruction | None:
-        return self.defs.get(self.resolve(name))
-
-    @staticmethod
-    def operands(ins: Instruction) -> list[str]:
-        return [a.strip() for a in ins.args.split(",")]
-
-    def constant(self, name: str) -> int | None:
-        if _INT_RE.match(name):
-            return int(name)
-        ins = self.get(name)
-        if ins is not None and ins.opcode == "smov" and _INT_RE.match(ins.args):
-            return int(ins.args)
-        return None
-
-    def is_increment(self, name: str, phi: str) -> bool:
-        """Whether ``name`` holds ``phi + 1``."""
-        ins = self.get(name)
-        if ins is None or not ins.opcode.startswith("sadd") or ins.guard is not None:
-            return False
-        ops = self.operands(ins)
-        if len(ops) != 2 or "1" not in ops:
-            return False
-        return self.resolve(ops[1] if ops[0] == "1" else ops[0]) == phi
-
-    def counter(self, name: str) -> tuple[str, str, int] | None:
-        """If ``name`` is a loop counter phi or its increment: (phi, next, offset of name)."""
-        name = self.resolve(name)
-        ins = self.defs.get(name)
-        if ins is None:
-            return None
-        if ins.opcode == "sphi":
-            for other in self.operands(ins):
-                if self.is_increment(other, name):
-                    return name, self.resolve(other), 0
-            return None
-        if ins.opcode.startswith("sadd"):
-            for op in self.operands(ins):
-                phi = self.resolve(op)
-                phi_ins = self.defs.get(phi)
-                if (
-                    phi_ins is not None
-                    and phi_ins.opcode == "sphi"
-                    and self.is_increment(name, phi)
-                    and any(self.resolve(o) == name for o in self.operands(phi_ins))
-                ):
-                    return phi, name, 1
-        return None
-
-    def counter_start(self, phi: str, nxt: str) -> int | None:
-        ins = self.defs.get(phi)
-        if ins is None:
-            return None
-        starts = [self.constant(o) for o in self.operands(ins) if self.resolve(o) != nxt]
-        return starts[0] if len(starts) == 1 else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Counter:
-    phi: str  # the counter's value during an iteration
-    start: int  # its value in the first iteration; it steps by 1
-
-
-def trip_count(defs: Defs, predicate: str) -> tuple[int | None, Counter | None]:
-    """Trip count of a loop whose back-edge is taken when ``predicate`` holds, and its counter."""
-    negated = predicate.startswith("!")
-    ins = defs.get(predicate.lstrip("!"))
-    if ins is None or ins.guard is not None:
-        return None, None
-    m = _CMP_RE.match(ins.opcode)
-    ops = defs.operands(ins)
-    if m is None or len(ops) != 2:
-        return None, None
-    ctr = defs.counter(ops[0])
-    if ctr is None:
-        return None, None
-    phi, nxt, offset = ctr
-    start = defs.counter_start(phi, nxt)
-    if start is None:
-        return None, None
-    counter = Counter(phi, start)
-    bound = defs.constant(ops[1])
-    if bound is None:
-        return None, counter
-    # The back-edge is taken while cont(v) holds, v = counter + offset, after each body.
-    cc = m["cc"]
-    cont = {"ge": "lt", "gt": "le", "eq": "ne"}.get(cc) if negated else cc
-    if cont not in ("lt", "le", "ne"):
-        return None, counter
-    first = start + offset
-    if cont == "ne" and first > bound:
-        return None, counter
-    last_ok = bound - 1 if cont in ("lt", "ne") else bound  # largest v that continues
-    return max(1, last_ok - first + 2), counter
 
 
 def _signed(v: np.ndarray) -> np.ndarray:
@@ -312,7 +115,7 @@ class Evaluator:
 
     def value(self, name: str, depth: int = 0) -> np.ndarray | None:
         """u32 values (as int64) of operand ``name`` per iteration."""
-        if _INT_RE.match(name):
+        if INT_RE.match(name):
             return np.full(self.iters.shape, int(name) & _MASK32, dtype=np.int64)
         name = self.defs.resolve(name)
         if name in self.cache:
@@ -355,7 +158,7 @@ class Evaluator:
             p = self.pred(ops[0], depth + 1)
             a, b = self.value(ops[1], depth + 1), self.value(ops[2], depth + 1)
             return None if p is None or a is None or b is None else np.where(p, a, b)
-        m = _CMP_RE.match(op)
+        m = CMP_RE.match(op)
         if m or op.startswith("p"):
             r = self.pred(name, depth + 1)
             return None if r is None else r.astype(np.int64)
@@ -424,7 +227,7 @@ class Evaluator:
         if ins is None:
             return None
         ops = self.defs.operands(ins)
-        m = _CMP_RE.match(ins.opcode)
+        m = CMP_RE.match(ins.opcode)
         if m:
             if len(ops) != 2:
                 return None
