@@ -8,9 +8,10 @@ The estimator is a library by stage, as a program's compiled output flows throug
   (`read.dump_files`), a kernel's VLIW bundles (`read.bundles`) and its critical path
   (`read.critical_path`).
 - `pallas_flash_estimate.evaluate`: a listing evaluated: its loops and predicated regions and
-  how often each bundle runs (`evaluate.bundle_listing`, on the scalar definitions and data flow of
-  `evaluate.scalar_defs` and `evaluate.scalar_flow`), loops whose trips are read from memory (`evaluate.loop_trips`), and
-  the trips of a whole program's ``while`` loops (`evaluate.program_loops`).
+  how often each bundle runs (`evaluate.bundle_listing`, on the scalar definitions of
+  `evaluate.scalar_defs` and the data flow of `evaluate.scalar_flow`), loops whose trips are
+  read from memory (`evaluate.loop_trips`), and the trips of a whole program's ``while``
+  loops (`evaluate.program_loops`).
 - `pallas_flash_estimate.cost`: what that costs: a kernel's static schedule (`cost.llo`), its
   headline cycles and the share of its grid a call uses (`cost.kernel_cost`, whose
   `Occupancy` is what the estimator asks of a call), the same kernel under every estimate
