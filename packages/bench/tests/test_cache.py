@@ -39,3 +39,27 @@ def test_round_trip_and_disabled_cache(tmp_path) -> None:
     disabled = ResultCache(None)
     disabled.put("abc", {"compiled": True})
     assert disabled.get("abc") is None and not disabled.holds("abc")
+
+
+def test_a_whole_program_job_is_keyed_by_the_code_it_compiles(tmp_path, monkeypatch) -> None:
+    """A context (or model) job compiles our kernels inside a whole program: its key holds
+    the installed backends' sources, so an edited kernel recompiles it."""
+    from pallas_flash_bench import runner, subjects
+    from pallas_flash_bench.context_workloads import quick_context
+    from pallas_flash_bench.targets import TARGETS
+
+    options = runner.BenchOptions(
+        target=TARGETS["v5e-4"], sweep="quick", workloads=[], models=[],
+        context=quick_context(), backends=None, references=False, fit=False, measure=False,
+        price_per_chip_hour=1.2, out_dir=tmp_path, cache=ResultCache(None), workers=1,
+    )  # fmt: skip
+
+    def context_key() -> str:
+        (job,) = runner._jobs(options, {})
+        assert job["kind"] == "context" and "pallas" in job["code"]
+        return ResultCache.key(job, VERSIONS)
+
+    before = context_key()
+    assert context_key() == before
+    monkeypatch.setattr(subjects, "_sources_digest", lambda package: "edited")
+    assert context_key() != before

@@ -19,7 +19,7 @@ from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.references import all_subjects, reference_notes
 from pallas_flash_bench.report import write_report
 from pallas_flash_bench.roofline import write_roofline
-from pallas_flash_bench.subjects import Subject
+from pallas_flash_bench.subjects import Subject, program_code_versions
 from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.workers import run_cached
 from pallas_flash_bench.workloads import Workload
@@ -96,18 +96,13 @@ def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
             if s.kind == "backend"
             for op in ("forward", "forward_backward")
         ]
+    code = program_code_versions() if options.models or options.context else {}
     jobs += [
-        {"kind": "model", "workload": w.to_json(), "target": w.target,
+        {"kind": kind, "workload": w.to_json(), "target": w.target,
          "topology": TARGETS[w.target].topology, "sweep": options.sweep, "backends": None,
-         "references": False, "llama": importlib.metadata.version("pallas-flash-llama"),
-         "analysis": whole_program.ANALYSIS_VERSION}
-        for w in options.models
-    ]  # fmt: skip
-    jobs += [
-        {"kind": "context", "workload": w.to_json(), "target": w.target,
-         "topology": TARGETS[w.target].topology, "sweep": options.sweep, "backends": None,
-         "references": False, "analysis": whole_program.ANALYSIS_VERSION}
-        for w in options.context
+         "references": False, "code": code, "analysis": whole_program.ANALYSIS_VERSION}
+        for kind, programs in (("model", options.models), ("context", options.context))
+        for w in programs
     ]  # fmt: skip
     for i, job in enumerate(jobs):
         job["id"] = i

@@ -196,6 +196,18 @@ def _backend_version(distribution: str | None) -> str:
     return f"{dist.version}+{digests}"
 
 
+def program_code_versions() -> dict[str, str]:
+    """What a whole program built from our packages (a model or context job) depends on beside
+    the analysis: every installed backend's version with its sources' digest
+    (`_backend_version`), and the LLaMa package's when installed. In the job's cache key, so
+    that an edited kernel or model recompiles it."""
+    versions = {info.name: _backend_version(info.distribution) for info in pf.list_backends()}
+    if importlib.util.find_spec("pallas_flash_llama") is not None:
+        llama = importlib.metadata.version("pallas-flash-llama")
+        versions["llama"] = f"{llama}+{_sources_digest('pallas_flash_llama')}"
+    return versions
+
+
 def backend_subjects(names: list[str] | None = None) -> list[Subject]:
     """The installed backends (or those named), as subjects."""
     infos = [i for i in pf.list_backends() if names is None or i.name in names]
