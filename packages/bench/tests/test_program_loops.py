@@ -10,7 +10,7 @@ import pytest
 
 from pallas_flash_bench import ici, whole_program
 from pallas_flash_bench.targets import TARGETS
-from pallas_flash_estimate.cost import op_bytes
+from pallas_flash_estimate.cost import kernel_cost, op_bytes
 from pallas_flash_estimate.evaluate import program_loops
 from pallas_flash_estimate.read import hlo
 
@@ -276,3 +276,15 @@ def test_a_kernel_updating_an_operand_in_place_moves_what_it_declares() -> None:
     assert op_bytes.op_hbm_bytes(ops["write"], comps, shapes) == 69632
     cache, rows, indices = 8 * 2 * 256 * 128 * 2, 8 * 2 * 128 * 2, 2 * 8 * 4
     assert op_bytes.op_hbm_bytes(ops["read"], comps, shapes) == 2 * cache + rows + indices
+
+
+def test_a_program_s_ops_are_listed_in_the_order_of_its_text() -> None:
+    """The sequential computations (a set) are walked in the text's order, so lists and sums
+    over their ops come out the same in every process, whatever its hash seed."""
+    found = whole_program.program_estimate(
+        SCANNED, {}, lambda _: kernel_cost.FULL_GRID, TARGETS["v5e-4"], 4, sensitivity=False
+    )
+    order = [op.name for comp in hlo.parse_computations(SCANNED).values() for op in comp.ops]
+    unmatched = found["ops_without_listing"]
+    assert unmatched and unmatched == sorted(unmatched, key=order.index)
+    assert {"next", "zero.copy"} <= set(unmatched)  # ops of the loop body and of the entry

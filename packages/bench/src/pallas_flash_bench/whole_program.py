@@ -116,7 +116,7 @@ def op_times(
     `hlo.parse_computations` and `program_loops.program_runs`), and the ops no listing of the
     dump matches (charged their HBM bytes only).
     ``kernel_workload(kernel name)``: the attention shape a Pallas kernel runs."""
-    ops = [op for name in runs.sequential if name in comps for op in comps[name].ops]
+    ops = [op for comp in _sequential(comps, runs) for op in comp.ops]
     shapes = {op.name: op.shape for comp in comps.values() for op in comp.ops}
     by_signature = {}
     for op in ops:
@@ -181,10 +181,18 @@ ASYNC_COPIES = ("copy-start", "slice-start")
 evicted to HBM) and awaits at their ``-done``: `overlap` replays them beside the ops."""
 
 
+def _sequential(
+    comps: Mapping[str, hlo.Computation], runs: program_loops.ProgramRuns
+) -> list[hlo.Computation]:
+    """The program's sequential computations in the order of its text: every sum and list
+    over their ops comes out the same from one run to the next."""
+    return [comp for comp in comps.values() if comp.name in runs.sequential]
+
+
 def _async_copies(comps: Mapping[str, hlo.Computation],
                   runs: program_loops.ProgramRuns) -> list[str]:  # fmt: skip
-    return [op.name for name in runs.sequential if name in comps
-            for op in comps[name].ops if op.opcode in ASYNC_COPIES]  # fmt: skip
+    return [op.name for comp in _sequential(comps, runs) for op in comp.ops
+            if op.opcode in ASYNC_COPIES]  # fmt: skip
 
 
 def program_estimate(
@@ -254,7 +262,7 @@ def _cost(
     exposed = ici.step_bounds(compute, exchange)[1]
     memory_bound = sum(t.seconds for t in times if t.hbm_seconds > t.static_seconds)
     loops = [t.name for t in times if t.inner_loops_counted_once]
-    heaviest = sorted(times, key=lambda t: -t.seconds)[:TOP_OPS]
+    heaviest = sorted(times, key=lambda t: (-t.seconds, t.name))[:TOP_OPS]
     kernels = [t for t in times if t.kind == "kernel"]
     fill = sum(t.runs * t.dma_bytes / max(t.grid_steps, 1) for t in kernels)
     found = {
