@@ -65,10 +65,10 @@ RACE_CHECKED = {
 """Backends whose kernels run in Pallas's TPU interpreter off TPU -> the conformance tests
 (``-k``) that run with its race detector on (and not again without it)."""
 
-MULTI_DEVICE = {"splitkv": "test_decode", "pallas": "test_context_parallel"}
-"""Backends that declare ``multi_device`` or ``context_parallel`` -> the conformance tests
-(``-k``, those that take a mesh and their neighbours) that run with 4 host devices (set
-before jax initialises, in the pytest process's environment), not on one."""
+MULTI_DEVICE = ("splitkv", "pallas")
+"""Backends that declare ``multi_device`` or ``context_parallel``: their conformance suite
+runs with 4 host devices (set before jax initialises, in the pytest process's environment), so
+the tests that take a mesh run on 4 devices (a 1-device mesh: the backends' unit tests)."""
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count=4"
 DETECT_RACES_ENV_VAR = "PALLAS_FLASH_DETECT_RACES"  # pallas_flash.interpret's, not imported here
 PARALLEL = ("--numprocesses=auto", "--maxprocesses=4", "--dist=worksteal")
@@ -88,6 +88,26 @@ races are a property of the kernels' DMAs and semaphores, the same code on eithe
 
 def _install(session: nox.Session, *requirements: str, stack: str = "pinned") -> None:
     session.install("--constraint", str(ROOT / STACKS[stack][1]), *requirements)
+
+
+def _compilation_cache(stack: str) -> dict[str, str]:
+    """The environment that turns on jax's persistent compilation cache, one folder per stack
+    (in .nox/), shared by that stack's tests and conformance sessions and all their processes.
+
+    A program compiled once (a conformance case's reference, the XLA backend's attention, a
+    tiny model's step) is read back by every later test of the stack that compiles the same
+    program, not compiled again: jax keys an entry by the program, its compile options and
+    the jax, XLA and flag versions, so a hit is the very executable. Programs with host
+    callbacks (kernels in Pallas's TPU interpreter) and compiles for a TPU on this host are
+    never read back; the bench's compile workers turn the cache off (they read the dumps a
+    compile writes). A size limit turns on jax's file lock, so no process reads an entry
+    another is still writing.
+    """
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".nox" / f"jax-compilation-cache-{stack}"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
+    }
 
 
 @nox.session
@@ -110,6 +130,7 @@ def tests(session: nox.Session, stack: str) -> None:
     _install(
         session,
         "pytest-xdist",
+        "filelock",
         CORE,
         CONFORMANCE,
         ESTIMATE,
@@ -125,23 +146,10 @@ def tests(session: nox.Session, stack: str) -> None:
     # load it too: let libtpu's lock file admit more than one process.
     # --durations: the CI log names the slowest tests, what to trim when the run grows.
     once = [f"--ignore={ROOT / path}" for path in CHECKED_ON_ONE_STACK] if stack != "pinned" else []
-    session.run(
-        "pytest",
-        *PARALLEL,
-        "--durations=15",
-        *test_dirs,
-        *once,
-        *session.posargs,
-        env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
-    )
-    session.run(
-        "pytest",
-        *PARALLEL,
-        "--durations=10",
-        str(PACKAGES / "llama" / "tests"),
-        *session.posargs,
-        env={"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
-    )
+    env = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **_compilation_cache(stack)}
+    session.run("pytest", *PARALLEL, "--durations=15", *test_dirs, *once, *session.posargs, env=env)
+    llama_tests = str(PACKAGES / "llama" / "tests")
+    session.run("pytest", *PARALLEL, "--durations=10", llama_tests, *session.posargs, env=env)
 
 
 @nox.session
@@ -149,21 +157,19 @@ def tests(session: nox.Session, stack: str) -> None:
 @nox.parametrize("backend", list(BACKENDS), ids=list(BACKENDS))
 def conformance(session: nox.Session, backend: str, stack: str) -> None:
     """The conformance suite against one backend, installed alone with core, on one stack."""
-    _install(session, "pytest-xdist", CORE, CONFORMANCE, BACKENDS[backend], stack=stack)
+    _install(session, "pytest-xdist", "filelock", CORE, CONFORMANCE, BACKENDS[backend], stack=stack)
     session.chdir(session.create_tmp())  # import the installed packages, not the source tree
     suite = ("pytest", "--pyargs", "pallas_flash_conformance", "--backend", backend)
-    raced = RACE_CHECKED.get(backend) if not session.posargs and stack == "pinned" else None
-    meshed = MULTI_DEVICE.get(backend) if not session.posargs else None
-    # Each test runs once: the race-checked ones with the detector on (numerics checked too),
-    # those that take a mesh on 4 devices (a 1-device mesh: the backends' unit tests).
-    again = " or ".join(f"({k})" for k in (raced, meshed) if k)
-    session.run(*suite, *PARALLEL, *(("-k", f"not ({again})") if again else ()), *session.posargs)
+    env = _compilation_cache(stack)
     if backend in MULTI_DEVICE:
-        selected = ("-k", MULTI_DEVICE[backend]) if not session.posargs else session.posargs
-        session.run(*suite, *PARALLEL, *selected, env={"XLA_FLAGS": HOST_DEVICES_FLAG})
+        env["XLA_FLAGS"] = HOST_DEVICES_FLAG
+    raced = RACE_CHECKED.get(backend) if not session.posargs and stack == "pinned" else None
+    # Each test runs once: the race-checked ones with the detector on (numerics checked too).
+    session.run(*suite, *PARALLEL, *(("-k", f"not ({raced})") if raced else ()), *session.posargs,
+                env=env)  # fmt: skip
     if raced:
         # A test whose kernels the detector reports racing fails (the suite's plugin).
-        session.run(*suite, *PARALLEL, "-k", raced, env={DETECT_RACES_ENV_VAR: "1"})
+        session.run(*suite, *PARALLEL, "-k", raced, env=env | {DETECT_RACES_ENV_VAR: "1"})
 
 
 @nox.session(python=_python(STACKS["pinned"][0]))

@@ -252,9 +252,14 @@ subject does not support the workload)."""
 
 
 def main(argv: list[str]) -> None:
+    import jax
+
     from pallas_flash.tpu import GENERATION_ENV_VAR
     from pallas_flash_bench.targets import TARGETS
 
+    # Every job compiles: its figures come from the dumps a compile writes (and jax cannot
+    # read a TPU executable compiled on a host without one back from its persistent cache).
+    jax.config.update("jax_enable_compilation_cache", False)
     jobs = json.loads(pathlib.Path(argv[0]).read_text())
     dump_dir = pathlib.Path(argv[1]) if len(argv) > 1 else None
     for job in jobs:
