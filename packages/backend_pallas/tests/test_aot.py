@@ -29,8 +29,8 @@ import pallas_flash as pf
 from pallas_flash import tpu
 from pallas_flash.interpret import INTERPRET_ENV_VAR
 from pallas_flash_bench import aot
-from pallas_flash_bench.targets import TARGETS
 from pallas_flash_estimate.read import hlo_ops
+from pallas_flash_estimate.targets import TARGETS
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"

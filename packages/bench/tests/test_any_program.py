@@ -9,7 +9,7 @@ import pytest
 from pallas_flash_bench import calibration_programs, cli, estimate_program
 from pallas_flash_bench.program_refs import ProgramRef, parse_array
 from pallas_flash_bench.subjects import ArraySpec
-from pallas_flash_bench.targets import TARGETS
+from pallas_flash_estimate.targets import TARGETS
 
 
 def _bf16(*shape: int) -> jax.ShapeDtypeStruct:

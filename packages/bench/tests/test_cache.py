@@ -46,7 +46,7 @@ def test_a_whole_program_job_is_keyed_by_the_code_it_compiles(tmp_path, monkeypa
     the installed backends' sources, so an edited kernel recompiles it."""
     from pallas_flash_bench import runner, subjects
     from pallas_flash_bench.context_workloads import quick_context
-    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_estimate.targets import TARGETS
 
     options = runner.BenchOptions(
         target=TARGETS["v5e-4"], sweep="quick", workloads=[], models=[],

@@ -13,8 +13,8 @@ from pallas_flash_bench import (
     calibration_points,
     calibration_report,
     readme,
-    whole_program,
 )
+from pallas_flash_estimate.program import whole_program
 
 DOCS_PAGE = pathlib.Path(__file__).parents[3] / "docs" / "calibration.md"
 

@@ -13,8 +13,8 @@ import pytest
 import pallas_flash as pf
 from pallas_flash_bench import aot, cli, runner, worker
 from pallas_flash_bench.references import all_subjects
-from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.targets import TARGETS
 
 needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
 
@@ -162,7 +162,7 @@ def test_model_workloads_compile_and_are_estimated_as_whole_programs(tmp_path) -
     modelled, and the report shows them."""
     pytest.importorskip("pallas_flash_llama")
     from pallas_flash_bench.model_workloads import ModelWorkload
-    from pallas_flash_bench.targets import DEFAULT_TARGET
+    from pallas_flash_estimate.targets import DEFAULT_TARGET
 
     train = ModelWorkload("train tiny", "train", "tiny", "v5e-4", (1, 4, 1), 8, seq_len=256,
                           remat="save_qkv")  # fmt: skip

@@ -16,8 +16,8 @@ import re
 import pytest
 
 from pallas_flash_bench import cli, estimate, roofline
-from pallas_flash_bench.targets import DEFAULT_TARGET, TARGETS
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.targets import DEFAULT_TARGET, TARGETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "api" / "bench.md"

@@ -7,7 +7,7 @@ import pytest
 
 from pallas_flash_bench import context_figures, context_report, context_steps
 from pallas_flash_bench.context_workloads import ContextWorkload, default_context, quick_context
-from pallas_flash_bench.targets import TARGETS
+from pallas_flash_estimate.targets import TARGETS
 
 
 def test_a_context_workload_needs_a_slice_and_a_known_layout() -> None:

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from pallas_flash_bench import estimate
-from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
 from pallas_flash_estimate.cost import kernel_cost
+from pallas_flash_estimate.targets import TARGETS
 
 V5E = TARGETS["v5e-1"]
 
@@ -189,3 +189,12 @@ def test_paged_kernel_reads_the_pages_the_lengths_use() -> None:
 def test_even_lengths_are_every_length_of_the_range_once() -> None:
     w = Workload("decode", 2048, batch=1024, lengths=(1025, 2048), even_lengths=True)
     assert sorted(w.sequence_lengths.tolist()) == list(range(1025, 2049))
+
+
+def test_every_target_holds_the_vmem_its_kernels_are_sized_for() -> None:
+    """The estimator's targets (which import none of our packages) and the kernels' own table
+    (`pallas_flash.tpu.GENERATIONS`) give each generation the same VMEM."""
+    from pallas_flash.tpu import GENERATIONS
+
+    for target in TARGETS.values():
+        assert target.vmem_bytes == GENERATIONS[target.generation].vmem_bytes, target.name

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from pallas_flash_bench import maxtext_serving, whole_program
-from pallas_flash_bench.targets import TARGETS
+from pallas_flash_bench import maxtext_serving
+from pallas_flash_estimate.program import whole_program
+from pallas_flash_estimate.targets import TARGETS
 
 
 def test_tokens_per_second_charges_each_sequence_one_prefill_and_insert() -> None:

@@ -16,7 +16,7 @@ from pallas_flash_bench.model_workloads import (
     default_models,
     quick_models,
 )
-from pallas_flash_bench.targets import SENSITIVITY, TARGETS
+from pallas_flash_estimate.targets import SENSITIVITY, TARGETS
 
 
 def test_maxtext_16b_has_maxtext_s_shape() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pallas_flash_bench.runner import SPREAD, program_cycles, program_estimates
-from pallas_flash_bench.targets import TARGETS
+from pallas_flash_estimate.targets import TARGETS
 
 
 def _row(kernels: list[int], other: dict | None) -> dict:

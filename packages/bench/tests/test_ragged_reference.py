@@ -166,7 +166,7 @@ def test_the_runs_must_match_the_loops_without_a_trip_count() -> None:
 
 @needs_libtpu
 def test_it_compiles_for_v5e_in_its_own_layout() -> None:
-    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_estimate.targets import TARGETS
 
     w = Workload("decode", 2048, batch=8, **dict(SERVING, lengths=(512, 2048)))
     blocks = ragged_reference.RaggedBlocks(8, 8)

@@ -355,7 +355,7 @@ SPLASH_CYCLES = {"schedule": 1_258_409, "mxu": 1_048_576, "critical_path": 1_116
 
 def _with_estimates(row: dict[str, Any], cycles: dict[str, int]) -> dict[str, Any]:
     from pallas_flash_bench import estimate
-    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_estimate.targets import TARGETS
 
     target = TARGETS["v5e-1"]
     workload = Workload(**row["workload"])

@@ -12,8 +12,8 @@ import pytest
 
 from pallas_flash_bench import aot, cli, references, worker
 from pallas_flash_bench.references import all_subjects
-from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload, quick_sweep
+from pallas_flash_estimate.targets import TARGETS
 
 needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
 needs_tokamax = pytest.mark.skipif(

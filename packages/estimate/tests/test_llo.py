@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pallas_flash_estimate.cost import llo
-from pallas_flash_estimate.evaluate import bundle_listing, scalar_flow
+from pallas_flash_estimate.evaluate import bundle_listing, bundle_weights, scalar_flow
 from pallas_flash_estimate.read import dump_files
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
@@ -447,12 +447,12 @@ def test_executed_weight_and_instruction_on_the_tiny_listing():
     listing = bundle_listing.parse_bundles(text, "k.1")
     weights = [0] * len(listing.bundles)
     weights[0], weights[2], weights[8] = 100, 10, 1
-    assert llo.executed_weight(listing, [bundle_listing.prefix_sums(weights)]) == (201, 201)
+    assert llo.executed_weight(listing, [bundle_weights.prefix_sums(weights)]) == (201, 201)
     # several weights (MXUs): the busiest outside the loops (100) plus the busiest in the loop
     # (the second, 10 x 30)
     other = [0] * len(listing.bundles)
     other[2] = 30
-    both = [bundle_listing.prefix_sums(weights), bundle_listing.prefix_sums(other)]
+    both = [bundle_weights.prefix_sums(weights), bundle_weights.prefix_sums(other)]
     assert llo.executed_weight(listing, both) == (400, 400)
     (dma,) = [ins for b in listing.bundles for ins in b.instructions if ins.base == "dma"]
     assert dma.args.startswith("[thread:$0] (!%p4)")

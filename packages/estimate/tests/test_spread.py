@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pallas_flash_estimate.cost import dma, kernel_cost, llo, spread
-from pallas_flash_estimate.evaluate import bundle_listing
+from pallas_flash_estimate.evaluate import bundle_listing, bundle_weights
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
 
@@ -28,7 +28,7 @@ def splash() -> llo.KernelSchedule:
 def test_pushes_are_counted_per_mxu_like_the_matmuls(splash) -> None:
     """Splash issues one weight push per eight matmuls: its 192 pushes per step, all kept in
     the sample, 48 on each MXU."""
-    pushes = bundle_listing.unit_prefixes(splash.listing.bundles, "vmatpush", lambda _ins: 1)
+    pushes = bundle_weights.unit_prefixes(splash.listing.bundles, "vmatpush", lambda _ins: 1)
     assert {unit: prefix[-1] for unit, prefix in pushes.items()} == {
         "mxu0": 48,
         "mxu1": 48,

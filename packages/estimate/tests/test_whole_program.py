@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from pallas_flash_bench import ici, whole_program
-from pallas_flash_bench.targets import TARGETS
 from pallas_flash_estimate.cost import kernel_cost, op_bytes
 from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.program import ici, whole_program
 from pallas_flash_estimate.read import hlo
+from pallas_flash_estimate.targets import TARGETS
 
 # The shape libtpu leaves a scanned layer loop in (counter copied in and out of SMEM, the
 # bound a constant of the condition), with an asynchronous collective split over two

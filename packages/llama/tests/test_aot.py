@@ -41,7 +41,7 @@ SMALL_COPY = 1 << 20
 def v5e_devices() -> list[jax.Device]:
     """The four chips of a v5e 2x2 topology (no hardware needed)."""
     from pallas_flash_bench.aot import target_devices
-    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_estimate.targets import TARGETS
 
     return list(target_devices(TARGETS["v5e-4"]))
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from pallas_flash_bench import calibration
 from pallas_flash_bench.program_refs import ProgramRef
-from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_estimate.cost import kernel_cost
+from pallas_flash_estimate.targets import TARGETS, Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +82,12 @@ def program_job(ref: ProgramRef, target: Target, analysis: int) -> dict:
 
 def analyse(ref: ProgramRef, target: Target, dump_dir) -> dict:
     """In the worker: ``ref`` compiled for one chip of ``target`` and estimated
-    (`programs.analyse_program` with every Pallas kernel on its full grid)."""
+    (`programs.compile_program`, every Pallas kernel on its full grid)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from pallas_flash_bench import aot, programs, whole_program
+    from pallas_flash_bench import aot, programs
 
     device = SingleDeviceSharding(aot.target_devices(target)[0])
     args = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype), sharding=device) for a in ref.args]
@@ -95,12 +95,8 @@ def analyse(ref: ProgramRef, target: Target, dump_dir) -> dict:
     def occupancy(kernel: str) -> kernel_cost.FullGrid:
         return kernel_cost.FullGrid(loop_trips=ref.trips_of(kernel))
 
-    def estimate_whole(text: str, schedules) -> dict:
-        return whole_program.program_estimate(text, schedules, occupancy, target, 1)
-
-    return programs.analyse_program(
-        ref.label, jax.jit(ref.resolve()), args, target, dump_dir, estimate_whole
-    )
+    compiled = programs.compile_program(ref.label, jax.jit(ref.resolve()), args, target, dump_dir)
+    return compiled.estimated(occupancy, target, 1)
 
 
 def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEstimate:
@@ -159,8 +155,8 @@ def estimate_ref(ref: ProgramRef, target: Target) -> ProgramEstimate:
     """`estimate_program` of a program given by reference (``pallas-flash estimate``)."""
     from tqdm import tqdm
 
-    from pallas_flash_bench import whole_program
     from pallas_flash_bench.workers import run_workers
+    from pallas_flash_estimate.program import whole_program
 
     job = dict(program_job(ref, target, whole_program.ANALYSIS_VERSION), id=0)
     with tqdm(total=1, desc=f"compiling for {target.name}", leave=False) as progress:

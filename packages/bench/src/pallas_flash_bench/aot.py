@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pallas_flash_bench.subjects import ArraySpec
-from pallas_flash_bench.targets import Target
+from pallas_flash_estimate.targets import Target
 
 
 class LibtpuMissingError(RuntimeError):

@@ -9,9 +9,9 @@ import pathlib
 
 from pallas_flash_bench import any_program, calibration, calibration_points, calibration_report
 from pallas_flash_bench.cache import ResultCache
-from pallas_flash_bench.targets import Target
-from pallas_flash_bench.whole_program import ANALYSIS_VERSION
 from pallas_flash_bench.workers import run_cached
+from pallas_flash_estimate.program.whole_program import ANALYSIS_VERSION
+from pallas_flash_estimate.targets import Target
 
 
 def run(target: Target, versions: dict, cache: ResultCache, workers: int,

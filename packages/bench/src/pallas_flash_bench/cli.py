@@ -13,8 +13,8 @@ import sys
 
 import pallas_flash as pf
 from pallas_flash_bench.cache import ResultCache, default_dir
-from pallas_flash_bench.targets import DEFAULT_TARGET, TARGETS
 from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep, serving_sweep
+from pallas_flash_estimate.targets import DEFAULT_TARGET, TARGETS
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pallas_flash_bench.context_workloads import ContextWorkload
 from pallas_flash_bench.model_figures import ENDS, step_seconds
-from pallas_flash_bench.targets import Target
+from pallas_flash_estimate.targets import Target
 
 
 def derive(result: Mapping[str, Any], target: Target) -> dict:

@@ -13,7 +13,9 @@ mask.
 
 from __future__ import annotations
 
+import functools
 import pathlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +23,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash import context_layout, tpu
-from pallas_flash_bench import aot, programs, whole_program
+from pallas_flash_bench import aot, programs
 from pallas_flash_bench.context_workloads import ContextWorkload
-from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.workloads import Workload
 from pallas_flash_estimate.evaluate import program_loops
 from pallas_flash_estimate.read import hlo
 from pallas_flash_estimate.read.hlo import HloOp
+from pallas_flash_estimate.targets import TARGETS
 
 DIAGONAL = context_layout.PAIR_KINDS.index("diagonal")
 
@@ -65,28 +67,34 @@ def busiest_pairs(w: ContextWorkload) -> dict[str, int]:
     return max(counts, key=lambda c: (c["unmasked"], c["diagonal"]))
 
 
-def _ring_estimate(w: ContextWorkload, target: Target, groups: int) -> programs.Estimate:
+def _ring_branch_shares(w: ContextWorkload) -> program_loops.BranchShares:
+    """How often the busiest device takes each branch of the ring's switch over pair kinds."""
     kinds = busiest_pairs(w)
     shares = tuple(kinds[k] / sum(kinds.values()) for k in context_layout.PAIR_KINDS)
-    chunk = w.seq_len // (w.chips * context_layout.pieces(w.layout))
 
     def branch_shares(op: HloOp):
         ring_switch = len(program_loops.branches(op)) == len(shares)
         return shares if w.causal and ring_switch else None
 
-    def estimate(text: str, schedules) -> dict:
-        branch = program_loops.enclosing_branches(hlo.parse_computations(text))
+    return branch_shares
 
-        def kernel_workload(name: str) -> Workload:
-            diagonal = w.causal and branch.get(name, ("", -1))[1] == DIAGONAL
-            return Workload("forward_backward", chunk, diagonal, q_heads=w.q_heads // groups,
-                            kv_heads=w.kv_heads // groups, head_dim=w.head_dim)  # fmt: skip
 
-        return whole_program.program_estimate(
-            text, schedules, kernel_workload, target, w.chips, branch_shares
-        )
+def _ring_occupancy(w: ContextWorkload, groups: int, text: str | None) -> Callable[[str], Workload]:
+    """What each Pallas kernel of the compiled ring (its optimised HLO ``text``, read when a
+    kernel is first asked for) runs: one chunk pair's forward and backward over a head group,
+    causal in the switch's diagonal branch."""
+    chunk = w.seq_len // (w.chips * context_layout.pieces(w.layout))
 
-    return estimate
+    @functools.cache
+    def branches() -> dict:
+        return program_loops.enclosing_branches(hlo.parse_computations(text))
+
+    def kernel_workload(name: str) -> Workload:
+        diagonal = w.causal and branches().get(name, ("", -1))[1] == DIAGONAL
+        return Workload("forward_backward", chunk, diagonal, q_heads=w.q_heads // groups,
+                        kv_heads=w.kv_heads // groups, head_dim=w.head_dim)  # fmt: skip
+
+    return kernel_workload
 
 
 def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
@@ -99,16 +107,15 @@ def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
     ring_args = _arguments(w, w.seq_len, mesh)
     groups = head_groups(ring_args[0], w.kv_heads, w.chips, tpu.current_generation(),
                          w.exchange)  # fmt: skip
+    ring = programs.compile_program("ring", _step(mesh, w), ring_args, target, dump_dir)
+    occupancy = _ring_occupancy(w, groups, ring.text)
+    ring_result = ring.estimated(occupancy, target, w.chips, _ring_branch_shares(w))
+    one_chip_args = _arguments(w, w.reference_len, None)
+    one_chip = programs.compile_program("one chip", _step(None, w), one_chip_args, target, dump_dir)
+    reference = w.attention(w.reference_len)
     return {
         "workload": w.to_json(),
         "head_groups": groups,
         "pair_kinds": busiest_pairs(w),
-        "programs": [
-            programs.analyse_program("ring", _step(mesh, w), ring_args, target, dump_dir,
-                                     _ring_estimate(w, target, groups)),
-            programs.analyse_program("one chip", _step(None, w),
-                                     _arguments(w, w.reference_len, None), target, dump_dir,
-                                     programs.one_shape_estimate(
-                                         w.attention(w.reference_len), target, 1)),
-        ],
-    }  # fmt: skip
+        "programs": [ring_result, one_chip.estimated(lambda _: reference, target, 1)],
+    }

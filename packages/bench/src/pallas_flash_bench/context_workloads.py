@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_flash.context_layout import EXCHANGES, LAYOUTS, ContextExchange, ContextLayout
-from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.targets import TARGETS
 
 ONE_PASS_REFERENCE_LEN = 131_072
 """The reference's length: the longest one-chip forward+backward (B=1, 16 heads of 128,

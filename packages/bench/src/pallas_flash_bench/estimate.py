@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.targets import Target
 
 Figure = dict[str, object]
 
@@ -59,7 +59,7 @@ ring: an all-reduce is a reduce-scatter and an all-gather. Other collectives: 1.
 def collective_seconds(collectives: Sequence[tuple[str, int]], chips: int, target: Target) -> float:
     """Modelled time of a program's collectives, ``(opcode, result bytes)`` each, on ``chips``
     chips in a ring: per collective, the target's assumed ``collective_latency`` plus its ring
-    traffic over one ICI link in one direction (see `pallas_flash_bench.targets`)."""
+    traffic over one ICI link in one direction (see `pallas_flash_estimate.targets`)."""
     share = (chips - 1) / chips
     return sum(
         target.collective_latency

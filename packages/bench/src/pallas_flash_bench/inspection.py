@@ -6,10 +6,10 @@ from tqdm import tqdm
 
 from pallas_flash_bench import estimate
 from pallas_flash_bench.references import all_subjects
-from pallas_flash_bench.targets import Target
 from pallas_flash_bench.workers import run_workers
 from pallas_flash_bench.workloads import Workload
 from pallas_flash_estimate.read import hlo
+from pallas_flash_estimate.targets import Target
 
 GiB = 1 << 30
 

@@ -234,9 +234,10 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
     at each end of the estimate (`tokens_per_second`) against the published figure."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot, whole_program
-    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_bench import aot
     from pallas_flash_estimate.cost import llo
+    from pallas_flash_estimate.program import whole_program
+    from pallas_flash_estimate.targets import TARGETS
 
     target = TARGETS[ref.topology]
     programs = {}

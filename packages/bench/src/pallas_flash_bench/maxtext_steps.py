@@ -185,9 +185,10 @@ def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
     on one chip of the slice, and the published measurement it is held against."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot, whole_program
-    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_bench import aot
     from pallas_flash_estimate.cost import kernel_cost, llo
+    from pallas_flash_estimate.program import whole_program
+    from pallas_flash_estimate.targets import TARGETS
 
     target = TARGETS[step.topology]
     schedules = llo.load_dump(work / "dump")

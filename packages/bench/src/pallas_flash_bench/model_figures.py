@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pallas_flash_bench import calibration, model_flops
-from pallas_flash_bench.targets import SENSITIVITY, Target
-from pallas_flash_bench.whole_program import ENDS
+from pallas_flash_estimate.program.whole_program import ENDS
+from pallas_flash_estimate.targets import SENSITIVITY, Target
 
 
 def step_seconds(program: Mapping[str, Any], end: str) -> float | None:

@@ -4,7 +4,7 @@ A train workload is one program, the LLaMa package's train step; a serving workl
 a server runs them: its prefill step (``prefill_batch`` prompts into a cache of their own), the
 insert of those prefilled sequences into the decode batch's cache (`insert`), and its decode
 step with the next tokens sampled (greedy, JetStream's default), each cache donated. Each is
-compiled and estimated as a whole program (`programs.analyse_program`).
+compiled and estimated as a whole program (`programs.compile_program`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from pallas_flash_bench import aot, programs
 from pallas_flash_bench.model_workloads import ModelWorkload
-from pallas_flash_bench.targets import TARGETS
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.targets import TARGETS
 
 
 def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
@@ -113,6 +113,7 @@ def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     mesh = make_mesh(*w.mesh, devices=devices[: w.chips])
     analysed = []
     for name, (step, args) in _programs(w, mesh).items():
-        estimate = programs.one_shape_estimate(_kernel_workload(w, name), target, w.chips)
-        analysed.append(programs.analyse_program(name, step, args, target, dump_dir, estimate))
+        kernels = _kernel_workload(w, name)
+        compiled = programs.compile_program(name, step, args, target, dump_dir)
+        analysed.append(compiled.estimated(lambda _, kernels=kernels: kernels, target, w.chips))
     return {"workload": w.to_json(), "programs": analysed}

@@ -1,14 +1,16 @@
 """One program (a model step, a context-parallel attention step) compiled ahead of time for
-a v5e slice and estimated as a whole, in the worker.
+a v5e slice, in the worker, and what estimating it as a whole reads.
 
-The program is compiled with the LLO dump on, its memory read from the compiler's analysis
-and its step estimated from its HLO and listings (`whole_program`, by the caller's
-``estimate``). A program the slice's HBM cannot hold is a result too: the compiler's error
-says how much it needed.
+`compile_program` compiles it with the LLO dump on and records its memory (the compiler's
+analysis), its layout copies and its FLOPs; `Compiled.estimated` adds the whole-program
+estimate (`whole_program.program_estimate`) from its HLO and listings, given what each of its
+Pallas kernels runs (an occupancy, `kernel_cost.Occupancy`). A program the slice's HBM cannot
+hold is a result too: the compiler's error says how much it needed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 import shutil
@@ -17,27 +19,45 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from pallas_flash_bench import aot, whole_program
-from pallas_flash_bench.targets import Target
-from pallas_flash_bench.workloads import Workload
-from pallas_flash_estimate.cost import llo
+from pallas_flash_bench import aot
+from pallas_flash_estimate.cost import kernel_cost, llo
+from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.program import whole_program
 from pallas_flash_estimate.read import hlo_ops
+from pallas_flash_estimate.targets import Target
 
 _NEEDED_RE = re.compile(r"memory required for HLO temporaries \((?P<size>[\d.]+)(?P<unit>[KMGT])\)")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-Estimate = Callable[[str, Mapping[str, llo.KernelSchedule]], dict]
-"""(optimised HLO text, the dump's listings by op name) -> the program's estimate."""
 
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A program `compile_program` compiled: ``result``, what the bench records of it
+    (``{"program", "compiled", "error", "hbm", "estimate": None, "notes", "compile_seconds",
+    "copies", "flops"}``; ``needed_bytes`` instead of the memory when it did not fit), and what
+    estimating it reads: its optimised HLO ``text`` and the dump's listings by op name,
+    ``schedules`` (None when it did not compile or no dump was asked for)."""
 
-def one_shape_estimate(kernels: Workload, target: Target, chips: int) -> Estimate:
-    """`whole_program.program_estimate` of a program whose Pallas kernels all run the
-    attention ``kernels`` (one chip's shape) on one chip of ``chips``."""
+    result: dict
+    text: str | None = None
+    schedules: Mapping[str, llo.KernelSchedule] | None = None
 
-    def estimate(text: str, schedules: Mapping[str, llo.KernelSchedule]) -> dict:
-        return whole_program.program_estimate(text, schedules, lambda _: kernels, target, chips)
-
-    return estimate
+    def estimated(
+        self,
+        occupancy: Callable[[str], kernel_cost.Occupancy],
+        target: Target,
+        chips: int,
+        branch_shares: program_loops.BranchShares | None = None,
+    ) -> dict:
+        """``result`` with its ``estimate``: `whole_program.program_estimate` on one chip of
+        ``chips``, each Pallas kernel (by op name) charged as ``occupancy`` says; None without
+        listings."""
+        if self.text is None or self.schedules is None:
+            return self.result
+        estimate = whole_program.program_estimate(
+            self.text, self.schedules, occupancy, target, chips, branch_shares
+        )
+        return {**self.result, "estimate": estimate}
 
 
 def needed_bytes(error: str) -> int | None:
@@ -46,19 +66,18 @@ def needed_bytes(error: str) -> int | None:
     return None if m is None else int(float(m["size"]) * _UNITS[m["unit"]])
 
 
-def analyse_program(
+def compile_program(
     name: str,
     step: Callable,
     args: Sequence,
     target: Target,
     dump_dir: pathlib.Path | None,
-    estimate: Estimate,
-) -> dict:
-    """``{"program": name, "compiled", "error", "hbm", "copies", "flops", "estimate",
-    "notes", ...}`` of the jitted ``step`` on abstract ``args`` (shardings on the target's
-    devices) compiled for ``target``; ``dump_dir``: where this process's libtpu writes its LLO
-    dump (None: no dump, no estimate). ``copies``: the entry computation's copies that change
-    a layout (`hlo_ops.find_copy_trap`); ``flops``: the compiler's count (`cost_analysis`)."""
+) -> Compiled:
+    """The jitted ``step`` on abstract ``args`` (shardings on the target's devices) compiled
+    for ``target`` and recorded as ``name``; ``dump_dir``: where this process's libtpu writes
+    its LLO dump (None: no dump, nothing to estimate). ``copies``: the entry computation's
+    copies that change a layout (`hlo_ops.find_copy_trap`); ``flops``: the compiler's count
+    (`cost_analysis`)."""
     if dump_dir is not None:
         shutil.rmtree(dump_dir, ignore_errors=True)
         dump_dir.mkdir(parents=True)
@@ -74,7 +93,7 @@ def analyse_program(
         text = " ".join(str(exc).split())
         out["error"] = text[:600]
         out["needed_bytes"] = needed_bytes(text)
-        return out
+        return Compiled(out)
     out["compile_seconds"] = time.perf_counter() - start
     out["compiled"] = True
     memory = compiled.memory_analysis()
@@ -95,6 +114,5 @@ def analyse_program(
     out["flops"] = aot.cost_analysis(compiled).get("flops")
     if dump_dir is None:
         out["notes"].append("no LLO dump was requested: no static schedule")
-        return out
-    out["estimate"] = estimate(text, llo.load_dump(dump_dir))
-    return out
+        return Compiled(out)
+    return Compiled(out, text, llo.load_dump(dump_dir))

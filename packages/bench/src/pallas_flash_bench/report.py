@@ -2,7 +2,8 @@
 
 Every figure carries the tag of where it came from (``static``, ``model``, ``compiler``,
 ``measured-cpu``, ``measured-tpu``); missing values read as ``—``. The cells are formatted by
-`cells`; the spread of estimates and the comparison with jax's kernels are `comparison`'s.
+`cells`; the spread of estimates and the comparison with jax's kernels are `comparison`'s, the
+kernels' schedules and the copies around them `compiled_report`'s.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pallas_flash_bench.cells import (
     workload_of,
 )
 from pallas_flash_bench.comparison import against_references_table, mfu_range, spread_table
+from pallas_flash_bench.compiled_report import copies_section, kernels_table
 from pallas_flash_bench.context_report import context_section
 from pallas_flash_bench.model_report import model_sections
 from pallas_flash_bench.workloads import Workload
@@ -43,8 +45,6 @@ OP_TITLES = {
     "forward_backward": "Forward + backward",
     "decode": "Decode",
 }
-UTILIZATION_UNITS = ("MXU", "VALU", "EUP", "VLOAD", "VSTORE")
-NO_COPIES = "No copy, transpose or pad around the kernels"
 
 HOW_TO_READ = (
     "Every figure is tagged with its source. "
@@ -305,7 +305,7 @@ def _decoding_table(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
         "are modelled, not scheduled: each costs an assumed "
         f"{num(wait * 1e6) + ' us' if wait is not None else MISSING} plus its ring traffic "
         "over one ICI link "
-        f"at {si(link, 'B/s')} (`pallas_flash_bench.targets`). Tokens per dollar pay for every "
+        f"at {si(link, 'B/s')} (`pallas_flash_estimate.targets`). Tokens per dollar pay for every "
         "chip the call uses."
     )
     return ["## Decoding one sequence", "", intro, "", *markdown_table(header, table), ""]
@@ -347,110 +347,6 @@ def _fits_table(fits: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, *markdown_table(header, table), ""]
 
 
-def _grid(grid: Any) -> str:
-    if not grid:
-        return MISSING
-    return "x".join(str(g) for g in grid)
-
-
-def _per_step_us(total: Any, steps: Any, rate: float | None) -> str:
-    """``total / steps / rate`` in microseconds (cycles over the clock, bytes over the HBM
-    bandwidth), or ``—``."""
-    total, steps = finite_number(total), finite_number(steps)
-    if total is None or not steps or not rate:
-        return MISSING
-    return f"{num(total / steps / rate * 1e6)} us"
-
-
-def _kernels_table(rows: Sequence[Mapping[str, Any]], target: Mapping[str, Any]) -> list[str]:
-    lines = ["## Kernel schedules", ""]
-    with_kernels = sorted((r for r in rows if r.get("kernels")), key=op_then_sort_key)
-    if not with_kernels:
-        return [*lines, "No kernel schedules were extracted.", ""]
-    lines += [
-        "From the compiler's VLIW bundles: utilisation is the share of bundles that keep the unit "
-        "busy (static, an upper bound). Pushes: `vmatpush` instructions (weights loaded into an "
-        "MXU) in the grid loop body, all MXUs. DMA/step: the bytes the kernel's block copies "
-        "move per grid step (at most: copies whose predicate the schedule cannot decide counted "
-        "every step) over the HBM bandwidth, against its compute per step (headline cycles): a "
-        "kernel whose DMA/step exceeds its compute/step cannot hide its copies.",
-        "",
-    ]
-    header = (
-        "Subject",
-        "Workload",
-        "Kernel",
-        "Bundles/step",
-        "Steps",
-        "Grid",
-        "Predicated bundles",
-        *(f"{unit} %" for unit in UTILIZATION_UNITS),
-        "Spills (stores/fills)",
-        "MXU ops",
-        "Pushes",
-        "VMEM",
-        "Cycles",
-        "Compute/step",
-        "DMA/step",
-    )
-    clock = finite_number(target.get("clock_hz"))
-    bandwidth = finite_number(target.get("hbm_bandwidth"))
-    table = []
-    for row in with_kernels:
-        for kernel in row["kernels"]:
-            utilization = kernel.get("utilization") or {}
-            spills = f"{integer(kernel.get('spill_stores'))} / {integer(kernel.get('fill_loads'))}"
-            table.append(
-                [
-                    subject(row),
-                    label(row),
-                    kernel.get("name") or MISSING,
-                    integer(kernel.get("bundles_per_step")),
-                    integer(kernel.get("steps")),
-                    _grid(kernel.get("grid")),
-                    integer(kernel.get("predicated_bundles")),
-                    *(percent(utilization.get(unit)) for unit in UTILIZATION_UNITS),
-                    spills,
-                    integer(kernel.get("mxu_ops")),
-                    integer(kernel.get("pushes")),
-                    byte_size(kernel.get("vmem_bytes")),
-                    num(kernel.get("cycles")),
-                    _per_step_us(kernel.get("cycles"), kernel.get("steps"), clock),
-                    _per_step_us(kernel.get("dma_bytes"), kernel.get("steps"), bandwidth),
-                ]
-            )
-    return [*lines, *markdown_table(header, table), ""]
-
-
-def _copies_section(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    lines = ["## Copy trap", ""]
-    compiled = sorted((r for r in rows if r.get("compiled")), key=op_then_sort_key)
-    with_copies = [r for r in compiled if r.get("copies")]
-    if not compiled:
-        return [*lines, "Nothing compiled.", ""]
-    if not with_copies:
-        return [*lines, f"{NO_COPIES}.", ""]
-    header = ("Subject", "Workload", "Name", "Opcode", "Shape", "Bytes", "Detail")
-    table = [
-        [
-            subject(row),
-            label(row),
-            copy.get("name") or MISSING,
-            copy.get("opcode") or MISSING,
-            copy.get("shape") or MISSING,
-            byte_size(copy.get("bytes")),
-            copy.get("detail") or "",
-        ]
-        for row in with_copies
-        for copy in row["copies"]
-    ]
-    lines += [*markdown_table(header, table), ""]
-    clean = len(compiled) - len(with_copies)
-    if clean:
-        lines += [f"{NO_COPIES} in the other {clean} compiled row{'s' if clean > 1 else ''}.", ""]
-    return lines
-
-
 def _notes_section(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[str]:
     meta_notes = [str(n) for n in (results.get("meta") or {}).get("notes") or []]
     row_notes = [
@@ -481,8 +377,8 @@ def render_report(results: Mapping[str, Any]) -> str:
         *model_sections(results),
         *context_section(results),
         *_fits_table(list(results.get("fits") or [])),
-        *_kernels_table(rows, (results.get("meta") or {}).get("target") or {}),
-        *_copies_section(rows),
+        *kernels_table(rows, (results.get("meta") or {}).get("target") or {}),
+        *copies_section(rows),
         *_notes_section(results, rows),
     ]
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -14,16 +14,17 @@ from typing import TYPE_CHECKING
 import jax
 
 import pallas_flash as pf
-from pallas_flash_bench import aot, calibration, estimate, measure, whole_program
+from pallas_flash_bench import aot, calibration, estimate, measure
 from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.references import all_subjects, reference_notes
 from pallas_flash_bench.report import write_report
 from pallas_flash_bench.roofline import write_roofline
 from pallas_flash_bench.subjects import Subject, program_code_versions
-from pallas_flash_bench.targets import TARGETS, Target
 from pallas_flash_bench.workers import run_cached
 from pallas_flash_bench.workloads import Workload
 from pallas_flash_estimate.cost.spread import ESTIMATES
+from pallas_flash_estimate.program import whole_program
+from pallas_flash_estimate.targets import TARGETS, Target
 
 if TYPE_CHECKING:
     from pallas_flash_bench.context_workloads import ContextWorkload
@@ -179,7 +180,7 @@ def run(options: BenchOptions) -> dict:
             "date": datetime.date.today().isoformat(),
             "sweep": options.sweep,
             "price_per_chip_hour": options.price_per_chip_hour,
-            "price_source": "on-demand list price per chip-hour (see pallas_flash_bench.targets)"
+            "price_source": "on-demand list price per chip-hour (see pallas_flash_estimate.targets)"
             if options.price_per_chip_hour == options.target.price_per_chip_hour
             else "given with --price",
             "measured_on": measure.platform() if options.measure else None,

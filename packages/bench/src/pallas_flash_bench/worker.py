@@ -255,7 +255,7 @@ def main(argv: list[str]) -> None:
     import jax
 
     from pallas_flash.tpu import GENERATION_ENV_VAR
-    from pallas_flash_bench.targets import TARGETS
+    from pallas_flash_estimate.targets import TARGETS
 
     # Every job compiles: its figures come from the dumps a compile writes (and jax cannot
     # read a TPU executable compiled on a host without one back from its persistent cache).

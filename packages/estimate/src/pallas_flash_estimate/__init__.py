@@ -9,14 +9,20 @@ The estimator is a library by stage, as a program's compiled output flows throug
   (`read.critical_path`).
 - `pallas_flash_estimate.evaluate`: a listing evaluated: its loops and predicated regions and
   how often each bundle runs (`evaluate.bundle_listing`, on the scalar definitions of
-  `evaluate.scalar_defs` and the data flow of `evaluate.scalar_flow`), loops whose trips are
-  read from memory (`evaluate.loop_trips`), and the trips of a whole program's ``while``
-  loops (`evaluate.program_loops`).
+  `evaluate.scalar_defs` and the data flow of `evaluate.scalar_flow`; per-bundle figures
+  weighed the same way are `evaluate.bundle_weights`), loops whose trips are read from memory
+  (`evaluate.loop_trips`), and the trips of a whole program's ``while`` loops
+  (`evaluate.program_loops`).
 - `pallas_flash_estimate.cost`: what that costs: a kernel's static schedule (`cost.llo`), its
   headline cycles and the share of its grid a call uses (`cost.kernel_cost`, whose
   `Occupancy` is what the estimator asks of a call), the same kernel under every estimate
   (`cost.spread`), its DMA traffic (`cost.dma`), an op's HBM bytes (`cost.op_bytes`), and how
   much of a program's collective and copy time its own schedule hides (`cost.overlap`).
+- `pallas_flash_estimate.program`: a whole program's step, every op charged for its runs
+  (`program.whole_program`), its collectives over the slice's torus (`program.ici`).
+
+The chips it estimates for, with the published figures it divides by, are
+`pallas_flash_estimate.targets`.
 
 No module here imports JAX: the estimator reads text that a compile produced.
 """

@@ -4,16 +4,18 @@ Figures are Google's published per-chip specifications. ``clock_hz`` is derived,
 published: peak bf16 FLOP/s / (MXUs x 128 x 128 x 2 flops per multiply-add), e.g. v5e:
 197e12 / (4 x 128 x 128 x 2) = 1.5 GHz.
 
-Collectives between chips are modelled, not scheduled (see ``estimate.collective_seconds``):
-each costs ``collective_latency`` plus its ring traffic over one ICI link in one direction,
-``ici_link_bandwidth``. v5e: 1,600 Gbit/s per chip over 4 links is 50 GB/s per link and
-direction. ``collective_latency`` is an assumption, not a published figure: 10 us per
-collective, an allowance for the synchronisation and the hops of a small all-reduce on a 2x2
-slice (a few hops of about a microsecond each, plus the barrier).
+Collectives between chips are modelled, not scheduled. The bench's kernel rows
+(``pallas_flash_bench.estimate.collective_seconds``) charge each ``collective_latency`` plus
+its ring traffic over one ICI link in one direction, ``ici_link_bandwidth``. v5e: 1,600
+Gbit/s per chip over 4 links is 50 GB/s per link and direction. ``collective_latency`` is an
+assumption, not a published figure: 10 us per collective, an allowance for the
+synchronisation and the hops of a small all-reduce on a 2x2 slice (a few hops of about a
+microsecond each, plus the barrier).
 
-Whole programs (`pallas_flash_bench.ici`) use the slice's torus: ``torus`` gives its sides,
-``ici_wraparound`` whether they wrap (v5e: only the full 16x16 pod), and each ring step of a
-collective costs ``ici_hop_latency``, 1 us: an assumption, like ``collective_latency``.
+Whole programs (`pallas_flash_estimate.program.ici`) use the slice's torus: ``torus`` gives
+its sides, ``ici_wraparound`` whether they wrap (v5e: only the full 16x16 pod), and each ring
+step of a collective costs ``ici_hop_latency``, 1 us: an assumption, like
+``collective_latency``.
 
 Prices are on-demand list prices per chip-hour from the Google Cloud TPU pricing page as last
 recorded by this project (2025; not re-checked when this table was written, 2026-11-21, as no
@@ -24,8 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash.tpu import GENERATIONS
-
+MiB = 1 << 20
 GiB = 1 << 30
 
 
@@ -47,6 +48,7 @@ class Target:
     hbm_bandwidth: float
     """Bytes/s of one device."""
     vmem_bytes: int
+    """VMEM of one TensorCore (the kernels' own table: `pallas_flash.tpu.GENERATIONS`)."""
     clock_hz: float
     ici_bandwidth: float
     """Interconnect bytes/s out of one chip, all links together, one direction."""
@@ -74,7 +76,7 @@ _V5E = dict(
     peak_flops=197e12,
     hbm_bytes=16 * GiB,
     hbm_bandwidth=819e9,
-    vmem_bytes=GENERATIONS["v5e"].vmem_bytes,
+    vmem_bytes=128 * MiB,
     clock_hz=197e12 / (4 * 128 * 128 * 2),
     ici_bandwidth=1600e9 / 8,  # 1,600 Gbit/s per chip
     ici_link_bandwidth=1600e9 / 8 / 4,
@@ -107,7 +109,7 @@ TARGETS = {
         peak_flops=275e12 / 2,
         hbm_bytes=16 * GiB,
         hbm_bandwidth=1228e9 / 2,
-        vmem_bytes=GENERATIONS["v4"].vmem_bytes,
+        vmem_bytes=16 * MiB,
         clock_hz=275e12 / (2 * 4 * 128 * 128 * 2),
         ici_bandwidth=2400e9 / 8,
         ici_link_bandwidth=2400e9 / 8 / 6,
@@ -123,7 +125,7 @@ TARGETS = {
         peak_flops=459e12,
         hbm_bytes=95 * GiB,
         hbm_bandwidth=2765e9,
-        vmem_bytes=GENERATIONS["v5p"].vmem_bytes,
+        vmem_bytes=64 * MiB,
         clock_hz=459e12 / (2 * 4 * 128 * 128 * 2),
         ici_bandwidth=4800e9 / 8,
         ici_link_bandwidth=4800e9 / 8 / 6,
@@ -139,7 +141,7 @@ TARGETS = {
         peak_flops=918e12,
         hbm_bytes=32 * GiB,
         hbm_bandwidth=1640e9,
-        vmem_bytes=GENERATIONS["v6e"].vmem_bytes,
+        vmem_bytes=128 * MiB,
         clock_hz=918e12 / (2 * 256 * 256 * 2),
         ici_bandwidth=3584e9 / 8,
         ici_link_bandwidth=3584e9 / 8 / 4,

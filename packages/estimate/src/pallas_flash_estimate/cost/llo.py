@@ -24,11 +24,11 @@ from pathlib import Path
 from pallas_flash_estimate.evaluate.bundle_listing import (
     BundleListing,
     Loop,
-    covered,
     executed_in_loop,
     hlo_opcode,
     parse_bundles,
 )
+from pallas_flash_estimate.evaluate.bundle_weights import covered
 from pallas_flash_estimate.read import critical_path
 from pallas_flash_estimate.read.dump_files import (
     ScheduleAnalysis,
@@ -80,7 +80,7 @@ class KernelSchedule:
     executed_bundles_min: int | None = None
     executed_bundles_max: int | None = None
     # Cycles the busiest MXU is kept busy by the executed vmatmuls (per loop; see
-    # bundle_listing.MXU_ROWS_PER_CYCLE): when above the executed bundles the kernel is
+    # bundle_weights.MXU_ROWS_PER_CYCLE): when above the executed bundles the kernel is
     # MXU-bound and the bundle count underestimates its time.
     executed_mxu_cycles_min: int | None = None
     executed_mxu_cycles_max: int | None = None
@@ -219,7 +219,7 @@ def executed_weight(
     listing: BundleListing, prefixes: Iterable[list[int]]
 ) -> tuple[int, int] | None:
     """(min, max) over the whole kernel of the busiest of per-bundle weights (each given as
-    `bundle_listing.prefix_sums`), weighed like the executed bundles: straight-line code once,
+    `bundle_weights.prefix_sums`), weighed like the executed bundles: straight-line code once,
     each loop's bundles by the iterations that run them, undecided regions skipped (min) or run
     (max). The busiest weight outside the loops plus, per loop, its busiest. None with inner
     loops or an unknown trip count."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_flash_estimate.cost import dma, kernel_cost, llo
-from pallas_flash_estimate.evaluate import bundle_listing, loop_trips
+from pallas_flash_estimate.evaluate import bundle_weights, loop_trips
 from pallas_flash_estimate.read import critical_path
 
 __all__ = ["ESTIMATES", "KernelEstimates", "kernel_entry", "kernel_estimates"]
@@ -67,7 +67,7 @@ def kernel_estimates(
 
     ones = executed([list(range(len(bundles) + 1))])  # one per bundle
     matmuls = listing.mxu_prefixes
-    pushes = bundle_listing.unit_prefixes(bundles, "vmatpush", lambda _ins: 1)
+    pushes = bundle_weights.unit_prefixes(bundles, "vmatpush", lambda _ins: 1)
     ranges: dict[str, Range | None] = {
         "schedule": ones,
         "mxu": executed(matmuls.values()),
@@ -85,7 +85,7 @@ def kernel_estimates(
         weights, warnings = critical_path.bundle_weights(
             schedule.critical_path, [b.comment for b in bundles]
         )
-        ranges["critical_path"] = executed([bundle_listing.prefix_sums(weights)])
+        ranges["critical_path"] = executed([bundle_weights.prefix_sums(weights)])
     loop = schedule.grid_loop
     lo, hi = (loop.start, loop.end) if loop is not None else (0, len(bundles) - 1)
     in_body = sum(p[hi + 1] - p[lo] for p in pushes.values())

@@ -77,7 +77,7 @@ def bundle_counts(listing: BundleListing, trips: Sequence[int]) -> BundleCounts 
 
 
 def weigh(counts: BundleCounts, prefix: Sequence[int]) -> tuple[int, int]:
-    """(min, max) of a per-bundle weight (given as `bundle_listing.prefix_sums`) over the
+    """(min, max) of a per-bundle weight (given as `bundle_weights.prefix_sums`) over the
     kernel's executions."""
     lo, hi = counts
     weights = [b - a for a, b in itertools.pairwise(prefix)]

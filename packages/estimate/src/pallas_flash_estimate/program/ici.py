@@ -30,8 +30,8 @@ import math
 import re
 from collections.abc import Iterable
 
-from pallas_flash_bench.targets import Target
 from pallas_flash_estimate.read.hlo import HloOp, largest_array_bytes
+from pallas_flash_estimate.targets import Target
 
 _MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}")
 _IOTA_GROUPS_RE = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]<=")

@@ -37,11 +37,11 @@ import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-from pallas_flash_bench import ici
-from pallas_flash_bench.targets import SENSITIVITY, Target
 from pallas_flash_estimate.cost import kernel_cost, llo, op_bytes, overlap, spread
 from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.program import ici
 from pallas_flash_estimate.read import hlo, hlo_ops
+from pallas_flash_estimate.targets import SENSITIVITY, Target
 
 ANALYSIS_VERSION = 14
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
