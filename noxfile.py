@@ -18,7 +18,7 @@ import nox
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "conformance", "wheels", "docs"]
+nox.options.sessions = ["lint", "tests", "conformance", "wheels", "estimate-alone", "docs"]
 
 ROOT = pathlib.Path(__file__).parent
 PACKAGES = ROOT / "packages"
@@ -186,6 +186,26 @@ def wheels(session: nox.Session) -> None:
     with tempfile.TemporaryDirectory() as outside:
         session.chdir(outside)
         session.run("python", str(ROOT / "scripts" / "smoke_wheels.py"))
+
+
+@nox.session(name="estimate-alone", python=_python(STACKS["pinned"][0]))
+def estimate_alone(session: nox.Session) -> None:
+    """The estimator as a JAX user gets it: its wheel alone installed with what it declares
+    (jax[tpu]; none of our other packages) into a fresh environment, and the example of its
+    docs page (a user's jitted function estimated for v5e) run from a folder outside the
+    repository."""
+    dist = pathlib.Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    uv_build = (sys.executable, "-m", "uv", "build", "--quiet", "--wheel")
+    session.run(*uv_build, ESTIMATE, "--out-dir", str(dist), external=True)
+    _install(session, *map(str, dist.glob("*.whl")))
+    with tempfile.TemporaryDirectory() as outside:
+        session.chdir(outside)
+        example = (
+            str(ROOT / "scripts" / "run_docs_example.py"),
+            str(ROOT / "docs" / "api" / "estimate.md"),
+        )
+        session.run("python", *example, "--expect", "static estimate")
 
 
 def _bench(session: nox.Session, stack: str, out: pathlib.Path) -> None:

@@ -9,7 +9,7 @@ with that environment's Python from a working directory outside the repository::
 It checks what only an installed wheel can get wrong: that every distribution is there, from
 a wheel, at the one version of the repository's ``VERSION`` file, with its dependencies; the
 console scripts (``pallas-flash``, ``pallas-flash-llama``); the backends' entry points
-(``pallas_flash.backends``) and their kernels on tiny inputs; the bench package's data files;
+(``pallas_flash.backends``) and their kernels on tiny inputs; the packages' data files;
 the conformance suite's pytest plugin (``pytest11``). Each check prints one line, ``ok`` or
 ``FAIL`` with the reason; the script exits 1 if any failed, and the checks after a failure
 still run, so one run names everything missing.
@@ -281,10 +281,11 @@ def check_llama() -> str:
     return "init-tiny, then generate 2 tokens (xla)"
 
 
-def check_bench_data() -> str:
-    """The bench package's data files (the v5e calibration, MaxText's committed analyses)
-    load through the loaders the bench uses."""
-    from pallas_flash_bench import calibration, maxtext_serving, maxtext_steps
+def check_package_data() -> str:
+    """The packages' data files (the estimator's v5e calibration, the bench's committed
+    MaxText analyses) load through the loaders that use them."""
+    from pallas_flash_bench import maxtext_serving, maxtext_steps
+    from pallas_flash_estimate import calibration
 
     loaded = calibration.load("v5e")
     if loaded is None:
@@ -336,7 +337,7 @@ def main() -> int:
         *((f"attention {b}", lambda b=b: check_attention(b)) for b in ATTENTION_BACKENDS),
         *((f"decode {b}", lambda b=b: check_decode(b)) for b in DECODE_BACKENDS),
         ("llama", check_llama),
-        ("bench data", check_bench_data),
+        ("package data", check_package_data),
         ("conformance plugin", check_conformance),
     ]
     failed = []

@@ -28,7 +28,7 @@ from jax.sharding import SingleDeviceSharding
 import pallas_flash as pf
 from pallas_flash import tpu
 from pallas_flash.interpret import INTERPRET_ENV_VAR
-from pallas_flash_bench import aot
+from pallas_flash_estimate.aot.devices import target_devices
 from pallas_flash_estimate.read import hlo_ops
 from pallas_flash_estimate.targets import TARGETS
 
@@ -43,7 +43,7 @@ MAX_TEMP_BYTES = 1 << 20
 @pytest.fixture(scope="module")
 def v5e() -> jax.Device:
     """The first chip of a v5e 2x2 topology (no hardware needed)."""
-    return aot.target_devices(TARGETS["v5e-1"])[0]
+    return target_devices(TARGETS["v5e-1"])[0]
 
 
 @pytest.fixture(autouse=True)
@@ -255,7 +255,7 @@ def test_context_parallel_training_over_a_slice(target: str) -> None:
     the arrays with little beside them."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    mesh = Mesh(aot.target_devices(TARGETS[target]), ("seq",))
+    mesh = Mesh(target_devices(TARGETS[target]), ("seq",))
     tokens = 4096 * mesh.size
     split = NamedSharding(mesh, PartitionSpec(None, None, "seq", None))
     x = jax.ShapeDtypeStruct((1, 16, tokens, 128), jnp.bfloat16, sharding=split)
@@ -329,7 +329,7 @@ def test_compiles_for_each_generation(
         case
     ]
     q_shape, kv_shape = (batch, q_heads, q_len, head_dim), (batch, kv_heads, kv_len, head_dim)
-    device = aot.target_devices(TARGETS[generation])[0]  # the bench's target of that name
+    device = target_devices(TARGETS[generation])[0]  # the bench's target of that name
     assert tpu.for_device_kind(device.device_kind).name == generation
     compiled = _compile(device, [q_shape, kv_shape, kv_shape], dtype, grad=grad, **kwargs)
     _check(compiled, jax.ShapeDtypeStruct(q_shape, dtype) if grad else None)

@@ -8,12 +8,8 @@ import pathlib
 
 import pytest
 
-from pallas_flash_bench import (
-    calibration,
-    calibration_points,
-    calibration_report,
-    readme,
-)
+from pallas_flash_bench import calibration_points, calibration_report, readme
+from pallas_flash_estimate import calibration
 from pallas_flash_estimate.program import whole_program
 
 DOCS_PAGE = pathlib.Path(__file__).parents[3] / "docs" / "calibration.md"

@@ -14,9 +14,10 @@ import pallas_flash as pf
 from pallas_flash_bench import aot, cli, runner, worker
 from pallas_flash_bench.references import all_subjects
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.targets import TARGETS
 
-needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
+needs_libtpu = pytest.mark.skipif(libtpu_version() is None, reason="libtpu is not installed")
 
 TINY = ["--quick", "--ops", "forward", "--seq-lens", "1024", "--backends", "xla", "--no-measure"]
 """The quick sweep's forward rows (plain and causal) at 1,024 tokens on the xla backend."""
@@ -103,7 +104,7 @@ def test_decoding_over_the_slice_compiles_one_quarter_per_chip(tmp_path) -> None
 
 
 def test_missing_libtpu_gives_a_clear_message_not_a_crash(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(aot, "libtpu_version", lambda: None)
+    monkeypatch.setattr(runner, "libtpu_version", lambda: None)
     assert cli.main(["bench", *TINY, "--no-cache", "--out", str(tmp_path)]) == 0
     assert "libtpu is not installed" in capsys.readouterr().err
     results = json.loads((tmp_path / "results.json").read_text())
@@ -201,3 +202,11 @@ def test_model_workloads_compile_and_are_estimated_as_whole_programs(tmp_path) -
     report = (tmp_path / "report.md").read_text()
     assert "## Training steps against MaxText (v5e)" in report and "train tiny" in report
     assert "## Serving against JetStream (v5e)" in report
+
+
+def test_estimate_names_what_is_wrong_with_its_arguments() -> None:
+    with pytest.raises(SystemExit, match="--kwarg: expected NAME=VALUE"):
+        cli.main(["estimate", "pallas_flash_bench.calibration_programs:xla_matmul",
+                  "--arg", "bf16[8,128]", "--kwarg", "bm"])  # fmt: skip
+    with pytest.raises(SystemExit, match="has no attribute 'nope'"):
+        cli.main(["estimate", "pallas_flash_bench.calibration_programs:nope"])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pallas_flash_bench import calibration, model_figures, model_flops, model_report
+from pallas_flash_bench import model_figures, model_flops, model_report
 from pallas_flash_bench.cells import percent
 from pallas_flash_bench.model_workloads import (
     MAXTEXT_16B,
@@ -16,6 +16,7 @@ from pallas_flash_bench.model_workloads import (
     default_models,
     quick_models,
 )
+from pallas_flash_estimate import calibration
 from pallas_flash_estimate.targets import SENSITIVITY, TARGETS
 
 

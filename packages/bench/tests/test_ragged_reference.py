@@ -10,10 +10,11 @@ import pytest
 from pallas_flash_bench import aot, ragged_reference
 from pallas_flash_bench.references import reference_subjects
 from pallas_flash_bench.workloads import SERVING_LENGTHS, Workload
+from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.cost import dma, llo, spread
 from pallas_flash_estimate.evaluate import bundle_listing, loop_trips
 
-needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
+needs_libtpu = pytest.mark.skipif(libtpu_version() is None, reason="libtpu is not installed")
 
 SERVING = dict(q_heads=32, kv_heads=8, lengths=SERVING_LENGTHS, cache="paged")
 BLOCKS = ragged_reference.RaggedBlocks(16, 8)

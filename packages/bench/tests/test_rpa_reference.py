@@ -9,12 +9,13 @@ import importlib.util
 import pytest
 from tqdm import tqdm
 
-from pallas_flash_bench import aot, references, rpa_reference
+from pallas_flash_bench import references, rpa_reference
 from pallas_flash_bench.workers import run_workers
 from pallas_flash_bench.workloads import SERVING_LENGTHS, Workload
+from pallas_flash_estimate.aot.devices import libtpu_version
 
 needs_rpa = pytest.mark.skipif(
-    aot.libtpu_version() is None or references._rpa_unavailable() is not None,
+    libtpu_version() is None or references._rpa_unavailable() is not None,
     reason="libtpu or tpu-inference is not installed",
 )
 

@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-from pallas_flash_bench import aot, cli, references, worker
+from pallas_flash_bench import aot, cli, references, runner, worker
 from pallas_flash_bench.references import all_subjects
 from pallas_flash_bench.workloads import Workload, quick_sweep
+from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.targets import TARGETS
 
-needs_libtpu = pytest.mark.skipif(aot.libtpu_version() is None, reason="libtpu is not installed")
+needs_libtpu = pytest.mark.skipif(libtpu_version() is None, reason="libtpu is not installed")
 needs_tokamax = pytest.mark.skipif(
     references._tokamax_unavailable() is not None, reason="tokamax is not installed"
 )
@@ -127,7 +128,7 @@ def test_the_vmem_limit_admits_blocks_the_default_limit_rejects() -> None:
 
 def test_without_tokamax_the_report_says_why(tmp_path, monkeypatch, no_tokamax) -> None:
     assert "tokamax-splash" not in {s.name for s in references.reference_subjects("default")}
-    monkeypatch.setattr(aot, "libtpu_version", lambda: None)  # nothing is compiled
+    monkeypatch.setattr(runner, "libtpu_version", lambda: None)  # nothing is compiled
     args = ["bench", "--ops", "forward", "--seq-lens", "1024", "--backends", "xla",
             "--no-measure", "--no-fit", "--no-cache", "--out", str(tmp_path)]  # fmt: skip
     assert cli.main(args) == 0

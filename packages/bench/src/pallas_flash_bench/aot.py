@@ -1,10 +1,8 @@
-"""Ahead-of-time compilation for a TPU target on a host without one (libtpu's real compiler)."""
+"""How the bench compiles a call for a TPU target on a host without one: over a mesh of the
+target's chips (`pallas_flash_estimate.aot.devices`), its arguments split as their specs say."""
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -12,43 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pallas_flash_bench.subjects import ArraySpec
+from pallas_flash_estimate.aot.devices import target_devices
+from pallas_flash_estimate.aot.program_ref import ArraySpec
 from pallas_flash_estimate.targets import Target
-
-
-class LibtpuMissingError(RuntimeError):
-    """libtpu, which holds the TPU compiler, is not installed."""
-
-
-def libtpu_version() -> str | None:
-    """The installed libtpu's version, or None when it is not installed."""
-    if importlib.util.find_spec("libtpu") is None:
-        return None
-    try:
-        return importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-@functools.cache
-def target_devices(target: Target) -> tuple[jax.Device, ...]:
-    """The first ``target.chips`` devices of the target's topology (no hardware needed)."""
-    if libtpu_version() is None:
-        raise LibtpuMissingError(
-            "libtpu is not installed, so nothing can be compiled for a TPU: "
-            "pip install 'jax[tpu]' (the pinned version is in constraints.txt)"
-        )
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name=target.topology,
-        chip_config_name="default",
-        chips_per_host_bounds=target.chips_per_host_bounds,
-        num_slices=1,
-    )
-    return tuple(topology.devices[: target.chips])
-
 
 MESH_AXIS = "chips"
 
@@ -112,12 +76,3 @@ def compile_for(
         traced = jax.jit(fn, donate_argnums=donate).trace(*structs)
         lowered = traced.lower(lowering_platforms=("tpu",))
     return lowered.compile(compiler_options=dict(compiler_options or {}))
-
-
-def cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
-    """The compiler's cost analysis of a compiled program as one dict (older jax gave a list
-    of one per program); empty where it gives none."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list):
-        cost = cost[0] if cost else {}
-    return dict(cost or {})

@@ -24,9 +24,8 @@ from typing import Any, Literal
 import numpy as np
 
 from pallas_flash_bench import calibration_programs, maxtext_serving, maxtext_steps
-from pallas_flash_bench.calibration import ProgramFeatures
-from pallas_flash_bench.program_refs import ProgramRef
-from pallas_flash_bench.subjects import ArraySpec
+from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef
+from pallas_flash_estimate.calibration import ProgramFeatures
 
 MATMUL_GUIDE = (
     "jax's Pallas TPU matmul guide, docs/pallas/tpu/matmul.ipynb (jax-ml/jax), its timed "
@@ -49,10 +48,10 @@ Role = Literal["fit", "validate"]
 class CalibrationPoint:
     """One program and the time a source measured for it on one v5e chip.
 
-    ``program``: compiled by the calibration run (`any_program`); or None, with ``estimate``
-    its whole-program estimate made elsewhere (MaxText's step: `maxtext_steps`). ``kind``:
-    the kind of program it stands for where that is not read from its estimate
-    (``train step``)."""
+    ``program``: compiled by the calibration run (`pallas_flash_estimate.aot.worker`); or
+    None, with ``estimate`` its whole-program estimate made elsewhere (MaxText's step:
+    `maxtext_steps`). ``kind``: the kind of program it stands for where that is not read
+    from its estimate (``train step``)."""
 
     name: str
     program: ProgramRef | None

@@ -1,5 +1,5 @@
 """The programs whose v5e times were published (`calibration_points`), as those sources ran
-them, to be compiled and estimated like any program (`any_program`).
+them, to be compiled and estimated like any program (`pallas_flash_estimate.estimate_program`).
 
 - `guide_matmul`: the blocked matmul kernel of jax's Pallas TPU matmul guide (bf16 inputs, a
   float32 accumulator in VMEM, the output cast on the last k step), with the guide's two

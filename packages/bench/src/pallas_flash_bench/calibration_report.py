@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_flash_bench.calibration import describe
 from pallas_flash_bench.cells import markdown_table, ms, num, percent
+from pallas_flash_estimate.calibration import describe
 
 KIND_MEANINGS = {
     "MXU-bound": "compute-bound programs with large blocks (matmuls, our attention kernels)",

@@ -7,11 +7,20 @@ from __future__ import annotations
 import json
 import pathlib
 
-from pallas_flash_bench import any_program, calibration, calibration_points, calibration_report
+from pallas_flash_bench import calibration_points, calibration_report
 from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.workers import run_cached
+from pallas_flash_estimate import calibration
+from pallas_flash_estimate.aot.program_ref import ProgramRef
 from pallas_flash_estimate.program.whole_program import ANALYSIS_VERSION
 from pallas_flash_estimate.targets import Target
+
+
+def program_job(ref: ProgramRef, target: Target) -> dict:
+    """The worker job that compiles and estimates ``ref`` (`pallas_flash_estimate.aot.worker`)."""
+    return {"kind": "program", "program": ref.to_json(), "target": target.name,
+            "topology": target.topology, "analysis": ANALYSIS_VERSION, "sweep": None,
+            "backends": None, "references": False}  # fmt: skip
 
 
 def run(target: Target, versions: dict, cache: ResultCache, workers: int,
@@ -19,7 +28,7 @@ def run(target: Target, versions: dict, cache: ResultCache, workers: int,
     """The calibration of ``target``'s generation from every point this installation can
     compile (tokamax's only with tokamax installed); written to ``out_dir``."""
     points = calibration_points.all_points()
-    jobs = [dict(any_program.program_job(p.program, target, ANALYSIS_VERSION), id=i)
+    jobs = [dict(program_job(p.program, target), id=i)
             for i, p in enumerate(points) if p.program is not None]  # fmt: skip
     results = run_cached(jobs, versions, cache, workers, "calibration points")
     analysed = []

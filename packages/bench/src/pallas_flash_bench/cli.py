@@ -256,8 +256,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from pallas_flash_bench import any_program
-    from pallas_flash_bench.program_refs import ProgramRef, parse_array
+    from pallas_flash_estimate import program_estimate
+    from pallas_flash_estimate.aot.program_ref import ProgramRef, parse_array
 
     try:
         kwargs = dict(_keyword(text) for text in args.kwarg or ())
@@ -267,7 +267,7 @@ def _estimate(args: argparse.Namespace) -> int:
         ref.function_object()
     except (ValueError, ImportError, AttributeError) as exc:
         raise SystemExit(f"pallas-flash estimate: {exc}") from exc
-    found = any_program.estimate_ref(ref, TARGETS[args.target])
+    found = program_estimate.estimate_ref(ref, TARGETS[args.target])
     print(json.dumps(dataclasses.asdict(found), indent=1) if args.json else found.summary())
     return 0
 

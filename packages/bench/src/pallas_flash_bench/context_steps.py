@@ -23,10 +23,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash import context_layout, tpu
-from pallas_flash_bench import aot, programs
+from pallas_flash_bench import aot
 from pallas_flash_bench.context_workloads import ContextWorkload
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.aot.compiled import compile_program
+from pallas_flash_estimate.aot.devices import target_devices
 from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.program.whole_program import compiled_estimate
 from pallas_flash_estimate.read import hlo
 from pallas_flash_estimate.read.hlo import HloOp
 from pallas_flash_estimate.targets import TARGETS
@@ -103,19 +106,19 @@ def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
     from pallas_flash_pallas.context_parallel import head_groups
 
     target = TARGETS[w.target]
-    mesh = jax.make_mesh((w.chips,), (aot.MESH_AXIS,), devices=aot.target_devices(target))
+    mesh = jax.make_mesh((w.chips,), (aot.MESH_AXIS,), devices=target_devices(target))
     ring_args = _arguments(w, w.seq_len, mesh)
     groups = head_groups(ring_args[0], w.kv_heads, w.chips, tpu.current_generation(),
                          w.exchange)  # fmt: skip
-    ring = programs.compile_program("ring", _step(mesh, w), ring_args, target, dump_dir)
+    ring = compile_program("ring", _step(mesh, w), ring_args, target, dump_dir)
     occupancy = _ring_occupancy(w, groups, ring.text)
-    ring_result = ring.estimated(occupancy, target, w.chips, _ring_branch_shares(w))
+    ring_result = compiled_estimate(ring, occupancy, target, w.chips, _ring_branch_shares(w))
     one_chip_args = _arguments(w, w.reference_len, None)
-    one_chip = programs.compile_program("one chip", _step(None, w), one_chip_args, target, dump_dir)
+    one_chip = compile_program("one chip", _step(None, w), one_chip_args, target, dump_dir)
     reference = w.attention(w.reference_len)
     return {
         "workload": w.to_json(),
         "head_groups": groups,
         "pair_kinds": busiest_pairs(w),
-        "programs": [ring_result, one_chip.estimated(lambda _: reference, target, 1)],
+        "programs": [ring_result, compiled_estimate(one_chip, lambda _: reference, target, 1)],
     }

@@ -234,7 +234,7 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
     at each end of the estimate (`tokens_per_second`) against the published figure."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot
+    from pallas_flash_estimate.aot.devices import libtpu_version
     from pallas_flash_estimate.cost import llo
     from pallas_flash_estimate.program import whole_program
     from pallas_flash_estimate.targets import TARGETS
@@ -266,7 +266,7 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
         "analysis": whole_program.ANALYSIS_VERSION,
         "versions": {
             "maxtext": MAXTEXT_VERSION,
-            "libtpu": aot.libtpu_version(),
+            "libtpu": libtpu_version(),
             "jax": importlib.metadata.version("jax"),
         },
     }

@@ -185,7 +185,7 @@ def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
     on one chip of the slice, and the published measurement it is held against."""
     import importlib.metadata
 
-    from pallas_flash_bench import aot
+    from pallas_flash_estimate.aot.devices import libtpu_version
     from pallas_flash_estimate.cost import kernel_cost, llo
     from pallas_flash_estimate.program import whole_program
     from pallas_flash_estimate.targets import TARGETS
@@ -206,7 +206,7 @@ def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
         "analysis": whole_program.ANALYSIS_VERSION,
         "versions": {
             "maxtext": MAXTEXT_VERSION,
-            "libtpu": aot.libtpu_version(),
+            "libtpu": libtpu_version(),
             "jax": importlib.metadata.version("jax"),
         },
     }

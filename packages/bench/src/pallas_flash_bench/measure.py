@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash_bench.subjects import ArraySpec
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.aot.program_ref import ArraySpec
 
 CPU_SCORE_BYTES_LIMIT = 1 << 30
 """On CPU, only workloads whose float32 score matrix fits in this many bytes are timed."""

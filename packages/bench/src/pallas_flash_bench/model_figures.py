@@ -17,7 +17,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_flash_bench import calibration, model_flops
+from pallas_flash_bench import model_flops
+from pallas_flash_estimate import calibration
 from pallas_flash_estimate.program.whole_program import ENDS
 from pallas_flash_estimate.targets import SENSITIVITY, Target
 

@@ -4,7 +4,7 @@ A train workload is one program, the LLaMa package's train step; a serving workl
 a server runs them: its prefill step (``prefill_batch`` prompts into a cache of their own), the
 insert of those prefilled sequences into the decode batch's cache (`insert`), and its decode
 step with the next tokens sampled (greedy, JetStream's default), each cache donated. Each is
-compiled and estimated as a whole program (`programs.compile_program`).
+compiled and estimated as a whole program (`compile_program`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from pallas_flash_bench import aot, programs
 from pallas_flash_bench.model_workloads import ModelWorkload
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.aot.compiled import compile_program
+from pallas_flash_estimate.aot.devices import target_devices
+from pallas_flash_estimate.program.whole_program import compiled_estimate
 from pallas_flash_estimate.targets import TARGETS
 
 
@@ -109,11 +111,12 @@ def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     from pallas_flash_llama.sharding import make_mesh
 
     target = TARGETS[w.target]
-    devices = aot.target_devices(target)
-    mesh = make_mesh(*w.mesh, devices=devices[: w.chips])
+    mesh = make_mesh(*w.mesh, devices=target_devices(target)[: w.chips])
     analysed = []
     for name, (step, args) in _programs(w, mesh).items():
         kernels = _kernel_workload(w, name)
-        compiled = programs.compile_program(name, step, args, target, dump_dir)
-        analysed.append(compiled.estimated(lambda _, kernels=kernels: kernels, target, w.chips))
+        compiled = compile_program(name, step, args, target, dump_dir)
+        analysed.append(
+            compiled_estimate(compiled, lambda _, kernels=kernels: kernels, target, w.chips)
+        )
     return {"workload": w.to_json(), "programs": analysed}

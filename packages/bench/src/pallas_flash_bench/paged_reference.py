@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from pallas_flash_bench.subjects import ArraySpec, array_specs
+from pallas_flash_bench.subjects import array_specs
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.aot.program_ref import ArraySpec
 
 PAGE_SIZE = 128
 """Cache positions per page when a batch-1 contiguous cache is read as pages."""

@@ -23,13 +23,13 @@ from jax.sharding import Mesh
 
 from pallas_flash_bench import paged_reference, ragged_reference, rpa_reference
 from pallas_flash_bench.subjects import (
-    ArraySpec,
     Subject,
     array_specs,
     backend_subjects,
     with_backward,
 )
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.aot.program_ref import ArraySpec
 
 Config = TypeVar("Config")
 

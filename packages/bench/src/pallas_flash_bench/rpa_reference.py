@@ -36,8 +36,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from pallas_flash_bench.ragged_reference import num_pages, page_size
-from pallas_flash_bench.subjects import ArraySpec
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate.aot.program_ref import ArraySpec
 
 DISTRIBUTION = "tpu-inference"
 """The PyPI distribution that ships it."""

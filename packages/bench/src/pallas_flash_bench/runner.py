@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import jax
 
 import pallas_flash as pf
-from pallas_flash_bench import aot, calibration, estimate, measure
+from pallas_flash_bench import aot, estimate, measure
 from pallas_flash_bench.cache import ResultCache
 from pallas_flash_bench.references import all_subjects, reference_notes
 from pallas_flash_bench.report import write_report
@@ -22,6 +22,8 @@ from pallas_flash_bench.roofline import write_roofline
 from pallas_flash_bench.subjects import Subject, program_code_versions
 from pallas_flash_bench.workers import run_cached
 from pallas_flash_bench.workloads import Workload
+from pallas_flash_estimate import calibration
+from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.cost.spread import ESTIMATES
 from pallas_flash_estimate.program import whole_program
 from pallas_flash_estimate.targets import TARGETS, Target
@@ -66,7 +68,7 @@ def versions() -> dict[str, str | None]:
     return {
         "jax": jax.__version__,
         "jaxlib": importlib.metadata.version("jaxlib"),
-        "libtpu": aot.libtpu_version(),
+        "libtpu": libtpu_version(),
         "pallas_flash": importlib.metadata.version("pallas-flash-core"),
         "pallas_flash_bench": importlib.metadata.version("pallas-flash-bench"),
         "analysis": str(ANALYSIS_VERSION),

@@ -14,7 +14,6 @@ import importlib.metadata
 import importlib.util
 import pathlib
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +22,7 @@ from jax.sharding import Mesh
 import pallas_flash as pf
 from pallas_flash import hookspecs
 from pallas_flash_bench.workloads import Workload
-
-
-class ArraySpec(NamedTuple):
-    """One argument: its shape, dtype and, for a call over several chips, the axis split
-    over them (None: every chip holds all of it)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    split_axis: int | None = None
+from pallas_flash_estimate.aot.program_ref import ArraySpec
 
 
 def array_specs(workload: Workload) -> list[ArraySpec]:

@@ -34,6 +34,7 @@ def analyse_row(
     With ``keep_hlo`` the optimised HLO text is kept in the row (for ``pallas-flash inspect``).
     """
     from pallas_flash_bench import aot
+    from pallas_flash_estimate.aot.devices import cost_analysis
     from pallas_flash_estimate.cost import llo, spread
     from pallas_flash_estimate.read import hlo_ops
 
@@ -83,7 +84,7 @@ def analyse_row(
         "total": total,
         "fits": total <= target.hbm_bytes,
     }
-    cost = aot.cost_analysis(compiled)
+    cost = cost_analysis(compiled)
     row["cost"] = {"flops": float(cost.get("flops", 0.0)),
                    "bytes": float(cost.get("bytes accessed", 0.0))}  # fmt: skip
     text = compiled.as_text()
@@ -234,10 +235,10 @@ def _context_job(job: dict, target, dump_dir: pathlib.Path | None) -> dict:
 
 
 def _program_job(job: dict, target, dump_dir: pathlib.Path | None) -> dict:
-    from pallas_flash_bench import any_program
-    from pallas_flash_bench.program_refs import ProgramRef
+    from pallas_flash_estimate.aot import worker
+    from pallas_flash_estimate.aot.program_ref import ProgramRef
 
-    return any_program.analyse(ProgramRef.from_json(job["program"]), target, dump_dir)
+    return worker.analyse(ProgramRef.from_json(job["program"]), target, dump_dir)
 
 
 JOB_KINDS = {

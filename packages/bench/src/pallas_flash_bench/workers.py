@@ -16,6 +16,7 @@ import threading
 from tqdm import tqdm
 
 from pallas_flash_bench.cache import ResultCache
+from pallas_flash_estimate.aot.worker import dump_env
 
 RESULT_PREFIX = "PALLAS_FLASH_BENCH_RESULT "
 """How a worker's line of results begins (the rest of the line is JSON)."""
@@ -74,9 +75,7 @@ def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dic
         args = [sys.executable, "-m", "pallas_flash_bench.worker", str(jobs_file)]
         if dump:
             dump_dir = scratch / f"dump-{index}"
-            env["LIBTPU_INIT_ARGS"] = (
-                f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_jf_dump_to={dump_dir}"
-            )
+            env = dump_env(dump_dir, env)
             args.append(str(dump_dir))
         log = open(scratch / f"worker-{index}.log", "w")  # noqa: SIM115 - closed below
         process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)

@@ -1,8 +1,16 @@
 """A static estimate of how long a JAX program takes on a TPU, from the TPU compiler's own
 output, without a TPU.
 
-The estimator is a library by stage, as a program's compiled output flows through it:
+The public API: `estimate_program` (``fn(*args)`` compiled for one chip of a `Target` and
+estimated: a `ProgramEstimate`, calibrated against published v5e measurements:
+`CalibratedTime`), and the chips it estimates for, `TARGETS`.
 
+Beneath it, a library by stage, as a program's compiled output flows through it:
+
+- `pallas_flash_estimate.aot`: the compile (the one stage that imports JAX): a target's
+  devices from libtpu's topology (`aot.devices`), a program named so that a worker can
+  build it (`aot.program_ref`), compiled and recorded (`aot.compiled`), in a worker process
+  whose libtpu writes its LLO dump (`aot.worker`).
 - `pallas_flash_estimate.read`: the compiler's text, parsed: optimized HLO (`read.hlo`, and
   the kernel calls, collectives and copies in it: `read.hlo_ops`), libtpu's LLO dump files
   (`read.dump_files`), a kernel's VLIW bundles (`read.bundles`) and its critical path
@@ -20,9 +28,16 @@ The estimator is a library by stage, as a program's compiled output flows throug
   much of a program's collective and copy time its own schedule hides (`cost.overlap`).
 - `pallas_flash_estimate.program`: a whole program's step, every op charged for its runs
   (`program.whole_program`), its collectives over the slice's torus (`program.ici`).
+- `pallas_flash_estimate.calibration`: the static figure held against published
+  measurements, and the error band each kind of program keeps.
 
 The chips it estimates for, with the published figures it divides by, are
-`pallas_flash_estimate.targets`.
-
-No module here imports JAX: the estimator reads text that a compile produced.
+`pallas_flash_estimate.targets`. One kernel's cost, from the API down: `program_estimate`
+-> `aot.worker` -> `program.whole_program` -> `cost.spread`.
 """
+
+from pallas_flash_estimate.calibration import CalibratedTime
+from pallas_flash_estimate.program_estimate import ProgramEstimate, estimate_program
+from pallas_flash_estimate.targets import TARGETS, Target
+
+__all__ = ["TARGETS", "CalibratedTime", "ProgramEstimate", "Target", "estimate_program"]

@@ -35,13 +35,16 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pallas_flash_estimate.cost import kernel_cost, llo, op_bytes, overlap, spread
 from pallas_flash_estimate.evaluate import program_loops
 from pallas_flash_estimate.program import ici
 from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_estimate.targets import SENSITIVITY, Target
+
+if TYPE_CHECKING:  # the compile imports jax; this stage only reads what it wrote
+    from pallas_flash_estimate.aot.compiled import Compiled
 
 ANALYSIS_VERSION = 14
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
@@ -223,6 +226,25 @@ def program_estimate(
             again = _cost(program, schedules, kernel_workload, moved(target), chips)
             found["sensitivity"][name] = {end: again[f"step_seconds_{end}"] for end in ENDS}
     return found
+
+
+def compiled_estimate(
+    compiled: Compiled,
+    kernel_workload: Callable[[str], kernel_cost.Occupancy],
+    target: Target,
+    chips: int,
+    branch_shares: program_loops.BranchShares | None = None,
+) -> dict:
+    """What `aot.compiled.compile_program` recorded of a program, with its ``estimate``
+    (`program_estimate` of its HLO and listings, each Pallas kernel charged as
+    ``kernel_workload`` says by op name); unchanged where it has no listings (it did not
+    compile, or no dump was asked for)."""
+    if compiled.text is None or compiled.schedules is None:
+        return compiled.result
+    found = program_estimate(
+        compiled.text, compiled.schedules, kernel_workload, target, chips, branch_shares
+    )
+    return {**compiled.result, "estimate": found}
 
 
 class _Program(NamedTuple):

@@ -1,10 +1,10 @@
-"""One program (a model step, a context-parallel attention step) compiled ahead of time for
-a v5e slice, in the worker, and what estimating it as a whole reads.
+"""One program (a user's function, a model step, a context-parallel attention step) compiled
+ahead of time for a TPU target, in a worker process (`worker`), and what estimating it as a
+whole reads.
 
 `compile_program` compiles it with the LLO dump on and records its memory (the compiler's
-analysis), its layout copies and its FLOPs; `Compiled.estimated` adds the whole-program
-estimate (`whole_program.program_estimate`) from its HLO and listings, given what each of its
-Pallas kernels runs (an occupancy, `kernel_cost.Occupancy`). A program the slice's HBM cannot
+analysis), its layout copies and its FLOPs, with the HLO and listings a whole-program
+estimate reads (`program.whole_program.compiled_estimate`). A program the slice's HBM cannot
 hold is a result too: the compiler's error says how much it needed.
 """
 
@@ -19,10 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from pallas_flash_bench import aot
-from pallas_flash_estimate.cost import kernel_cost, llo
-from pallas_flash_estimate.evaluate import program_loops
-from pallas_flash_estimate.program import whole_program
+from pallas_flash_estimate.aot.devices import cost_analysis, target_devices
+from pallas_flash_estimate.cost import llo
 from pallas_flash_estimate.read import hlo_ops
 from pallas_flash_estimate.targets import Target
 
@@ -41,23 +39,6 @@ class Compiled:
     result: dict
     text: str | None = None
     schedules: Mapping[str, llo.KernelSchedule] | None = None
-
-    def estimated(
-        self,
-        occupancy: Callable[[str], kernel_cost.Occupancy],
-        target: Target,
-        chips: int,
-        branch_shares: program_loops.BranchShares | None = None,
-    ) -> dict:
-        """``result`` with its ``estimate``: `whole_program.program_estimate` on one chip of
-        ``chips``, each Pallas kernel (by op name) charged as ``occupancy`` says; None without
-        listings."""
-        if self.text is None or self.schedules is None:
-            return self.result
-        estimate = whole_program.program_estimate(
-            self.text, self.schedules, occupancy, target, chips, branch_shares
-        )
-        return {**self.result, "estimate": estimate}
 
 
 def needed_bytes(error: str) -> int | None:
@@ -85,7 +66,7 @@ def compile_program(
     out: dict = {"program": name, "compiled": False, "error": None, "hbm": None,
                  "estimate": None, "notes": []}  # fmt: skip
     try:
-        with jax.default_device(aot.target_devices(target)[0]):
+        with jax.default_device(target_devices(target)[0]):
             lowered = step.trace(*args).lower(lowering_platforms=("tpu",))
         compiled = lowered.compile()
     except Exception as exc:  # noqa: BLE001 - out of memory is a result, not a crash
@@ -111,7 +92,7 @@ def compile_program(
     }
     text = compiled.as_text()
     out["copies"] = hlo_ops.relayout_copies(text)
-    out["flops"] = aot.cost_analysis(compiled).get("flops")
+    out["flops"] = cost_analysis(compiled).get("flops")
     if dump_dir is None:
         out["notes"].append("no LLO dump was requested: no static schedule")
         return Compiled(out)

@@ -2,8 +2,8 @@
 import path, the static keyword arguments it takes and the shapes of its array arguments.
 
 The TPU compiler writes its LLO dump only from a process whose libtpu started with the dump
-flag, so a program is estimated in a worker process (`pallas_flash_bench.worker`), which
-rebuilds it from a `ProgramRef` sent as JSON.
+flag, so a program is estimated in a worker process (`pallas_flash_estimate.aot.worker`),
+which rebuilds it from a `ProgramRef` sent as JSON.
 """
 
 from __future__ import annotations
@@ -13,10 +13,18 @@ import functools
 import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from pallas_flash_bench.subjects import ArraySpec
+
+class ArraySpec(NamedTuple):
+    """One array argument: its shape, dtype and, for a call over several chips, the axis
+    split over them (None: every chip holds all of it)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    split_axis: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

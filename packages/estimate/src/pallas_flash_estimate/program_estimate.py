@@ -1,12 +1,12 @@
 """Estimate any JAX program for a TPU target: ``estimate_program(fn, *abstract_args)``.
 
 For a kernel writer without a TPU: the program is compiled for one chip of the target with
-libtpu on this host (in a worker process, whose libtpu writes the LLO dump) and estimated as
-a whole (`whole_program`): every op by its own listing, a Pallas kernel that is not one of
-ours by its own listing and grid (`kernel_cost.FULL_GRID`: every step and every region the
-schedule cannot decide charged), its memory from the compiler's analysis. The calibration
-(`calibration`) turns the static figure into the time the published v5e measurements say
-such a program takes, with the error band of its kind of program.
+libtpu on this host (`aot.compiled`, in a worker process whose libtpu writes the LLO dump:
+`aot.worker`) and estimated as a whole (`program.whole_program`): every op by its own
+listing, a Pallas kernel by its own listing over its whole grid (`cost.kernel_cost.FullGrid`:
+every step and every region the schedule cannot decide charged), its memory from the
+compiler's analysis. The calibration (`calibration`) turns the static figure into the time
+the published v5e measurements say such a program takes, with the error band of its kind.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from pallas_flash_bench import calibration
-from pallas_flash_bench.program_refs import ProgramRef
-from pallas_flash_estimate.cost import kernel_cost
+from pallas_flash_estimate import calibration
+from pallas_flash_estimate.aot import worker
+from pallas_flash_estimate.aot.program_ref import ProgramRef
 from pallas_flash_estimate.targets import TARGETS, Target
 
 
@@ -73,34 +73,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g} ms"
 
 
-def program_job(ref: ProgramRef, target: Target, analysis: int) -> dict:
-    """The worker job that compiles and estimates ``ref`` (`analyse`)."""
-    return {"kind": "program", "program": ref.to_json(), "target": target.name,
-            "topology": target.topology, "analysis": analysis, "sweep": None,
-            "backends": None, "references": False}  # fmt: skip
-
-
-def analyse(ref: ProgramRef, target: Target, dump_dir) -> dict:
-    """In the worker: ``ref`` compiled for one chip of ``target`` and estimated
-    (`programs.compile_program`, every Pallas kernel on its full grid)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
-
-    from pallas_flash_bench import aot, programs
-
-    device = SingleDeviceSharding(aot.target_devices(target)[0])
-    args = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype), sharding=device) for a in ref.args]
-
-    def occupancy(kernel: str) -> kernel_cost.FullGrid:
-        return kernel_cost.FullGrid(loop_trips=ref.trips_of(kernel))
-
-    compiled = programs.compile_program(ref.label, jax.jit(ref.resolve()), args, target, dump_dir)
-    return compiled.estimated(occupancy, target, 1)
-
-
 def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEstimate:
-    """The `ProgramEstimate` of a worker's `analyse` result; raises the compiler's error."""
+    """The `ProgramEstimate` of a worker's result (`aot.worker.analyse`); raises the
+    compiler's error."""
     if "job_error" in result:
         raise RuntimeError(f"{ref.label}: the worker failed: {result['job_error']}")
     if not result["compiled"]:
@@ -153,12 +128,4 @@ def estimate_program(
 
 def estimate_ref(ref: ProgramRef, target: Target) -> ProgramEstimate:
     """`estimate_program` of a program given by reference (``pallas-flash estimate``)."""
-    from tqdm import tqdm
-
-    from pallas_flash_bench.workers import run_workers
-    from pallas_flash_estimate.program import whole_program
-
-    job = dict(program_job(ref, target, whole_program.ANALYSIS_VERSION), id=0)
-    with tqdm(total=1, desc=f"compiling for {target.name}", leave=False) as progress:
-        result = run_workers([job], 1, progress)[0]
-    return from_analysis(result, ref, target)
+    return from_analysis(worker.run(ref, target), ref, target)

@@ -13,10 +13,10 @@ The model charges them as
                from the host)
 
 with non-negative coefficients, fitted by least squares on the relative error over the
-points whose ``role`` is ``fit`` (`calibration_points`). Every point is then classified by
-what its calibrated time is made of (`kind`), and a kind's band is the largest relative
-error of the calibrated time over its points (fitted and held-out alike): a lead smaller
-than the band is level, and every absolute figure carries it.
+points whose ``role`` is ``fit`` (the bench's `pallas_flash_bench.calibration_points`).
+Every point is then classified by what its calibrated time is made of (`kind`), and a kind's
+band is the largest relative error of the calibrated time over its points (fitted and
+held-out alike): a lead smaller than the band is level, and every absolute figure carries it.
 
 The fitted calibration is committed (``data/calibration-<generation>.json``, written by
 ``pallas-flash bench --calibrate``); `calibrate` applies it to any estimate.
@@ -177,7 +177,9 @@ def bands(table: Sequence[Mapping]) -> dict[str, dict[str, float | int | None]]:
 def committed_path(generation: str) -> importlib.resources.abc.Traversable:
     """Where the committed calibration of a TPU generation lives (package data)."""
     return (
-        importlib.resources.files("pallas_flash_bench") / "data" / f"calibration-{generation}.json"
+        importlib.resources.files("pallas_flash_estimate")
+        / "data"
+        / f"calibration-{generation}.json"
     )
 
 

@@ -1,0 +1,99 @@
+"""The worker process that compiles a program for a TPU target and estimates it.
+
+libtpu reads its LLO dump flag once, when it starts, so a compile whose listings the
+estimate reads runs in a process started with ``LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR``
+(`dump_env`). `run` starts one for a `ProgramRef`, which the worker imports and compiles
+(`analyse`); the worker prints its result as one line of JSON.
+
+Run: ``python -m pallas_flash_estimate.aot.worker JOB.json DUMP_DIR``, where ``JOB.json``
+is ``{"program": ProgramRef.to_json(), "target": name}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+
+from pallas_flash_estimate.aot.program_ref import ProgramRef
+from pallas_flash_estimate.cost import kernel_cost
+from pallas_flash_estimate.program import whole_program
+from pallas_flash_estimate.targets import Target
+
+RESULT_PREFIX = "PALLAS_FLASH_ESTIMATE_RESULT "
+"""How the worker's line of results begins (the rest of the line is JSON)."""
+
+
+def dump_env(dump_dir: pathlib.Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a worker whose libtpu writes its LLO dump to
+    ``dump_dir``; several such workers may run at once (libtpu's lock file would refuse all
+    but one)."""
+    env = dict(os.environ if env is None else env)
+    flags = f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_jf_dump_to={dump_dir}".strip()
+    return env | {"LIBTPU_INIT_ARGS": flags, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def run(ref: ProgramRef, target: Target) -> dict:
+    """`analyse` of ``ref`` for ``target``, in a worker process that imports
+    what this one can (its ``sys.path``); raises the worker's error if it printed no result."""
+    with tempfile.TemporaryDirectory(prefix="pallas-flash-estimate-") as scratch:
+        job = pathlib.Path(scratch) / "job.json"
+        job.write_text(json.dumps({"program": ref.to_json(), "target": target.name}))
+        env = dump_env(pathlib.Path(scratch) / "dump")
+        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        args = [
+            sys.executable,
+            "-m",
+            "pallas_flash_estimate.aot.worker",
+            str(job),
+            f"{scratch}/dump",
+        ]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    tail = "\n".join(done.stderr.strip().splitlines()[-20:])
+    raise RuntimeError(f"{ref.label}: the worker exited with {done.returncode}:\n{tail}")
+
+
+def analyse(ref: ProgramRef, target: Target, dump_dir: pathlib.Path) -> dict:
+    """In a worker whose libtpu dumps to ``dump_dir`` (`dump_env`): ``ref`` compiled for one
+    chip of ``target`` (`compiled.compile_program`) and estimated as a whole
+    (`whole_program.compiled_estimate`), every Pallas kernel on its whole grid
+    (`kernel_cost.FullGrid`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_flash_estimate.aot.compiled import compile_program
+    from pallas_flash_estimate.aot.devices import target_devices
+
+    device = SingleDeviceSharding(target_devices(target)[0])
+    args = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype), sharding=device) for a in ref.args]
+
+    def occupancy(kernel: str) -> kernel_cost.FullGrid:
+        return kernel_cost.FullGrid(loop_trips=ref.trips_of(kernel))
+
+    compiled = compile_program(ref.label, jax.jit(ref.resolve()), args, target, dump_dir)
+    return whole_program.compiled_estimate(compiled, occupancy, target, 1)
+
+
+def main(argv: list[str]) -> None:
+    import jax
+
+    from pallas_flash_estimate.targets import TARGETS
+
+    # the estimate reads the dumps a compile writes, so every program is compiled
+    jax.config.update("jax_enable_compilation_cache", False)
+    job = json.loads(pathlib.Path(argv[0]).read_text())
+    ref = ProgramRef.from_json(job["program"])
+    result = analyse(ref, TARGETS[job["target"]], pathlib.Path(argv[1]))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,89 @@
+"""`estimate_program`: any program by reference, compiled in a worker and estimated whole."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_flash_estimate import TARGETS, estimate_program
+from pallas_flash_estimate.aot.devices import libtpu_version
+from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef, parse_array
+
+needs_libtpu = pytest.mark.skipif(libtpu_version() is None, reason="libtpu is not installed")
+
+
+@pytest.fixture
+def sample_programs(monkeypatch) -> types.ModuleType:
+    """The programs of ``sample_programs.py`` beside this file, importable by name here and in
+    the estimate's worker (which gets this process's ``sys.path``)."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    return importlib.import_module("sample_programs")
+
+
+def _bf16(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+
+def test_a_reference_round_trips_through_json_and_binds_its_keywords(sample_programs) -> None:
+    ref = ProgramRef.of(sample_programs.blocked_matmul, [_bf16(256, 512), _bf16(512, 128)],
+                        {"bm": 128, "bn": 128})  # fmt: skip
+    assert ref.function == "sample_programs:blocked_matmul"
+    assert ref.args == (ArraySpec((256, 512), "bfloat16"), ArraySpec((512, 128), "bfloat16"))
+    assert ProgramRef.from_json(ref.to_json()) == ref
+    assert ref.resolve().keywords == {"bm": 128, "bn": 128}
+    assert ref.label == "blocked_matmul(bfloat16[256, 512], bfloat16[512, 128], bm=128, bn=128)"
+
+
+def test_a_jitted_function_is_named_by_the_function_it_wraps(sample_programs) -> None:
+    ref = ProgramRef.of(jax.jit(sample_programs.plain_matmul), [_bf16(8, 128), _bf16(128, 8)])
+    assert ref.function == "sample_programs:plain_matmul"
+
+
+def test_a_function_another_process_cannot_import_is_refused_by_name(sample_programs) -> None:
+    def local(x):
+        return x
+
+    with pytest.raises(ValueError, match="fn: expected a function defined at the top level"):
+        ProgramRef.of(local, [_bf16(8, 128)])
+    with pytest.raises(ValueError, match="fn: expected"):
+        ProgramRef.of(lambda x: x, [_bf16(8, 128)])
+    with pytest.raises(TypeError, match=r"args\[1\]: expected an abstract array"):
+        ProgramRef.of(sample_programs.plain_matmul, [_bf16(8, 128), (8, 128)])
+
+
+def test_an_unknown_target_is_refused_with_the_known_ones(sample_programs) -> None:
+    with pytest.raises(ValueError, match=r"target: expected one of .*v5e-1"):
+        estimate_program(sample_programs.plain_matmul, _bf16(8, 128), _bf16(128, 8), target="v9")
+
+
+def test_array_arguments_are_read_from_their_dtype_and_shape() -> None:
+    assert parse_array("bfloat16[4096, 4096]") == ArraySpec((4096, 4096), "bfloat16")
+    assert parse_array("bf16[8,128]") == ArraySpec((8, 128), "bfloat16")
+    assert parse_array("int32[]") == ArraySpec((), "int32")
+    with pytest.raises(ValueError, match="unknown dtype 'bf17'"):
+        parse_array("bf17[8]")
+    with pytest.raises(ValueError, match=r"expected DTYPE\[D0,D1,...\]"):
+        parse_array("4096x4096")
+
+
+@needs_libtpu
+def test_a_pallas_kernel_is_estimated_by_its_own_listing_and_grid(sample_programs) -> None:
+    """A 1024 x 1024 x 1024 matmul on 512 x 512 output blocks: four grid steps, at least the
+    MXU floor (2 x 1024³ flops at the target's peak), calibrated above it."""
+    target = TARGETS["v5e-1"]
+    x = _bf16(1024, 1024)
+    found = estimate_program(sample_programs.blocked_matmul, x, x, bm=512, bn=512,
+                             target="v5e-1")  # fmt: skip
+    floor = 2 * 1024**3 / target.peak_flops
+    assert found.grid_steps == 4
+    assert floor <= found.seconds < 1.3 * floor
+    assert found.seconds_by_kind["kernel"] == pytest.approx(found.seconds, rel=0.01)
+    assert found.hbm["peak"] >= 3 * 1024 * 1024 * 2  # x, y and the output
+    assert found.calibrated is not None and found.calibrated.seconds > found.seconds
+    assert found.calibrated.kind == "MXU-bound" and found.calibrated.band is not None
+    assert "blocked_matmul" in found.summary()
