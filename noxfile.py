@@ -264,14 +264,14 @@ def _maxtext_env(session: nox.Session) -> None:
 def maxtext(session: nox.Session) -> None:
     """MaxText's own train steps (16B, Llama-2-7B; or the configs given after ``--``)
     compiled for v5e-256 by MaxText's AOT path and estimated by ours
-    (`pallas_flash_bench.maxtext_steps`): the calibration point behind MaxText's published v5e
-    MFU, and the reference programs of the model rows. Python 3.12, as maxtext needs; about 6
-    minutes and 6 GB of LLO dump each (in .nox/maxtext-work-CONFIG, removed once read).
-    Writes bench-results/maxtext-CONFIG-v5e-256.json: copy them into the bench package's
-    data/ and rerun `pallas-flash bench --calibrate`.
+    (`pallas_flash_bench.models.maxtext_steps`): the calibration point behind MaxText's
+    published v5e MFU, and the reference programs of the model rows. Python 3.12, as maxtext
+    needs; about 6 minutes and 6 GB of LLO dump each (in .nox/maxtext-work-CONFIG, removed
+    once read). Writes bench-results/maxtext-CONFIG-v5e-256.json: copy them into the bench
+    package's data/ and rerun `pallas-flash bench --calibrate`.
     """
     _maxtext_env(session)
-    module = ("python", "-m", "pallas_flash_bench.maxtext_steps")
+    module = ("python", "-m", "pallas_flash_bench.models.maxtext_steps")
     (ROOT / "bench-results").mkdir(exist_ok=True)
     for config in session.posargs or ("16b", "llama2-7b"):
         work = ROOT / ".nox" / f"maxtext-work-{config}"
@@ -285,13 +285,13 @@ def maxtext(session: nox.Session) -> None:
 def maxtext_serving(session: nox.Session) -> None:
     """MaxText's inference engine (prefill, insert, generate) compiled for v5e-8 at
     JetStream-MaxText's Llama-2-7B settings (tpu-recipes) and estimated by ours
-    (`pallas_flash_bench.maxtext_serving`): the reference serving program. Writes
+    (`pallas_flash_bench.models.maxtext_serving`): the reference serving program. Writes
     bench-results/maxtext-serving-llama2-7b-v5e-8.json: copy it into the bench package's
     data/. The LLO dumps (in .nox/maxtext-serving-work) are removed once read.
     """
     _maxtext_env(session)
     work = ROOT / ".nox" / "maxtext-serving-work"
-    module = ("python", "-m", "pallas_flash_bench.maxtext_serving")
+    module = ("python", "-m", "pallas_flash_bench.models.maxtext_serving")
     args = ("--config", "llama2-7b", "--work", str(work))
     session.run(*module, "compile", *args)
     out = ROOT / "bench-results" / "maxtext-serving-llama2-7b-v5e-8.json"

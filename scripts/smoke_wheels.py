@@ -284,7 +284,7 @@ def check_llama() -> str:
 def check_package_data() -> str:
     """The packages' data files (the estimator's v5e calibration, the bench's committed
     MaxText analyses) load through the loaders that use them."""
-    from pallas_flash_bench import maxtext_serving, maxtext_steps
+    from pallas_flash_bench.models import maxtext_serving, maxtext_steps
     from pallas_flash_estimate import calibration
 
     loaded = calibration.load("v5e")

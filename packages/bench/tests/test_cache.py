@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pallas_flash_bench.cache import ResultCache
+from pallas_flash_bench.runs.cache import ResultCache
 
 JOB = {"id": 3, "kind": "row", "subject": "jax-flash[blocks 512]", "version": "0.10.2",
        "workload": {"op": "forward", "seq_len": 1024}, "target": "v5e-1", "topology": "v5e:2x2",
@@ -44,8 +44,9 @@ def test_round_trip_and_disabled_cache(tmp_path) -> None:
 def test_a_whole_program_job_is_keyed_by_the_code_it_compiles(tmp_path, monkeypatch) -> None:
     """A context (or model) job compiles our kernels inside a whole program: its key holds
     the installed backends' sources, so an edited kernel recompiles it."""
-    from pallas_flash_bench import runner, subjects
-    from pallas_flash_bench.context_workloads import quick_context
+    from pallas_flash_bench.context.context_workloads import quick_context
+    from pallas_flash_bench.kernels import subjects
+    from pallas_flash_bench.runs import runner
     from pallas_flash_estimate.targets import TARGETS
 
     options = runner.BenchOptions(

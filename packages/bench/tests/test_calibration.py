@@ -8,7 +8,8 @@ import pathlib
 
 import pytest
 
-from pallas_flash_bench import calibration_points, calibration_report, readme
+from pallas_flash_bench.calibration import calibration_points
+from pallas_flash_bench.views import calibration_report, readme
 from pallas_flash_estimate import calibration
 from pallas_flash_estimate.program import whole_program
 

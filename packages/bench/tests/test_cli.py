@@ -11,9 +11,10 @@ import subprocess
 import pytest
 
 import pallas_flash as pf
-from pallas_flash_bench import aot, cli, runner, worker
-from pallas_flash_bench.references import all_subjects
-from pallas_flash_bench.workloads import Workload
+from pallas_flash_bench import aot, cli
+from pallas_flash_bench.kernels.references import all_subjects
+from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_bench.runs import runner, worker
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.targets import TARGETS
 
@@ -162,7 +163,7 @@ def test_model_workloads_compile_and_are_estimated_as_whole_programs(tmp_path) -
     through the worker: each program's scanned layers are counted per layer, its collectives
     modelled, and the report shows them."""
     pytest.importorskip("pallas_flash_llama")
-    from pallas_flash_bench.model_workloads import ModelWorkload
+    from pallas_flash_bench.models.model_workloads import ModelWorkload
     from pallas_flash_estimate.targets import DEFAULT_TARGET
 
     train = ModelWorkload("train tiny", "train", "tiny", "v5e-4", (1, 4, 1), 8, seq_len=256,
@@ -206,7 +207,7 @@ def test_model_workloads_compile_and_are_estimated_as_whole_programs(tmp_path) -
 
 def test_estimate_names_what_is_wrong_with_its_arguments() -> None:
     with pytest.raises(SystemExit, match="--kwarg: expected NAME=VALUE"):
-        cli.main(["estimate", "pallas_flash_bench.calibration_programs:xla_matmul",
+        cli.main(["estimate", "pallas_flash_bench.calibration.calibration_programs:xla_matmul",
                   "--arg", "bf16[8,128]", "--kwarg", "bm"])  # fmt: skip
     with pytest.raises(SystemExit, match="has no attribute 'nope'"):
-        cli.main(["estimate", "pallas_flash_bench.calibration_programs:nope"])
+        cli.main(["estimate", "pallas_flash_bench.calibration.calibration_programs:nope"])

@@ -15,8 +15,10 @@ import re
 
 import pytest
 
-from pallas_flash_bench import cli, estimate, roofline
-from pallas_flash_bench.workloads import Workload
+from pallas_flash_bench import cli
+from pallas_flash_bench.kernels import row_figures
+from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_bench.views import roofline
 from pallas_flash_estimate.targets import DEFAULT_TARGET, TARGETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -92,7 +94,7 @@ def test_the_page_lists_every_figure_source() -> None:
 
 
 def test_the_page_lists_every_figure_of_a_row() -> None:
-    figures = estimate.derive(
+    figures = row_figures.derive(
         Workload("decode", 8192, chips=4),
         TARGETS["v5e-4"],
         1.2,

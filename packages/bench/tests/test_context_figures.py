@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_flash_bench import context_figures, context_report, context_steps
-from pallas_flash_bench.context_workloads import ContextWorkload, default_context, quick_context
+from pallas_flash_bench.context import context_figures, context_steps
+from pallas_flash_bench.context.context_workloads import (
+    ContextWorkload,
+    default_context,
+    quick_context,
+)
+from pallas_flash_bench.views import context_report
 from pallas_flash_estimate.targets import TARGETS
 
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from pallas_flash_bench import estimate
-from pallas_flash_bench.workloads import Workload
+from pallas_flash_bench.kernels import row_figures
+from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.cost import kernel_cost
 from pallas_flash_estimate.targets import TARGETS
 
@@ -18,7 +18,7 @@ V5E = TARGETS["v5e-1"]
 def test_static_figures_mfu_follows_from_cycles() -> None:
     w = Workload("forward", 4096)
     cycles = 1621 * 1024
-    figures = estimate.derive(
+    figures = row_figures.derive(
         w,
         V5E,
         1.2,
@@ -38,7 +38,7 @@ def test_static_figures_mfu_follows_from_cycles() -> None:
 
 def test_memory_bound_programs_take_the_memory_time() -> None:
     w = Workload("decode", 131072, q_heads=32, kv_heads=8)
-    figures = estimate.derive(
+    figures = row_figures.derive(
         w,
         V5E,
         1.2,
@@ -55,7 +55,7 @@ def test_memory_bound_programs_take_the_memory_time() -> None:
 
 def test_programs_without_kernels_use_the_compilers_counts() -> None:
     w = Workload("forward", 8192, causal=True)
-    figures = estimate.derive(
+    figures = row_figures.derive(
         w,
         V5E,
         1.2,
@@ -75,7 +75,7 @@ def test_programs_without_kernels_use_the_compilers_counts() -> None:
 
 def test_copy_trap_bytes_are_charged_twice() -> None:
     w = Workload("forward", 1024)
-    with_copies = estimate.derive(
+    with_copies = row_figures.derive(
         w,
         V5E,
         1.2,
@@ -90,7 +90,7 @@ def test_copy_trap_bytes_are_charged_twice() -> None:
 
 def test_xla_programs_keep_the_compilers_bytes_with_a_static_schedule() -> None:
     w = Workload("forward", 4096)
-    figures = estimate.derive(
+    figures = row_figures.derive(
         w, V5E, 1.2, static_cycles=1_444_662, has_kernels=False, compiler_flops=None,
         compiler_bytes=3.4e9, copy_bytes=0,
     )  # fmt: skip
@@ -103,7 +103,9 @@ V5E_4 = TARGETS["v5e-4"]
 
 
 def test_a_collective_costs_its_latency_and_its_ring_traffic() -> None:
-    seconds = estimate.collective_seconds([("all-reduce", 33_024), ("all-gather", 4000)], 4, V5E_4)
+    seconds = row_figures.collective_seconds(
+        [("all-reduce", 33_024), ("all-gather", 4000)], 4, V5E_4
+    )
     ring = (2 * 0.75 * 33_024 + 0.75 * 4000) / V5E_4.ici_link_bandwidth
     assert seconds == pytest.approx(2 * V5E_4.collective_latency + ring)
     assert V5E_4.ici_link_bandwidth == 50e9 and V5E_4.collective_latency == 10e-6
@@ -113,12 +115,12 @@ def test_decode_over_four_chips_splits_the_bytes_and_adds_its_collectives() -> N
     one = Workload("decode", 131072, q_heads=32, kv_heads=8)
     four = Workload("decode", 131072, q_heads=32, kv_heads=8, chips=4)
     collectives = [("all-reduce", 128), ("all-reduce", 16_512)]
-    figures = estimate.derive(
+    figures = row_figures.derive(
         four, V5E_4, 1.2, static_cycles=150_000, has_kernels=True, compiler_flops=None,
         compiler_bytes=None, copy_bytes=0, collectives=collectives,
     )  # fmt: skip
     memory = one.min_hbm_bytes / V5E_4.hbm_bandwidth / 4
-    exchange = estimate.collective_seconds(collectives, 4, V5E_4)
+    exchange = row_figures.collective_seconds(collectives, 4, V5E_4)
     assert figures["memory_seconds"]["value"] == pytest.approx(memory)
     assert figures["collective_seconds"] == {"value": pytest.approx(exchange), "source": "model"}
     latency = {"value": pytest.approx(memory + exchange), "source": "model"}
@@ -135,7 +137,7 @@ def test_decode_over_four_chips_splits_the_bytes_and_adds_its_collectives() -> N
 
 def test_dma_cycles_at_the_hbm_bandwidth() -> None:
     # the pallas forward at N=4096 streams 64 MiB over its 64 grid steps
-    cycles = estimate.dma_cycles(64 << 20, V5E)
+    cycles = row_figures.dma_cycles(64 << 20, V5E)
     assert cycles == pytest.approx((64 << 20) / 819e9 * V5E.clock_hz)
     assert cycles / 64 < 16_384  # 1 MiB per step hides under 16,384 cycles of matmuls
 
@@ -144,7 +146,7 @@ def test_spread_gives_latency_and_mfu_under_each_estimate() -> None:
     w = Workload("forward", 4096)
     memory = w.min_hbm_bytes / V5E.hbm_bandwidth
     cycles = {"schedule": 1_074_041, "push16": 1_572_864, "critical_path": None, "tiny": 10}
-    out = estimate.spread(w, V5E, cycles, memory, 0.0)
+    out = row_figures.spread(w, V5E, cycles, memory, 0.0)
     seconds = 1_572_864 / V5E.clock_hz
     assert out["push16"]["latency_seconds"] == pytest.approx(seconds)
     assert out["push16"]["mfu"] == pytest.approx(w.useful_flops / seconds / V5E.peak_flops)

@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pallas_flash_bench.fit import longest_fitting, predict
+from pallas_flash_bench.runs.fit import longest_fitting, predict
 
 GIB = 1 << 30
 CAPACITY = 16 * GIB

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pallas_flash_bench import maxtext_serving
+from pallas_flash_bench.models import maxtext_serving
 from pallas_flash_estimate.program import whole_program
 from pallas_flash_estimate.targets import TARGETS
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_flash_bench import maxtext_steps, model_flops
+from pallas_flash_bench.models import maxtext_steps, model_flops
 
 
 def test_the_published_mfu_implies_a_step_by_the_flop_count_of_its_day() -> None:

@@ -6,9 +6,8 @@ import sys
 
 import pytest
 
-from pallas_flash_bench import model_figures, model_flops, model_report
-from pallas_flash_bench.cells import percent
-from pallas_flash_bench.model_workloads import (
+from pallas_flash_bench.models import model_figures, model_flops
+from pallas_flash_bench.models.model_workloads import (
     MAXTEXT_16B,
     ModelWorkload,
     ablation,
@@ -16,6 +15,8 @@ from pallas_flash_bench.model_workloads import (
     default_models,
     quick_models,
 )
+from pallas_flash_bench.views import model_report
+from pallas_flash_bench.views.cells import percent
 from pallas_flash_estimate import calibration
 from pallas_flash_estimate.targets import SENSITIVITY, TARGETS
 
@@ -123,7 +124,7 @@ def test_the_model_sections_render_without_the_llama_package(monkeypatch) -> Non
            "error": None}  # fmt: skip
     row["figures"] = model_figures.derive(row, TARGETS[w.target], 1.2)
     results = {"models": [row], "ablation": ablation_steps()}
-    for module in ("pallas_flash_llama", "pallas_flash_bench.model_workloads"):
+    for module in ("pallas_flash_llama", "pallas_flash_bench.models.model_workloads"):
         monkeypatch.setitem(sys.modules, module, None)  # importing it raises
     text = "\n".join(model_report.model_sections(results))
     assert "## What each optimisation buys (Llama-2-7B)" in text
@@ -187,7 +188,7 @@ def test_model_rows_move_with_each_assumed_constant_and_carry_their_calibrated_s
 def test_the_row_at_maxtext_settings_is_held_against_maxtext_s_engine() -> None:
     """The serving row at JetStream-MaxText's settings gets MaxText's engine programs, estimated
     by the same estimator (committed), and the report a verdict under the row's band."""
-    from pallas_flash_bench import maxtext_serving
+    from pallas_flash_bench.models import maxtext_serving
 
     committed = maxtext_serving.committed("llama2-7b")
     if committed is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_flash_bench.runner import SPREAD, program_cycles, program_estimates
+from pallas_flash_bench.runs.runner import SPREAD, program_cycles, program_estimates
 from pallas_flash_estimate.targets import TARGETS
 
 
@@ -60,7 +60,7 @@ def test_program_estimates_need_every_kernel_and_a_kernel() -> None:
 
 
 def test_a_kernel_that_cannot_hide_its_copies_gets_a_note() -> None:
-    from pallas_flash_bench.runner import _dma_notes
+    from pallas_flash_bench.runs.runner import _dma_notes
 
     target = TARGETS["v5e-1"]
     hidden = {"name": "pallas_flash_forward.1", "cycles": 1_074_041, "dma_bytes": 64 << 20,

@@ -8,7 +8,8 @@ import pathlib
 
 import pytest
 
-from pallas_flash_bench import readme, runner
+from pallas_flash_bench.runs import runner
+from pallas_flash_bench.views import readme
 from pallas_flash_estimate.program import whole_program
 
 ROOT = pathlib.Path(__file__).parents[3]

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from pallas_flash_bench.report import render_report, write_report
-from pallas_flash_bench.workloads import Workload
+from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_bench.views.report import render_report, write_report
 
 SAMPLE = pathlib.Path(__file__).parent / "samples" / "results_small.json"
 
@@ -354,14 +354,14 @@ SPLASH_CYCLES = {"schedule": 1_258_409, "mxu": 1_048_576, "critical_path": 1_116
 
 
 def _with_estimates(row: dict[str, Any], cycles: dict[str, int]) -> dict[str, Any]:
-    from pallas_flash_bench import estimate
+    from pallas_flash_bench.kernels import row_figures
     from pallas_flash_estimate.targets import TARGETS
 
     target = TARGETS["v5e-1"]
     workload = Workload(**row["workload"])
     memory = workload.min_hbm_bytes / target.hbm_bandwidth
     row = copy.deepcopy(row)
-    row["estimates"] = estimate.spread(workload, target, cycles, memory, 0.0)
+    row["estimates"] = row_figures.spread(workload, target, cycles, memory, 0.0)
     headline = row["estimates"]["schedule"]
     row["figures"]["latency_seconds"] = {"value": headline["latency_seconds"], "source": "static"}
     row["figures"]["mfu"] = {"value": headline["mfu"], "source": "static"}
@@ -460,7 +460,7 @@ def test_kernel_table_sets_dma_per_step_against_compute(spread_results: dict[str
 def test_the_readme_block_is_the_calibrated_comparison_of_one_run(
     spread_results: dict[str, Any],
 ) -> None:
-    from pallas_flash_bench import comparison, readme
+    from pallas_flash_bench.views import comparison, readme
 
     for row in spread_results["rows"]:
         latency = row["figures"]["latency_seconds"]["value"]
@@ -481,7 +481,7 @@ def test_a_reference_without_a_figure_makes_the_verdict_unknown_not_skipped(
 ) -> None:
     """Under an estimate where a reference has no figure, the backend is not compared with
     the other references alone: the verdict under it is unknown."""
-    from pallas_flash_bench.comparison import against_references_table
+    from pallas_flash_bench.views.comparison import against_references_table
 
     splash = next(r for r in spread_results["rows"] if r.get("kind") == "reference")
     splash["estimates"]["critical_path"] = {"cycles": None, "latency_seconds": None, "mfu": None}
@@ -492,7 +492,7 @@ def test_a_reference_without_a_figure_makes_the_verdict_unknown_not_skipped(
 
 
 def test_a_lead_within_the_calibrated_band_is_level(spread_results: dict[str, Any]) -> None:
-    from pallas_flash_bench.comparison import against_references_table
+    from pallas_flash_bench.views.comparison import against_references_table
 
     for row in spread_results["rows"]:
         latency = row["figures"]["latency_seconds"]["value"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from pallas_flash_bench.roofline import roofline_figure, roofline_points, write_roofline
+from pallas_flash_bench.views.roofline import roofline_figure, roofline_points, write_roofline
 
 SAMPLE = pathlib.Path(__file__).parent / "samples" / "results_small.json"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

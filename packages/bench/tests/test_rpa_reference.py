@@ -9,9 +9,9 @@ import importlib.util
 import pytest
 from tqdm import tqdm
 
-from pallas_flash_bench import references, rpa_reference
-from pallas_flash_bench.workers import run_workers
-from pallas_flash_bench.workloads import SERVING_LENGTHS, Workload
+from pallas_flash_bench.kernels import references, rpa_reference
+from pallas_flash_bench.kernels.workloads import SERVING_LENGTHS, Workload
+from pallas_flash_bench.runs.workers import run_workers
 from pallas_flash_estimate.aot.devices import libtpu_version
 
 needs_rpa = pytest.mark.skipif(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pallas_flash_bench import stacks_report
+from pallas_flash_bench.views import stacks_report
 
 MAIN_RUN = pathlib.Path(__file__).parents[3] / "docs" / "results" / "quick-v5e-4.json"
 if not MAIN_RUN.exists():

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import Mesh
 
 import pallas_flash as pf
-from pallas_flash_bench import references, subjects
-from pallas_flash_bench.workloads import Workload
+from pallas_flash_bench.kernels import references, subjects
+from pallas_flash_bench.kernels.workloads import Workload
 
 
 def test_the_sources_digest_changes_with_any_source(

@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
-from pallas_flash_bench import aot, cli, references, runner, worker
-from pallas_flash_bench.references import all_subjects
-from pallas_flash_bench.workloads import Workload, quick_sweep
+from pallas_flash_bench import aot, cli
+from pallas_flash_bench.kernels import references
+from pallas_flash_bench.kernels.references import all_subjects
+from pallas_flash_bench.kernels.workloads import Workload, quick_sweep
+from pallas_flash_bench.runs import runner, worker
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.targets import TARGETS
 
@@ -172,7 +174,7 @@ def test_jax_paged_charges_its_search_for_a_non_empty_sequence_only_past_an_empt
     """jax's paged_attention loops over the sequences after an empty one to find the next of
     non-zero length: no run on a batch without an empty sequence; unknown (None, counted
     once with a note) on one with it, and no such loop with one sequence."""
-    from pallas_flash_bench import paged_reference
+    from pallas_flash_bench.kernels import paged_reference
 
     ragged = Workload("decode", 8192, batch=32, q_heads=32, kv_heads=8, lengths=(512, 8192),
                       cache="paged")  # fmt: skip

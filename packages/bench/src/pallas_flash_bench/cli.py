@@ -12,8 +12,8 @@ import pathlib
 import sys
 
 import pallas_flash as pf
-from pallas_flash_bench.cache import ResultCache, default_dir
-from pallas_flash_bench.workloads import Workload, default_sweep, quick_sweep, serving_sweep
+from pallas_flash_bench.kernels.workloads import Workload, default_sweep, quick_sweep, serving_sweep
+from pallas_flash_bench.runs.cache import ResultCache, default_dir
 from pallas_flash_estimate.targets import DEFAULT_TARGET, TARGETS
 
 
@@ -154,7 +154,7 @@ def _models(args: argparse.Namespace, notes: list[str]) -> list:
     if importlib.util.find_spec("pallas_flash_llama") is None:
         _note(notes, "pallas-flash-llama is not installed: no model rows")
         return []
-    from pallas_flash_bench import model_workloads
+    from pallas_flash_bench.models import model_workloads
 
     if args.quick and not args.models:
         models = model_workloads.quick_models()
@@ -170,7 +170,7 @@ def _models(args: argparse.Namespace, notes: list[str]) -> list:
 def _context(args: argparse.Namespace, notes: list[str]) -> list:
     """The context-parallel workloads: the quick sweep's one small row with ``--quick``, else
     all; none for a sweep of other rows only, or without the pallas backend (with a note)."""
-    from pallas_flash_bench import context_workloads
+    from pallas_flash_bench.context import context_workloads
 
     if args.serving or args.ops or args.seq_lens or args.models:
         return []
@@ -212,7 +212,7 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pallas_flash_bench.runner import BenchOptions, run
+    from pallas_flash_bench.runs.runner import BenchOptions, run
 
     target = TARGETS[args.target]
     if args.calibrate:
@@ -245,8 +245,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from pallas_flash_bench import calibration_report, calibration_run
-    from pallas_flash_bench.runner import versions
+    from pallas_flash_bench.calibration import calibration_run
+    from pallas_flash_bench.runs.runner import versions
+    from pallas_flash_bench.views import calibration_report
 
     cache = ResultCache(None if args.no_cache else args.cache_dir)
     found = calibration_run.run(TARGETS[args.target], versions(), cache, args.workers, args.out)
@@ -294,7 +295,7 @@ def _trips(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pallas_flash_bench.inspection import inspect_kernel
+    from pallas_flash_bench.runs.inspection import inspect_kernel
 
     batch, heads, seq, head_dim = (int(x) for x in args.shape.lower().split("x"))
     workload = Workload(
@@ -306,7 +307,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _readme(args: argparse.Namespace) -> int:
-    from pallas_flash_bench import readme
+    from pallas_flash_bench.views import readme
 
     if args.calibration is not None:
         readme.update_calibration_page(args.page, json.loads(args.calibration.read_text()))

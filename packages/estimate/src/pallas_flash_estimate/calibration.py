@@ -13,7 +13,7 @@ The model charges them as
                from the host)
 
 with non-negative coefficients, fitted by least squares on the relative error over the
-points whose ``role`` is ``fit`` (the bench's `pallas_flash_bench.calibration_points`).
+points whose ``role`` is ``fit`` (the bench's `pallas_flash_bench.calibration.calibration_points`).
 Every point is then classified by what its calibrated time is made of (`kind`), and a kind's
 band is the largest relative error of the calibrated time over its points (fitted and
 held-out alike): a lead smaller than the band is level, and every absolute figure carries it.

@@ -5,12 +5,12 @@ published: peak bf16 FLOP/s / (MXUs x 128 x 128 x 2 flops per multiply-add), e.g
 197e12 / (4 x 128 x 128 x 2) = 1.5 GHz.
 
 Collectives between chips are modelled, not scheduled. The bench's kernel rows
-(``pallas_flash_bench.estimate.collective_seconds``) charge each ``collective_latency`` plus
-its ring traffic over one ICI link in one direction, ``ici_link_bandwidth``. v5e: 1,600
-Gbit/s per chip over 4 links is 50 GB/s per link and direction. ``collective_latency`` is an
-assumption, not a published figure: 10 us per collective, an allowance for the
-synchronisation and the hops of a small all-reduce on a 2x2 slice (a few hops of about a
-microsecond each, plus the barrier).
+(``pallas_flash_bench.kernels.row_figures.collective_seconds``) charge each
+``collective_latency`` plus its ring traffic over one ICI link in one direction,
+``ici_link_bandwidth``. v5e: 1,600 Gbit/s per chip over 4 links is 50 GB/s per link and
+direction. ``collective_latency`` is an assumption, not a published figure: 10 us per
+collective, an allowance for the synchronisation and the hops of a small all-reduce on a
+2x2 slice (a few hops of about a microsecond each, plus the barrier).
 
 Whole programs (`pallas_flash_estimate.program.ici`) use the slice's torus: ``torus`` gives
 its sides, ``ici_wraparound`` whether they wrap (v5e: only the full 16x16 pod), and each ring

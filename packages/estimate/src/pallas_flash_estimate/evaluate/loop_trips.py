@@ -4,7 +4,7 @@ A ``while`` loop whose condition reads memory (jax's ``ragged_paged_attention`` 
 sequences of a query block and, per sequence, its kv blocks, both up to lengths in SMEM) has no
 trip count in its schedule, and a static count runs its body once. The bench knows the
 workload's lengths, so a subject can say how often each such loop runs over the whole kernel
-(`pallas_flash_bench.subjects.Subject.loop_trips`): `bundle_counts` then gives every bundle its
+(the bench's ``Subject.loop_trips``): `bundle_counts` then gives every bundle its
 executions,
 
 - outside every loop: once (a predicated region outside the loops: 0 in the min);

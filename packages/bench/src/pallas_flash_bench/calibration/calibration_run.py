@@ -1,0 +1,50 @@
+"""``pallas-flash bench --calibrate``: every calibration point (`calibration_points`)
+compiled and estimated in the workers, the calibration fitted (`calibration`), and
+``calibration.json`` and ``calibration.md`` written."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from pallas_flash_bench.calibration import calibration_points
+from pallas_flash_bench.runs.cache import ResultCache
+from pallas_flash_bench.runs.workers import run_cached
+from pallas_flash_bench.views import calibration_report
+from pallas_flash_estimate import calibration
+from pallas_flash_estimate.aot.program_ref import ProgramRef
+from pallas_flash_estimate.program.whole_program import ANALYSIS_VERSION
+from pallas_flash_estimate.targets import Target
+
+
+def program_job(ref: ProgramRef, target: Target) -> dict:
+    """The worker job that compiles and estimates ``ref`` (`pallas_flash_estimate.aot.worker`)."""
+    return {"kind": "program", "program": ref.to_json(), "target": target.name,
+            "topology": target.topology, "analysis": ANALYSIS_VERSION, "sweep": None,
+            "backends": None, "references": False}  # fmt: skip
+
+
+def run(target: Target, versions: dict, cache: ResultCache, workers: int,
+        out_dir: pathlib.Path) -> dict:  # fmt: skip
+    """The calibration of ``target``'s generation from every point this installation can
+    compile (tokamax's only with tokamax installed); written to ``out_dir``."""
+    points = calibration_points.all_points()
+    jobs = [dict(program_job(p.program, target), id=i)
+            for i, p in enumerate(points) if p.program is not None]  # fmt: skip
+    results = run_cached(jobs, versions, cache, workers, "calibration points")
+    analysed = []
+    for i, point in enumerate(points):
+        if point.program is None:  # estimated elsewhere (MaxText's step)
+            analysed.append({"point": point.to_json(), "estimate": point.estimate, "error": None})
+            continue
+        result = results[i]
+        error = result.get("job_error") or result.get("error")
+        analysed.append({"point": point.to_json(), "estimate": result.get("estimate"),
+                         "error": error})  # fmt: skip
+    found = calibration.calibrate_points(analysed, versions)
+    found["generation"] = target.generation
+    found["analysis"] = ANALYSIS_VERSION
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(found, indent=1) + "\n")
+    (out_dir / "calibration.md").write_text("\n".join(calibration_report.section(found)) + "\n")
+    return found

@@ -1,0 +1,124 @@
+"""Compile a context-parallel workload's two programs and estimate them (in the worker).
+
+``ring`` (its name whichever the exchange): forward and backward of ``pf.attention(...,
+mesh=, context_layout=, context_exchange=)`` on the ``pallas`` backend, the sequence split
+over every chip of the slice (a 1-D mesh in ``jax.make_mesh``'s order, a ring of neighbours
+on v5e), the output's gradient donated. ``one chip``: the same call without a mesh at the
+reference's length. Both are estimated as whole programs (`whole_program`), the ring's
+``lax.switch`` over a pair of chunks weighed by how often the busiest device takes each
+branch (`context_layout.ring_pair_kinds`; with zigzag every device takes the same) and each
+kernel charged as the pair it attends to: a diagonal pair causally, the others without a
+mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+import pallas_flash as pf
+from pallas_flash import context_layout, tpu
+from pallas_flash_bench import aot
+from pallas_flash_bench.context.context_workloads import ContextWorkload
+from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_estimate.aot.compiled import compile_program
+from pallas_flash_estimate.aot.devices import target_devices
+from pallas_flash_estimate.evaluate import program_loops
+from pallas_flash_estimate.program.whole_program import compiled_estimate
+from pallas_flash_estimate.read import hlo
+from pallas_flash_estimate.read.hlo import HloOp
+from pallas_flash_estimate.targets import TARGETS
+
+DIAGONAL = context_layout.PAIR_KINDS.index("diagonal")
+
+
+def _step(mesh: jax.sharding.Mesh | None, w: ContextWorkload):
+    """Jitted ``(q, k, v, do) -> (out, dq, dk, dv)``, ``do`` donated."""
+
+    def attention(q, k, v):
+        return pf.attention(q, k, v, causal=w.causal, backend="pallas", mesh=mesh,
+                            context_layout=w.layout, context_exchange=w.exchange)  # fmt: skip
+
+    def step(q, k, v, do):
+        out, vjp = jax.vjp(attention, q, k, v)
+        return (out, *vjp(do))
+
+    return jax.jit(step, donate_argnums=(3,))
+
+
+def _arguments(w: ContextWorkload, seq_len: int, mesh) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Abstract q, k, v, do ``[1, heads, seq_len, head_dim]`` bfloat16, split along the
+    sequence over ``mesh`` (None: one chip)."""
+    sharding = None
+    if mesh is not None:
+        sharding = NamedSharding(mesh, PartitionSpec(None, None, mesh.axis_names, None))
+    shape = lambda heads: jax.ShapeDtypeStruct(  # noqa: E731
+        (1, heads, seq_len, w.head_dim), jnp.bfloat16, sharding=sharding
+    )
+    return shape(w.q_heads), shape(w.kv_heads), shape(w.kv_heads), shape(w.q_heads)
+
+
+def busiest_pairs(w: ContextWorkload) -> dict[str, int]:
+    """The pairs of each kind the busiest device attends to over the ring (the most
+    unmasked, then diagonal): every ring step waits for it."""
+    counts = [context_layout.ring_pair_kinds(d, w.chips, w.layout) for d in range(w.chips)]
+    return max(counts, key=lambda c: (c["unmasked"], c["diagonal"]))
+
+
+def _ring_branch_shares(w: ContextWorkload) -> program_loops.BranchShares:
+    """How often the busiest device takes each branch of the ring's switch over pair kinds."""
+    kinds = busiest_pairs(w)
+    shares = tuple(kinds[k] / sum(kinds.values()) for k in context_layout.PAIR_KINDS)
+
+    def branch_shares(op: HloOp):
+        ring_switch = len(program_loops.branches(op)) == len(shares)
+        return shares if w.causal and ring_switch else None
+
+    return branch_shares
+
+
+def _ring_occupancy(w: ContextWorkload, groups: int, text: str | None) -> Callable[[str], Workload]:
+    """What each Pallas kernel of the compiled ring (its optimised HLO ``text``, read when a
+    kernel is first asked for) runs: one chunk pair's forward and backward over a head group,
+    causal in the switch's diagonal branch."""
+    chunk = w.seq_len // (w.chips * context_layout.pieces(w.layout))
+
+    @functools.cache
+    def branches() -> dict:
+        return program_loops.enclosing_branches(hlo.parse_computations(text))
+
+    def kernel_workload(name: str) -> Workload:
+        diagonal = w.causal and branches().get(name, ("", -1))[1] == DIAGONAL
+        return Workload("forward_backward", chunk, diagonal, q_heads=w.q_heads // groups,
+                        kv_heads=w.kv_heads // groups, head_dim=w.head_dim)  # fmt: skip
+
+    return kernel_workload
+
+
+def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
+    """Both programs of ``w`` compiled and estimated: ``{"workload", "head_groups",
+    "pair_kinds", "programs": [ring, one chip]}``."""
+    from pallas_flash_pallas.context_parallel import head_groups
+
+    target = TARGETS[w.target]
+    mesh = jax.make_mesh((w.chips,), (aot.MESH_AXIS,), devices=target_devices(target))
+    ring_args = _arguments(w, w.seq_len, mesh)
+    groups = head_groups(ring_args[0], w.kv_heads, w.chips, tpu.current_generation(),
+                         w.exchange)  # fmt: skip
+    ring = compile_program("ring", _step(mesh, w), ring_args, target, dump_dir)
+    occupancy = _ring_occupancy(w, groups, ring.text)
+    ring_result = compiled_estimate(ring, occupancy, target, w.chips, _ring_branch_shares(w))
+    one_chip_args = _arguments(w, w.reference_len, None)
+    one_chip = compile_program("one chip", _step(None, w), one_chip_args, target, dump_dir)
+    reference = w.attention(w.reference_len)
+    return {
+        "workload": w.to_json(),
+        "head_groups": groups,
+        "pair_kinds": busiest_pairs(w),
+        "programs": [ring_result, compiled_estimate(one_chip, lambda _: reference, target, 1)],
+    }

@@ -1,0 +1,139 @@
+"""Derived figures of a row: its time from the static schedule's cycles (a kernel's:
+`pallas_flash_estimate.cost.kernel_cost`), the roofline, MFU, tokens/s, tokens/$.
+
+Every figure is ``{"value": float | None, "source": ...}``: ``static`` (the compiler's VLIW
+schedule), ``model`` (roofline arithmetic), ``compiler`` (its memory or cost analysis),
+``measured-cpu`` or ``measured-tpu`` (wall clock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_estimate.targets import Target
+
+Figure = dict[str, object]
+
+
+def figure(value: float | None, source: str) -> Figure:
+    return {"value": value, "source": source}
+
+
+def dma_cycles(dma_bytes: float, target: Target) -> float:
+    """Cycles the target's HBM needs to move ``dma_bytes``: a kernel's block copies, to set
+    against its compute (both overlap only while the copies hide under the compute)."""
+    return dma_bytes / target.hbm_bandwidth * target.clock_hz
+
+
+def spread(
+    workload: Workload,
+    target: Target,
+    cycles: dict[str, int | None],
+    memory_seconds: float,
+    collective_seconds: float,
+) -> dict[str, dict[str, float | None]]:
+    """Per estimate (program cycles, see `pallas_flash_estimate.cost.spread`): its cycles, latency
+    (compute or memory time, whichever is longer, plus the collectives, as the headline) and
+    MFU; None where the estimate is missing."""
+    out: dict[str, dict[str, float | None]] = {}
+    peak = target.peak_flops * workload.chips
+    for name, value in cycles.items():
+        if value is None:
+            out[name] = {"cycles": None, "latency_seconds": None, "mfu": None}
+            continue
+        latency = max(value / target.clock_hz, memory_seconds) + collective_seconds
+        out[name] = {
+            "cycles": value,
+            "latency_seconds": latency,
+            "mfu": workload.useful_flops / latency / peak,
+        }
+    return out
+
+
+RING_TRAFFIC = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
+"""Bytes each chip sends per byte of a collective's result, times ``chips / (chips - 1)``, on a
+ring: an all-reduce is a reduce-scatter and an all-gather. Other collectives: 1."""
+
+
+def collective_seconds(collectives: Sequence[tuple[str, int]], chips: int, target: Target) -> float:
+    """Modelled time of a program's collectives, ``(opcode, result bytes)`` each, on ``chips``
+    chips in a ring: per collective, the target's assumed ``collective_latency`` plus its ring
+    traffic over one ICI link in one direction (see `pallas_flash_estimate.targets`)."""
+    share = (chips - 1) / chips
+    return sum(
+        target.collective_latency
+        + RING_TRAFFIC.get(opcode, 1.0) * share * size / target.ici_link_bandwidth
+        for opcode, size in collectives
+    )
+
+
+def derive(
+    workload: Workload,
+    target: Target,
+    price_per_chip_hour: float,
+    *,
+    static_cycles: int | None,
+    has_kernels: bool,
+    compiler_flops: float | None,
+    compiler_bytes: float | None,
+    copy_bytes: int,
+    collectives: Sequence[tuple[str, int]] = (),
+    min_hbm_bytes: float | None = None,
+) -> dict[str, Figure]:
+    """The row's estimated figures.
+
+    Compute time: the program's static cycles / clock (its Pallas kernels and the XLA ops
+    around them, see ``runner.program_cycles``) when known, else the compiler's flop count /
+    peak (model). HBM bytes: for programs with Pallas kernels, whose byte count is only their
+    own declared estimate, the least the workload must move plus twice the copy-trap bytes
+    (read and write) (model); else the compiler's count. Latency is the larger of compute and
+    memory time: HBM transfers hidden under compute or the reverse. Without any overlap it
+    would be their sum, ``latency_no_overlap_seconds``: the two bracket a kernel whose
+    transfers and compute overlap in part, which a static schedule cannot tell.
+
+    A workload on several chips runs one program per chip: its static cycles and copy bytes
+    are one chip's, its HBM bytes are read at the pace of the busiest chip
+    (`Workload.busiest_chip_share` of them, at one chip's bandwidth), and its collectives
+    (`collective_seconds`, model) follow the kernels, so their time adds to the latency.
+    Prices, peak FLOP/s and bandwidth are those of all its chips.
+
+    ``min_hbm_bytes``: the least this implementation must move, where it is less than the
+    workload's (`Workload.min_hbm_bytes`; e.g. a reference with per-tensor int8 scales).
+    """
+    useful = workload.useful_flops
+    least = workload.min_hbm_bytes if min_hbm_bytes is None else min_hbm_bytes
+    chips = workload.chips
+    if static_cycles is not None:
+        compute = figure(static_cycles / target.clock_hz, "static")
+    else:
+        compute = figure((compiler_flops or useful) / target.peak_flops / chips, "model")
+    if compiler_bytes and not has_kernels:
+        hbm_bytes = figure(max(compiler_bytes * chips, least), "compiler")
+    else:
+        hbm_bytes = figure(least + 2 * copy_bytes * chips, "model")
+    share = max(workload.busiest_chip_share, 1.0 / chips)
+    memory = figure(hbm_bytes["value"] * share / target.hbm_bandwidth, "model")
+    latency = max(compute, memory, key=lambda f: f["value"])
+    exchange = figure(collective_seconds(collectives, chips, target), "model")
+    if exchange["value"]:
+        latency = figure(latency["value"] + exchange["value"], "model")
+    no_overlap = figure(compute["value"] + memory["value"] + exchange["value"], "model")
+    seconds = latency["value"]
+    tokens_per_second = workload.tokens / seconds
+    dollars_per_second = price_per_chip_hour * chips / 3600
+    return {
+        "useful_flops": figure(useful, "model"),
+        "hbm_bytes": hbm_bytes,
+        "compute_seconds": compute,
+        "memory_seconds": memory,
+        "collective_seconds": exchange,
+        "latency_seconds": latency,
+        "latency_no_overlap_seconds": no_overlap,
+        "mfu": figure(useful / seconds / (target.peak_flops * chips), latency["source"]),
+        "hbm_bandwidth_use": figure(
+            hbm_bytes["value"] / seconds / (target.hbm_bandwidth * chips), latency["source"]
+        ),
+        "tokens_per_second": figure(tokens_per_second, latency["source"]),
+        "tokens_per_dollar": figure(tokens_per_second / dollars_per_second, latency["source"]),
+    }

@@ -1,0 +1,110 @@
+"""The pool of compile workers: jobs run in subprocesses (`pallas_flash_bench.runs.worker`), whose
+libtpu writes its LLO dump where the job needs one."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+from tqdm import tqdm
+
+from pallas_flash_bench.runs.cache import ResultCache
+from pallas_flash_estimate.aot.worker import dump_env
+
+RESULT_PREFIX = "PALLAS_FLASH_BENCH_RESULT "
+"""How a worker's line of results begins (the rest of the line is JSON)."""
+
+WHOLE_PROGRAMS = ("model", "context", "program")
+"""Job kinds that compile a whole program, the longest compiles: each worker starts on its
+share of them."""
+
+
+def run_cached(
+    jobs: list[dict], versions: dict, cache: ResultCache, workers: int, desc: str,
+    *, compile_missing: bool = True,
+) -> dict[int, dict | None]:  # fmt: skip
+    """Each job's result by id: from ``cache``, else run in workers (with ``compile_missing``,
+    else left out) and cached. A result is None where the subject does not support the
+    workload, which is cached too (a cached run starts no worker); a job error is not."""
+    results: dict[int, dict | None] = {}
+    todo = []
+    for job in jobs:
+        key = ResultCache.key(job, versions)
+        if cache.holds(key):
+            results[job["id"]] = cache.get(key)
+        elif compile_missing:
+            todo.append(job)
+    with tqdm(total=len(jobs), initial=len(results), desc=desc, unit="job") as progress:
+        fresh = run_workers(todo, workers, progress)
+    for job in todo:
+        result = fresh[job["id"]]
+        if result is None or "job_error" not in result:
+            cache.put(ResultCache.key(job, versions), result)
+    return results | fresh
+
+
+def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict | None]:
+    """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by
+    id. The scratch folder (job lists, dumps, logs) is removed, or only its dumps when a
+    worker exited early (its logs say why)."""
+    results: dict[int, dict | None] = {}
+    if not jobs:
+        return results
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="pallas-flash-bench-"))
+    # whole programs are the longest compiles: each worker starts on its share of them
+    rows = [j for j in jobs if j["kind"] in WHOLE_PROGRAMS]
+    rows += [j for j in jobs if j["kind"] == "row"]
+    fits = [j for j in jobs if j["kind"] == "fit"]
+    groups = [(rows[i::workers], True) for i in range(workers)] + [(fits, False)]
+    lines: queue.Queue[str | None] = queue.Queue()
+    processes = []
+    for index, (group, dump) in enumerate(groups):
+        if not group:
+            continue
+        jobs_file = scratch / f"jobs-{index}.json"
+        jobs_file.write_text(json.dumps(group))
+        # Several compile workers run at once: libtpu's lock file would refuse all but one.
+        env = dict(os.environ, PALLAS_FLASH_INTERPRET="0", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        args = [sys.executable, "-m", "pallas_flash_bench.runs.worker", str(jobs_file)]
+        if dump:
+            dump_dir = scratch / f"dump-{index}"
+            env = dump_env(dump_dir, env)
+            args.append(str(dump_dir))
+        log = open(scratch / f"worker-{index}.log", "w")  # noqa: SIM115 - closed below
+        process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        processes.append((process, log))
+        threading.Thread(target=_forward_lines, args=(process, lines), daemon=True).start()
+    finished = 0
+    while finished < len(processes):
+        line = lines.get()
+        if line is None:
+            finished += 1
+            continue
+        message = json.loads(line[len(RESULT_PREFIX) :])
+        results[message["job"]] = message["result"]
+        progress.update(1)
+    for process, log in processes:
+        process.wait()
+        log.close()
+    missing = [j for j in jobs if j["id"] not in results]
+    for job in missing:
+        results[job["id"]] = {"job_error": f"worker exited early; see logs in {scratch}"}
+    for dump in scratch.glob("dump-*"):  # gigabytes of listings, read by now
+        shutil.rmtree(dump, ignore_errors=True)
+    if not missing:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+def _forward_lines(process: subprocess.Popen, lines: queue.Queue) -> None:
+    for line in process.stdout:
+        if line.startswith(RESULT_PREFIX):
+            lines.put(line.strip())
+    lines.put(None)
