@@ -11,7 +11,7 @@ import pytest
 import pallas_flash as pf
 from pallas_flash import tpu
 from pallas_flash_pallas import BlockSizes, PallasBackend, flash_backward, flash_forward
-from pallas_flash_pallas.block_sizes import (
+from pallas_flash_pallas.blocks.block_sizes import (
     backward_vmem_bytes,
     balanced,
     forward_vmem_bytes,

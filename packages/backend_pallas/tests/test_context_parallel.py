@@ -13,8 +13,8 @@ import pallas_flash as pf
 from pallas_flash import context_layout, tpu
 from pallas_flash_conformance import inputs, reference
 from pallas_flash_conformance.parity import assert_gradient_close
-from pallas_flash_pallas import context_parallel
-from pallas_flash_pallas.chunk_pairs import ChunkPairs
+from pallas_flash_pallas.mesh import context_parallel
+from pallas_flash_pallas.mesh.chunk_pairs import ChunkPairs
 
 
 @pytest.mark.parametrize(

@@ -25,12 +25,12 @@ from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_gradient_c
 from pallas_flash_pallas import (
     BlockSizes,
     PallasBackend,
-    backward,
     flash_attention,
     flash_forward,
     flash_output,
     plugin,
 )
+from pallas_flash_pallas.kernels import backward
 
 SMALL = BlockSizes(
     block_q=256,

@@ -7,7 +7,7 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash.masking import positional_mask
-from pallas_flash_pallas.schedule import BlockKind, KvSchedule, QSchedule
+from pallas_flash_pallas.blocks.schedule import BlockKind, KvSchedule, QSchedule
 
 SPECS = {
     "full": {},

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
-from pallas_flash_pallas.attention import flash_attention
-from pallas_flash_pallas.block_sizes import BlockSizes
-from pallas_flash_pallas.context_parallel import context_parallel_attention
+from pallas_flash_pallas.blocks.block_sizes import BlockSizes
+from pallas_flash_pallas.kernels.attention import flash_attention
+from pallas_flash_pallas.mesh.context_parallel import context_parallel_attention
 
 
 def kernel_bias(

@@ -103,7 +103,7 @@ def _ring_occupancy(w: ContextWorkload, groups: int, text: str | None) -> Callab
 def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
     """Both programs of ``w`` compiled and estimated: ``{"workload", "head_groups",
     "pair_kinds", "programs": [ring, one chip]}``."""
-    from pallas_flash_pallas.context_parallel import head_groups
+    from pallas_flash_pallas.mesh.context_parallel import head_groups
 
     target = TARGETS[w.target]
     mesh = jax.make_mesh((w.chips,), (aot.MESH_AXIS,), devices=target_devices(target))

@@ -52,8 +52,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_flash import interpret, tpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas.backward_dq import query_gradient
-from pallas_flash_pallas.block_sizes import (
+from pallas_flash_pallas.blocks.block_sizes import (
     LANES,
     BlockSizes,
     backward_vmem_bytes,
@@ -61,7 +60,9 @@ from pallas_flash_pallas.block_sizes import (
     dq_vmem_bytes,
     vmem_limit_bytes,
 )
-from pallas_flash_pallas.kernel_helpers import (
+from pallas_flash_pallas.blocks.schedule import BlockKind, QSchedule
+from pallas_flash_pallas.kernels.backward_dq import query_gradient
+from pallas_flash_pallas.kernels.kernel_helpers import (
     NN,
     NT,
     TN,
@@ -73,7 +74,6 @@ from pallas_flash_pallas.kernel_helpers import (
     when,
     zero_rows_from,
 )
-from pallas_flash_pallas.schedule import BlockKind, QSchedule
 
 _F32 = jnp.float32
 

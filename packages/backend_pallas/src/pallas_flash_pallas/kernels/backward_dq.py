@@ -36,13 +36,14 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_flash import tpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas.block_sizes import (
+from pallas_flash_pallas.blocks.block_sizes import (
     LANES,
     BlockSizes,
     dq_kernel_vmem_bytes,
     vmem_limit_bytes,
 )
-from pallas_flash_pallas.kernel_helpers import (
+from pallas_flash_pallas.blocks.schedule import BlockKind, KvSchedule
+from pallas_flash_pallas.kernels.kernel_helpers import (
     NN,
     NT,
     both,
@@ -53,7 +54,6 @@ from pallas_flash_pallas.kernel_helpers import (
     when,
     zero_rows_from,
 )
-from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
 _F32 = jnp.float32
 

@@ -52,14 +52,15 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_flash import interpret, tpu
 from pallas_flash.masking import apply_softcap, positional_mask
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas.block_sizes import (
+from pallas_flash_pallas.blocks.block_sizes import (
     LANES,
     BlockSizes,
     forward_vmem_bytes,
     full_block_tiles,
     vmem_limit_bytes,
 )
-from pallas_flash_pallas.kernel_helpers import (
+from pallas_flash_pallas.blocks.schedule import BlockKind, KvSchedule
+from pallas_flash_pallas.kernels.kernel_helpers import (
     NN,
     NT,
     both,
@@ -69,7 +70,6 @@ from pallas_flash_pallas.kernel_helpers import (
     query_grid_maps,
     when,
 )
-from pallas_flash_pallas.schedule import BlockKind, KvSchedule
 
 _F32 = jnp.float32
 LOG2_E = math.log2(math.e)

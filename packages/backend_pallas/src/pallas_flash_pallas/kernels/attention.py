@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal
 
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas.backward import flash_backward
-from pallas_flash_pallas.block_sizes import BlockSizes
-from pallas_flash_pallas.forward import flash_forward, flash_output
+from pallas_flash_pallas.blocks.block_sizes import BlockSizes
+from pallas_flash_pallas.kernels.backward import flash_backward
+from pallas_flash_pallas.kernels.forward import flash_forward, flash_output
 
 
 @functools.partial(

@@ -52,11 +52,11 @@ from pallas_flash.context_layout import ContextExchange, ContextLayout, chunk_id
 from pallas_flash.merge import merge
 from pallas_flash.mesh_placement import place
 from pallas_flash.specs import AttentionSpec, SegmentIds
-from pallas_flash_pallas.attention import sinks_gradient
-from pallas_flash_pallas.backward import flash_backward
-from pallas_flash_pallas.block_sizes import BlockSizes
-from pallas_flash_pallas.chunk_pairs import ChunkPairs
-from pallas_flash_pallas.forward import flash_forward
+from pallas_flash_pallas.blocks.block_sizes import BlockSizes
+from pallas_flash_pallas.kernels.attention import sinks_gradient
+from pallas_flash_pallas.kernels.backward import flash_backward
+from pallas_flash_pallas.kernels.forward import flash_forward
+from pallas_flash_pallas.mesh.chunk_pairs import ChunkPairs
 
 _F32 = jnp.float32
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_flash_pallas.block_sizes import LANES
-from pallas_flash_pallas.schedule import KvSchedule
+from pallas_flash_pallas.blocks.block_sizes import LANES
+from pallas_flash_pallas.blocks.schedule import KvSchedule
 
 NT = (((1,), (1,)), ((), ()))
 """``lax.dot_general`` dimension numbers of ``a b^T`` (contract the last dims: ``q k^T``)."""
