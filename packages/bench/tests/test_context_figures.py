@@ -14,6 +14,25 @@ from pallas_flash_bench.context.context_workloads import (
 from pallas_flash_bench.views import context_report
 from pallas_flash_estimate.targets import TARGETS
 
+RING_WITH_TWO_HEAD_GROUPS = """HloModule ring
+
+ENTRY %main (q: bf16[1,8,4096,128]) -> (bf16[1,8,4096,128], f32[1,8,1,4096]) {
+  %q = bf16[1,8,4096,128]{3,2,1,0} parameter(0)
+  ROOT %pallas_flash_forward.3 = (bf16[1,8,4096,128]{3,2,1,0}, f32[1,8,1,4096]{3,2,1,0}) \
+custom-call(%q), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_the_head_groups_are_read_from_the_compiled_forward_kernel() -> None:
+    """16 query heads, a forward kernel whose output holds 8 of them: two groups in turn."""
+    w = ContextWorkload("v5e-4", 65_536)
+    text = RING_WITH_TWO_HEAD_GROUPS
+    assert w.q_heads == 16
+    assert context_steps.kernel_head_groups(w, text) == 2
+    with pytest.raises(ValueError, match="calls no pallas_flash_forward kernel"):
+        context_steps.kernel_head_groups(w, text.replace("pallas_flash_forward", "other"))
+
 
 def test_a_context_workload_needs_a_slice_and_a_known_layout() -> None:
     with pytest.raises(ValueError, match="target: expected a slice of several chips"):

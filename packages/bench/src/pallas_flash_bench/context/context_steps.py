@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import pallas_flash as pf
-from pallas_flash import context_layout, tpu
+from pallas_flash import context_layout
 from pallas_flash_bench import aot
 from pallas_flash_bench.context.context_workloads import ContextWorkload
 from pallas_flash_bench.kernels.workloads import Workload
@@ -30,11 +30,13 @@ from pallas_flash_estimate.aot.compiled import compile_program
 from pallas_flash_estimate.aot.devices import target_devices
 from pallas_flash_estimate.evaluate import program_loops
 from pallas_flash_estimate.program.whole_program import compiled_estimate
-from pallas_flash_estimate.read import hlo
+from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_estimate.read.hlo import HloOp
 from pallas_flash_estimate.targets import TARGETS
 
 DIAGONAL = context_layout.PAIR_KINDS.index("diagonal")
+FORWARD_KERNEL = "pallas_flash_forward"
+"""The name the pallas backend gives its forward kernel (``pallas_call(name=...)``)."""
 
 
 def _step(mesh: jax.sharding.Mesh | None, w: ContextWorkload):
@@ -100,19 +102,30 @@ def _ring_occupancy(w: ContextWorkload, groups: int, text: str | None) -> Callab
     return kernel_workload
 
 
+def kernel_head_groups(w: ContextWorkload, text: str) -> int:
+    """How many groups of heads the compiled ring (its optimised HLO ``text``) attends to one
+    after another: the workload's query heads over those of one forward kernel call, whose
+    first result is its output ``[batch, heads, chunk, head_dim]``."""
+    calls = [op for op in hlo_ops.kernel_calls(text) if op.name.startswith(FORWARD_KERNEL)]
+    if not calls:
+        raise ValueError(f"the compiled ring calls no {FORWARD_KERNEL} kernel")
+    _, dims, _ = hlo.arrays(calls[0].shape)[0]
+    return w.q_heads // dims[1]
+
+
 def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
     """Both programs of ``w`` compiled and estimated: ``{"workload", "head_groups",
-    "pair_kinds", "programs": [ring, one chip]}``."""
-    from pallas_flash_pallas.mesh.context_parallel import head_groups
-
+    "pair_kinds", "programs": [ring, one chip]}``; ``head_groups`` as the compiled ring's
+    kernels show them (`kernel_head_groups`; None where the ring did not compile)."""
     target = TARGETS[w.target]
     mesh = jax.make_mesh((w.chips,), (aot.MESH_AXIS,), devices=target_devices(target))
     ring_args = _arguments(w, w.seq_len, mesh)
-    groups = head_groups(ring_args[0], w.kv_heads, w.chips, tpu.current_generation(),
-                         w.exchange)  # fmt: skip
     ring = compile_program("ring", _step(mesh, w), ring_args, target, dump_dir)
-    occupancy = _ring_occupancy(w, groups, ring.text)
-    ring_result = compiled_estimate(ring, occupancy, target, w.chips, _ring_branch_shares(w))
+    groups = None if ring.text is None else kernel_head_groups(w, ring.text)
+    ring_result = ring.result
+    if groups is not None:
+        occupancy = _ring_occupancy(w, groups, ring.text)
+        ring_result = compiled_estimate(ring, occupancy, target, w.chips, _ring_branch_shares(w))
     one_chip_args = _arguments(w, w.reference_len, None)
     one_chip = compile_program("one chip", _step(None, w), one_chip_args, target, dump_dir)
     reference = w.attention(w.reference_len)

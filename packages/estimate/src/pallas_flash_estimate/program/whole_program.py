@@ -35,16 +35,13 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from pallas_flash_estimate.cost import kernel_cost, llo, op_bytes, overlap, spread
 from pallas_flash_estimate.evaluate import program_loops
 from pallas_flash_estimate.program import ici
 from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_estimate.targets import SENSITIVITY, Target
-
-if TYPE_CHECKING:  # the compile imports jax; this stage only reads what it wrote
-    from pallas_flash_estimate.aot.compiled import Compiled
 
 ANALYSIS_VERSION = 14
 """Bump when a model program's analysis changes: its cached results are then recompiled."""
@@ -228,8 +225,18 @@ def program_estimate(
     return found
 
 
+class CompiledProgram(Protocol):
+    """What this stage reads of a compiled program (`aot.compiled.Compiled`): the record of
+    the compile (``result``), its optimised HLO ``text`` and its listings by op name
+    (``schedules``; both None where it did not compile or no dump was asked for)."""
+
+    result: dict
+    text: str | None
+    schedules: Mapping[str, llo.KernelSchedule] | None
+
+
 def compiled_estimate(
-    compiled: Compiled,
+    compiled: CompiledProgram,
     kernel_workload: Callable[[str], kernel_cost.Occupancy],
     target: Target,
     chips: int,
