@@ -12,6 +12,7 @@ from pallas_flash_bench.context.context_workloads import (
     quick_context,
 )
 from pallas_flash_bench.views import context_report
+from pallas_flash_estimate.read import hlo
 from pallas_flash_estimate.targets import TARGETS
 
 RING_WITH_TWO_HEAD_GROUPS = """HloModule ring
@@ -27,11 +28,14 @@ custom-call(%q), custom_call_target="tpu_custom_call"
 def test_the_head_groups_are_read_from_the_compiled_forward_kernel() -> None:
     """16 query heads, a forward kernel whose output holds 8 of them: two groups in turn."""
     w = ContextWorkload("v5e-4", 65_536)
-    text = RING_WITH_TWO_HEAD_GROUPS
+    comps = hlo.parse_computations(RING_WITH_TWO_HEAD_GROUPS)
+    other = hlo.parse_computations(
+        RING_WITH_TWO_HEAD_GROUPS.replace("pallas_flash_forward", "other")
+    )
     assert w.q_heads == 16
-    assert context_steps.kernel_head_groups(w, text) == 2
+    assert context_steps.kernel_head_groups(w, comps) == 2
     with pytest.raises(ValueError, match="calls no pallas_flash_forward kernel"):
-        context_steps.kernel_head_groups(w, text.replace("pallas_flash_forward", "other"))
+        context_steps.kernel_head_groups(w, other)
 
 
 def test_a_context_workload_needs_a_slice_and_a_known_layout() -> None:

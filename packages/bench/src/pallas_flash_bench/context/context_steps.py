@@ -13,9 +13,8 @@ mask.
 
 from __future__ import annotations
 
-import functools
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ from pallas_flash_estimate.aot.devices import target_devices
 from pallas_flash_estimate.evaluate import program_loops
 from pallas_flash_estimate.program.whole_program import compiled_estimate
 from pallas_flash_estimate.read import hlo, hlo_ops
-from pallas_flash_estimate.read.hlo import HloOp
+from pallas_flash_estimate.read.hlo import Computation, HloOp
 from pallas_flash_estimate.targets import TARGETS
 
 DIAGONAL = context_layout.PAIR_KINDS.index("diagonal")
@@ -84,29 +83,28 @@ def _ring_branch_shares(w: ContextWorkload) -> program_loops.BranchShares:
     return branch_shares
 
 
-def _ring_occupancy(w: ContextWorkload, groups: int, text: str | None) -> Callable[[str], Workload]:
-    """What each Pallas kernel of the compiled ring (its optimised HLO ``text``, read when a
-    kernel is first asked for) runs: one chunk pair's forward and backward over a head group,
-    causal in the switch's diagonal branch."""
+def _ring_occupancy(
+    w: ContextWorkload, groups: int, comps: Mapping[str, Computation]
+) -> Callable[[str], Workload]:
+    """What each Pallas kernel of the compiled ring (its parsed HLO ``comps``) runs: one chunk
+    pair's forward and backward over a head group, causal in the switch's diagonal branch."""
     chunk = w.seq_len // (w.chips * context_layout.pieces(w.layout))
-
-    @functools.cache
-    def branches() -> dict:
-        return program_loops.enclosing_branches(hlo.parse_computations(text))
+    branches = program_loops.enclosing_branches(comps)
 
     def kernel_workload(name: str) -> Workload:
-        diagonal = w.causal and branches().get(name, ("", -1))[1] == DIAGONAL
+        diagonal = w.causal and branches.get(name, ("", -1))[1] == DIAGONAL
         return Workload("forward_backward", chunk, diagonal, q_heads=w.q_heads // groups,
                         kv_heads=w.kv_heads // groups, head_dim=w.head_dim)  # fmt: skip
 
     return kernel_workload
 
 
-def kernel_head_groups(w: ContextWorkload, text: str) -> int:
-    """How many groups of heads the compiled ring (its optimised HLO ``text``) attends to one
+def kernel_head_groups(w: ContextWorkload, comps: Mapping[str, Computation]) -> int:
+    """How many groups of heads the compiled ring (its parsed HLO ``comps``) attends to one
     after another: the workload's query heads over those of one forward kernel call, whose
     first result is its output ``[batch, heads, chunk, head_dim]``."""
-    calls = [op for op in hlo_ops.kernel_calls(text) if op.name.startswith(FORWARD_KERNEL)]
+    calls = [op for comp in comps.values() for op in comp.ops
+             if hlo_ops.is_kernel_call(op) and op.name.startswith(FORWARD_KERNEL)]  # fmt: skip
     if not calls:
         raise ValueError(f"the compiled ring calls no {FORWARD_KERNEL} kernel")
     _, dims, _ = hlo.arrays(calls[0].shape)[0]
@@ -121,10 +119,11 @@ def analyse_context(w: ContextWorkload, dump_dir: pathlib.Path | None) -> dict:
     mesh = jax.make_mesh((w.chips,), (aot.MESH_AXIS,), devices=target_devices(target))
     ring_args = _arguments(w, w.seq_len, mesh)
     ring = compile_program("ring", _step(mesh, w), ring_args, target, dump_dir)
-    groups = None if ring.text is None else kernel_head_groups(w, ring.text)
+    comps = None if ring.text is None else hlo.parse_computations(ring.text)
+    groups = None if comps is None else kernel_head_groups(w, comps)
     ring_result = ring.result
     if groups is not None:
-        occupancy = _ring_occupancy(w, groups, ring.text)
+        occupancy = _ring_occupancy(w, groups, comps)
         ring_result = compiled_estimate(ring, occupancy, target, w.chips, _ring_branch_shares(w))
     one_chip_args = _arguments(w, w.reference_len, None)
     one_chip = compile_program("one chip", _step(None, w), one_chip_args, target, dump_dir)
