@@ -18,7 +18,7 @@ import shutil
 import sys
 import traceback
 
-from pallas_flash_bench.runs.workers import RESULT_PREFIX
+from pallas_flash_estimate.aot.worker import RESULT_PREFIX
 
 
 def _error_text(exc: BaseException) -> str:
@@ -132,7 +132,7 @@ def analyse_row(
     )
     if row["collectives"]:
         row["notes"].append(
-            "collectives are modelled from their bytes (estimate.collective_seconds), "
+            "collectives are modelled from their bytes (row_figures.collective_seconds), "
             "not from their schedules, whose waits on the interconnect have no static length"
         )
     if row["other_ops"]["undetermined"]:

@@ -16,10 +16,7 @@ import threading
 from tqdm import tqdm
 
 from pallas_flash_bench.runs.cache import ResultCache
-from pallas_flash_estimate.aot.worker import dump_env
-
-RESULT_PREFIX = "PALLAS_FLASH_BENCH_RESULT "
-"""How a worker's line of results begins (the rest of the line is JSON)."""
+from pallas_flash_estimate.aot.worker import RESULT_PREFIX, dump_env
 
 WHOLE_PROGRAMS = ("model", "context", "program")
 """Job kinds that compile a whole program, the longest compiles: each worker starts on its

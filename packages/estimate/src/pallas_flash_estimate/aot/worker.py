@@ -25,7 +25,8 @@ from pallas_flash_estimate.program import whole_program
 from pallas_flash_estimate.targets import Target
 
 RESULT_PREFIX = "PALLAS_FLASH_ESTIMATE_RESULT "
-"""How the worker's line of results begins (the rest of the line is JSON)."""
+"""How a worker's line of results begins (the rest of the line is JSON); the bench's pool of
+workers prints its lines the same way."""
 
 
 def dump_env(dump_dir: pathlib.Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -41,17 +42,11 @@ def run(ref: ProgramRef, target: Target) -> dict:
     """`analyse` of ``ref`` for ``target``, in a worker process that imports
     what this one can (its ``sys.path``); raises the worker's error if it printed no result."""
     with tempfile.TemporaryDirectory(prefix="pallas-flash-estimate-") as scratch:
-        job = pathlib.Path(scratch) / "job.json"
+        job, dump = pathlib.Path(scratch) / "job.json", pathlib.Path(scratch) / "dump"
         job.write_text(json.dumps({"program": ref.to_json(), "target": target.name}))
-        env = dump_env(pathlib.Path(scratch) / "dump")
+        env = dump_env(dump)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        args = [
-            sys.executable,
-            "-m",
-            "pallas_flash_estimate.aot.worker",
-            str(job),
-            f"{scratch}/dump",
-        ]
+        args = [sys.executable, "-m", "pallas_flash_estimate.aot.worker", str(job), str(dump)]
         done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
