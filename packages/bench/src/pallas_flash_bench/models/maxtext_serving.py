@@ -30,7 +30,7 @@ import pathlib
 import subprocess
 import sys
 
-from pallas_flash_bench.models.maxtext_steps import MAXTEXT_VERSION
+from pallas_flash_bench.models.maxtext_steps import analysis_versions, load_committed
 from pallas_flash_estimate.cost import kernel_cost
 
 PROGRAMS = ("generate", "prefill", "insert")
@@ -100,10 +100,7 @@ def data_file(name: str) -> str:
 
 def committed(name: str) -> dict | None:
     """The committed analysis (`estimate_serving`) of ``SERVING[name]``, or None."""
-    import importlib.resources
-
-    path = importlib.resources.files("pallas_flash_bench") / "data" / data_file(name)
-    return json.loads(path.read_text()) if path.is_file() else None
+    return load_committed(data_file(name))
 
 
 def tokens_per_second(batch: int, generated: int, generate_s: float, prefill_s: float,
@@ -232,9 +229,6 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
     """The analysis of the compiled programs (`compile_program`'s files): each one's
     whole-program estimate on one chip of the slice and memory, and the run's output tokens/s
     at each end of the estimate (`tokens_per_second`) against the published figure."""
-    import importlib.metadata
-
-    from pallas_flash_estimate.aot.devices import libtpu_version
     from pallas_flash_estimate.cost import llo
     from pallas_flash_estimate.program import whole_program
     from pallas_flash_estimate.targets import TARGETS
@@ -264,11 +258,7 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
         "tokens_per_second": rates,
         "measured_tokens_per_second": ref.published_tokens_per_second,
         "analysis": whole_program.ANALYSIS_VERSION,
-        "versions": {
-            "maxtext": MAXTEXT_VERSION,
-            "libtpu": libtpu_version(),
-            "jax": importlib.metadata.version("jax"),
-        },
+        "versions": analysis_versions(),
     }
 
 

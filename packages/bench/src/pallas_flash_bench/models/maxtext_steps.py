@@ -145,10 +145,26 @@ def data_file(name: str) -> str:
 
 def committed(name: str) -> dict | None:
     """The committed analysis (`estimate_step`) of ``STEPS[name]``, or None."""
+    return load_committed(data_file(name))
+
+
+def load_committed(file: str) -> dict | None:
+    """A committed analysis of MaxText's programs, ``file`` in the package's data folder, or
+    None where it is not there."""
     import importlib.resources
 
-    path = importlib.resources.files("pallas_flash_bench") / "data" / data_file(name)
+    path = importlib.resources.files("pallas_flash_bench") / "data" / file
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def analysis_versions() -> dict[str, str | None]:
+    """What an analysis of MaxText's programs was made with: maxtext, libtpu and jax."""
+    import importlib.metadata
+
+    from pallas_flash_estimate.aot.devices import libtpu_version
+
+    return {"maxtext": MAXTEXT_VERSION, "libtpu": libtpu_version(),
+            "jax": importlib.metadata.version("jax")}  # fmt: skip
 
 
 def compile_step(step: MaxTextStep, work: pathlib.Path) -> None:
@@ -183,9 +199,6 @@ def compile_step(step: MaxTextStep, work: pathlib.Path) -> None:
 def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
     """The analysis of a compiled step (`compile_step`'s files): its whole-program estimate
     on one chip of the slice, and the published measurement it is held against."""
-    import importlib.metadata
-
-    from pallas_flash_estimate.aot.devices import libtpu_version
     from pallas_flash_estimate.cost import kernel_cost, llo
     from pallas_flash_estimate.program import whole_program
     from pallas_flash_estimate.targets import TARGETS
@@ -204,11 +217,7 @@ def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
         "measured_seconds": step.published_step_seconds(target.peak_flops),
         "flops_per_chip": step.step_flops(),
         "analysis": whole_program.ANALYSIS_VERSION,
-        "versions": {
-            "maxtext": MAXTEXT_VERSION,
-            "libtpu": libtpu_version(),
-            "jax": importlib.metadata.version("jax"),
-        },
+        "versions": analysis_versions(),
     }
 
 
