@@ -103,7 +103,7 @@ def test_the_page_lists_every_figure_of_a_row() -> None:
         compiler_flops=None,
         compiler_bytes=None,
         copy_bytes=0,
-        collectives=[("all-reduce", 1024)],
+        collectives=[{"name": "ar", "opcode": "all-reduce", "bytes": 1024, "group": 4}],
     )
     rows = _rows(_section("Figures and their sources"))
     documented = set(rows) - {*roofline.SOURCE_ORDER, "calibrated"}

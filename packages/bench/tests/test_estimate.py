@@ -10,6 +10,7 @@ import pytest
 from pallas_flash_bench.kernels import row_figures
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.cost import kernel_cost
+from pallas_flash_estimate.program import ici
 from pallas_flash_estimate.targets import TARGETS
 
 V5E = TARGETS["v5e-1"]
@@ -102,25 +103,35 @@ def test_xla_programs_keep_the_compilers_bytes_with_a_static_schedule() -> None:
 V5E_4 = TARGETS["v5e-4"]
 
 
-def test_a_collective_costs_its_latency_and_its_ring_traffic() -> None:
-    seconds = row_figures.collective_seconds(
-        [("all-reduce", 33_024), ("all-gather", 4000)], 4, V5E_4
-    )
-    ring = (2 * 0.75 * 33_024 + 0.75 * 4000) / V5E_4.ici_link_bandwidth
-    assert seconds == pytest.approx(2 * V5E_4.collective_latency + ring)
+def _entry(opcode: str, size: int, group: int = 4) -> dict:
+    return {"name": opcode, "opcode": opcode, "bytes": size, "group": group}
+
+
+def test_a_rows_collectives_are_timed_by_the_estimators_torus_model() -> None:
+    collectives = [_entry("all-reduce", 33_024), _entry("all-gather", 4000)]
+    figures = row_figures.derive(
+        Workload("decode", 8192, chips=4), V5E_4, 1.2, static_cycles=1000, has_kernels=True,
+        compiler_flops=None, compiler_bytes=None, copy_bytes=0, collectives=collectives,
+    )  # fmt: skip
+    # v5e-4 is a 2x2 slice without wraparound: a group of 4 spans both sides, one link each,
+    # and takes (2 - 1) + (2 - 1) ring steps
+    traffic = (2 * 0.75 * 33_024 + 0.75 * 4000) / (2 * V5E_4.ici_link_bandwidth)
+    latency = 2 * (V5E_4.collective_latency + 2 * V5E_4.ici_hop_latency)
+    assert figures["collective_seconds"]["value"] == pytest.approx(latency + traffic)
+    assert V5E_4.torus == (2, 2) and not V5E_4.ici_wraparound
     assert V5E_4.ici_link_bandwidth == 50e9 and V5E_4.collective_latency == 10e-6
 
 
 def test_decode_over_four_chips_splits_the_bytes_and_adds_its_collectives() -> None:
     one = Workload("decode", 131072, q_heads=32, kv_heads=8)
     four = Workload("decode", 131072, q_heads=32, kv_heads=8, chips=4)
-    collectives = [("all-reduce", 128), ("all-reduce", 16_512)]
+    collectives = [_entry("all-reduce", 128), _entry("all-reduce", 16_512)]
     figures = row_figures.derive(
         four, V5E_4, 1.2, static_cycles=150_000, has_kernels=True, compiler_flops=None,
         compiler_bytes=None, copy_bytes=0, collectives=collectives,
     )  # fmt: skip
     memory = one.min_hbm_bytes / V5E_4.hbm_bandwidth / 4
-    exchange = row_figures.collective_seconds(collectives, 4, V5E_4)
+    exchange = ici.entries_seconds(collectives, V5E_4)
     assert figures["memory_seconds"]["value"] == pytest.approx(memory)
     assert figures["collective_seconds"] == {"value": pytest.approx(exchange), "source": "model"}
     latency = {"value": pytest.approx(memory + exchange), "source": "model"}

@@ -31,13 +31,22 @@ Beneath it, a library by stage, as a program's compiled output flows through it:
 - `pallas_flash_estimate.calibration`: the static figure held against published
   measurements, and the error band each kind of program keeps.
 
-The chips it estimates for, with the published figures it divides by, are
+`ANALYSIS_VERSION` names the estimator's analysis: results of another version are not to
+be mixed with its own. The chips it estimates for, with the published figures it divides by, are
 `pallas_flash_estimate.targets`. One kernel's cost, from the API down: `program_estimate`
 -> `aot.worker` -> `program.whole_program` -> `cost.spread`.
 """
 
 from pallas_flash_estimate.calibration import CalibratedTime
+from pallas_flash_estimate.program.whole_program import ANALYSIS_VERSION
 from pallas_flash_estimate.program_estimate import ProgramEstimate, estimate_program
 from pallas_flash_estimate.targets import TARGETS, Target
 
-__all__ = ["TARGETS", "CalibratedTime", "ProgramEstimate", "Target", "estimate_program"]
+__all__ = [
+    "ANALYSIS_VERSION",
+    "TARGETS",
+    "CalibratedTime",
+    "ProgramEstimate",
+    "Target",
+    "estimate_program",
+]

@@ -4,18 +4,14 @@ Figures are Google's published per-chip specifications. ``clock_hz`` is derived,
 published: peak bf16 FLOP/s / (MXUs x 128 x 128 x 2 flops per multiply-add), e.g. v5e:
 197e12 / (4 x 128 x 128 x 2) = 1.5 GHz.
 
-Collectives between chips are modelled, not scheduled. The bench's kernel rows
-(``pallas_flash_bench.kernels.row_figures.collective_seconds``) charge each
-``collective_latency`` plus its ring traffic over one ICI link in one direction,
-``ici_link_bandwidth``. v5e: 1,600 Gbit/s per chip over 4 links is 50 GB/s per link and
-direction. ``collective_latency`` is an assumption, not a published figure: 10 us per
-collective, an allowance for the synchronisation and the hops of a small all-reduce on a
-2x2 slice (a few hops of about a microsecond each, plus the barrier).
-
-Whole programs (`pallas_flash_estimate.program.ici`) use the slice's torus: ``torus`` gives
-its sides, ``ici_wraparound`` whether they wrap (v5e: only the full 16x16 pod), and each ring
-step of a collective costs ``ici_hop_latency``, 1 us: an assumption, like
-``collective_latency``.
+Collectives between chips are modelled, not scheduled, by one model
+(`pallas_flash_estimate.program.ici`), for whole programs and the bench's kernel rows alike.
+It uses the slice's torus: ``torus`` gives its sides, ``ici_wraparound`` whether they wrap
+(v5e: only the full 16x16 pod), ``ici_link_bandwidth`` one link's bandwidth in one direction
+(v5e: 1,600 Gbit/s per chip over 4 links is 50 GB/s per link and direction). Each collective
+costs ``collective_latency`` and each of its ring steps ``ici_hop_latency``: both are
+assumptions, not published figures (10 us, an allowance for the synchronisation and launch of
+a small all-reduce, and 1 us per hop).
 
 Prices are on-demand list prices per chip-hour from the Google Cloud TPU pricing page as last
 recorded by this project (2025; not re-checked when this table was written, 2026-11-21, as no

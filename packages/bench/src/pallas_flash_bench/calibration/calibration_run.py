@@ -11,16 +11,15 @@ from pallas_flash_bench.calibration import calibration_points
 from pallas_flash_bench.runs.cache import ResultCache
 from pallas_flash_bench.runs.workers import run_cached
 from pallas_flash_bench.views import calibration_report
-from pallas_flash_estimate import calibration
+from pallas_flash_estimate import ANALYSIS_VERSION, calibration
 from pallas_flash_estimate.aot.program_ref import ProgramRef
-from pallas_flash_estimate.program.whole_program import ANALYSIS_VERSION
 from pallas_flash_estimate.targets import Target
 
 
 def program_job(ref: ProgramRef, target: Target) -> dict:
     """The worker job that compiles and estimates ``ref`` (`pallas_flash_estimate.aot.worker`)."""
     return {"kind": "program", "program": ref.to_json(), "target": target.name,
-            "topology": target.topology, "analysis": ANALYSIS_VERSION, "sweep": None,
+            "topology": target.topology, "sweep": None,
             "backends": None, "references": False}  # fmt: skip
 
 

@@ -8,9 +8,10 @@ schedule), ``model`` (roofline arithmetic), ``compiler`` (its memory or cost ana
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_estimate.program import ici
 from pallas_flash_estimate.targets import Target
 
 Figure = dict[str, object]
@@ -51,23 +52,6 @@ def spread(
     return out
 
 
-RING_TRAFFIC = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
-"""Bytes each chip sends per byte of a collective's result, times ``chips / (chips - 1)``, on a
-ring: an all-reduce is a reduce-scatter and an all-gather. Other collectives: 1."""
-
-
-def collective_seconds(collectives: Sequence[tuple[str, int]], chips: int, target: Target) -> float:
-    """Modelled time of a program's collectives, ``(opcode, result bytes)`` each, on ``chips``
-    chips in a ring: per collective, the target's assumed ``collective_latency`` plus its ring
-    traffic over one ICI link in one direction (see `pallas_flash_estimate.targets`)."""
-    share = (chips - 1) / chips
-    return sum(
-        target.collective_latency
-        + RING_TRAFFIC.get(opcode, 1.0) * share * size / target.ici_link_bandwidth
-        for opcode, size in collectives
-    )
-
-
 def derive(
     workload: Workload,
     target: Target,
@@ -78,7 +62,7 @@ def derive(
     compiler_flops: float | None,
     compiler_bytes: float | None,
     copy_bytes: int,
-    collectives: Sequence[tuple[str, int]] = (),
+    collectives: Sequence[Mapping] = (),
     min_hbm_bytes: float | None = None,
 ) -> dict[str, Figure]:
     """The row's estimated figures.
@@ -95,7 +79,9 @@ def derive(
     A workload on several chips runs one program per chip: its static cycles and copy bytes
     are one chip's, its HBM bytes are read at the pace of the busiest chip
     (`Workload.busiest_chip_share` of them, at one chip's bandwidth), and its collectives
-    (`collective_seconds`, model) follow the kernels, so their time adds to the latency.
+    (``collectives``: `pallas_flash_estimate.program.ici.collective_entry` dicts, timed by the
+    estimator's torus model, `ici.collective_seconds`) follow the kernels, so their time adds
+    to the latency.
     Prices, peak FLOP/s and bandwidth are those of all its chips.
 
     ``min_hbm_bytes``: the least this implementation must move, where it is less than the
@@ -115,7 +101,7 @@ def derive(
     share = max(workload.busiest_chip_share, 1.0 / chips)
     memory = figure(hbm_bytes["value"] * share / target.hbm_bandwidth, "model")
     latency = max(compute, memory, key=lambda f: f["value"])
-    exchange = figure(collective_seconds(collectives, chips, target), "model")
+    exchange = figure(ici.entries_seconds(collectives, target), "model")
     if exchange["value"]:
         latency = figure(latency["value"] + exchange["value"], "model")
     no_overlap = figure(compute["value"] + memory["value"] + exchange["value"], "model")

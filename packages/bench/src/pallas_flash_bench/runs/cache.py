@@ -1,8 +1,9 @@
 """A disk cache of compile results keyed by (subject and version, workload, topology, toolchain).
 
 The key holds the whole job (subject id and version, workload, the target's topology) and the
-versions of jax, jaxlib, libtpu, pallas-flash and of the analysis itself
-(``runner.ANALYSIS_VERSION``). Targets of one topology (v5e-1, v5e-4) share their results: the
+versions of jax, jaxlib, libtpu, pallas-flash, the estimator's analysis
+(``pallas_flash_estimate.ANALYSIS_VERSION``) and the bench's row format
+(``runner.ROW_FORMAT``). Targets of one topology (v5e-1, v5e-4) share their results: the
 workload says how many of its chips a call uses.
 """
 

@@ -24,10 +24,9 @@ from pallas_flash_bench.runs.cache import ResultCache
 from pallas_flash_bench.runs.workers import run_cached
 from pallas_flash_bench.views.report import write_report
 from pallas_flash_bench.views.roofline import write_roofline
-from pallas_flash_estimate import calibration
+from pallas_flash_estimate import ANALYSIS_VERSION, calibration
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.cost.spread import ESTIMATES
-from pallas_flash_estimate.program import whole_program
 from pallas_flash_estimate.targets import TARGETS, Target
 
 if TYPE_CHECKING:
@@ -61,8 +60,10 @@ class BenchOptions:
     """What the run left out and why (a package not installed), for the report's notes."""
 
 
-ANALYSIS_VERSION = 12
-"""Bump when the worker's analysis or the row format changes: cached rows are then recompiled."""
+ROW_FORMAT = 13
+"""The version of a kernel row as the bench's worker records it (`worker.analyse_row`): bump
+it when that changes, and cached rows are recompiled. (How rows are costed is the
+estimator's: its version is `pallas_flash_estimate.ANALYSIS_VERSION`.)"""
 
 
 def versions() -> dict[str, str | None]:
@@ -74,6 +75,7 @@ def versions() -> dict[str, str | None]:
         "pallas_flash": importlib.metadata.version("pallas-flash-core"),
         "pallas_flash_bench": importlib.metadata.version("pallas-flash-bench"),
         "analysis": str(ANALYSIS_VERSION),
+        "row_format": str(ROW_FORMAT),
     }
 
 
@@ -105,7 +107,7 @@ def _jobs(options: BenchOptions, subjects: dict[str, Subject]) -> list[dict]:
     jobs += [
         {"kind": kind, "workload": w.to_json(), "target": w.target,
          "topology": TARGETS[w.target].topology, "sweep": options.sweep, "backends": None,
-         "references": False, "code": code, "analysis": whole_program.ANALYSIS_VERSION}
+         "references": False, "code": code}
         for kind, programs in (("model", options.models), ("context", options.context))
         for w in programs
     ]  # fmt: skip
@@ -189,9 +191,6 @@ def run(options: BenchOptions) -> dict:
             else "given with --price",
             "measured_on": measure.platform() if options.measure else None,
             "notes": notes,
-            "model_analysis": whole_program.ANALYSIS_VERSION
-            if options.models or options.context
-            else None,
         },
         "calibration": calibration.load(options.target.generation),
         "rows": rows,
@@ -350,7 +349,7 @@ def _with_figures(row: dict, subject: Subject, workload: Workload, options: Benc
             compiler_flops=cost.get("flops"),
             compiler_bytes=cost.get("bytes"),
             copy_bytes=sum(c["bytes"] for c in row["copies"]),
-            collectives=[(c["opcode"], c["bytes"]) for c in row.get("collectives", [])],
+            collectives=row["collectives"],
             min_hbm_bytes=subject.min_hbm_bytes(workload) if subject.min_hbm_bytes else None,
         )
         calibrated = calibrated_latency(row, workload, options.target)

@@ -36,6 +36,7 @@ def analyse_row(
     from pallas_flash_bench import aot
     from pallas_flash_estimate.aot.devices import cost_analysis
     from pallas_flash_estimate.cost import llo, spread
+    from pallas_flash_estimate.program import ici
     from pallas_flash_estimate.read import hlo_ops
 
     mesh = aot.call_mesh(target, workload.chips)
@@ -91,10 +92,8 @@ def analyse_row(
     if keep_hlo:
         row["hlo"] = text
     row["copies"] = hlo_ops.relayout_copies(text)
-    row["collectives"] = [
-        {"name": op.name, "opcode": op.opcode.removesuffix("-start"), "bytes": op.bytes}
-        for op in hlo_ops.collectives(text)
-    ]
+    chips = workload.chips
+    row["collectives"] = [ici.collective_entry(op, chips) for op in hlo_ops.collectives(text)]
     if dump_dir is None:
         row["notes"].append("no LLO dump was requested: no static schedule")
         return row
@@ -132,7 +131,7 @@ def analyse_row(
     )
     if row["collectives"]:
         row["notes"].append(
-            "collectives are modelled from their bytes (row_figures.collective_seconds), "
+            "collectives are modelled from their bytes and groups (the estimator's ici model), "
             "not from their schedules, whose waits on the interconnect have no static length"
         )
     if row["other_ops"]["undetermined"]:

@@ -37,8 +37,6 @@ def provenance(results: Mapping[str, Any], command: str) -> str:
     """``From one run of `pallas-flash bench ...` on DATE (versions; a CPU host: no TPU).``"""
     meta = results.get("meta") or {}
     versions = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
-    if meta.get("model_analysis") is not None:
-        versions += f", model analysis {meta['model_analysis']}"
     return (f"From one run of `{command}` on {meta.get('date') or cells.MISSING} ({versions}; "
             "a CPU host: no TPU).")  # fmt: skip
 

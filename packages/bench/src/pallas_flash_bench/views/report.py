@@ -298,15 +298,16 @@ def _decoding_table(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]
         "Tokens/$",
     ]
     link, wait = target.get("ici_link_bandwidth"), finite_number(target.get("collective_latency"))
+    hop = finite_number(target.get("ici_hop_latency"))
     intro = (
         "One new token of one sequence. HBM time: the cache's bytes over the HBM bandwidth of "
         "the chips holding it, the roofline a decode step cannot beat. Several chips run the "
         "kernel on their share of the cache, then merge the partials with collectives, which "
-        "are modelled, not scheduled: each costs an assumed "
-        f"{num(wait * 1e6) + ' us' if wait is not None else MISSING} plus its ring traffic "
-        "over one ICI link "
-        f"at {si(link, 'B/s')} (`pallas_flash_estimate.targets`). Tokens per dollar pay for every "
-        "chip the call uses."
+        "are modelled, not scheduled (`pallas_flash_estimate.program.ici`): each costs an "
+        f"assumed {num(wait * 1e6) + ' us' if wait is not None else MISSING} plus "
+        f"{num(hop * 1e6) + ' us' if hop is not None else MISSING} per ring step and its ring "
+        f"traffic over the slice's torus at {si(link, 'B/s')} per link and direction "
+        "(`pallas_flash_estimate.targets`). Tokens per dollar pay for every chip the call uses."
     )
     return ["## Decoding one sequence", "", intro, "", *markdown_table(header, table), ""]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pallas_flash_estimate.read.hlo import HloOp, largest_array_bytes
 from pallas_flash_estimate.targets import Target
@@ -88,20 +88,31 @@ def collective_seconds(opcode: str, result_bytes: int, group: int, target: Targe
     return target.collective_latency + steps * target.ici_hop_latency + traffic / bandwidth
 
 
+def collective_entry(op: HloOp, chips: int) -> dict:
+    """What the model needs of one collective op of a program on ``chips`` chips: its name,
+    opcode (an asynchronous pair's, without ``-start``), result bytes and group size."""
+    opcode = op.opcode.removesuffix("-start")
+    size = largest_array_bytes(op.shape) if op.opcode.endswith("-start") else op.bytes
+    return {"name": op.name, "opcode": opcode, "bytes": size, "group": group_size(op, chips)}
+
+
+def entries_seconds(entries: Iterable[Mapping], target: Target) -> float:
+    """Modelled seconds of collectives given as `collective_entry` dicts, run one after
+    another, once each."""
+    return sum(collective_seconds(e["opcode"], e["bytes"], e["group"], target) for e in entries)
+
+
 def program_collectives(
     collectives: Iterable[tuple[HloOp, int]], chips: int, target: Target
 ) -> list[dict]:
     """One entry per collective of a program, ``(op, runs)`` each (the values of
-    `program_loops.collective_groups`): its opcode, result bytes, group size, runs and
-    modelled seconds over all its runs."""
+    `program_loops.collective_groups`): its `collective_entry`, runs and modelled seconds
+    over all its runs."""
     out = []
     for op, runs in collectives:
-        opcode = op.opcode.removesuffix("-start")
-        size = largest_array_bytes(op.shape) if op.opcode.endswith("-start") else op.bytes
-        group = group_size(op, chips)
-        seconds = collective_seconds(opcode, size, group, target)
-        out.append({"name": op.name, "opcode": opcode, "bytes": size, "group": group,
-                    "runs": runs, "seconds": seconds * runs})  # fmt: skip
+        entry = collective_entry(op, chips)
+        seconds = collective_seconds(entry["opcode"], entry["bytes"], entry["group"], target)
+        out.append({**entry, "runs": runs, "seconds": seconds * runs})
     return out
 
 

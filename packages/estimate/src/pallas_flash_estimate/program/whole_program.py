@@ -44,7 +44,10 @@ from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_estimate.targets import SENSITIVITY, Target
 
 ANALYSIS_VERSION = 14
-"""Bump when a model program's analysis changes: its cached results are then recompiled."""
+"""The estimator's analysis version: bump it when any stage's analysis changes (what a
+compile is read into, or how it is costed). Every result made with the estimator carries it
+(the bench's cache keys, its committed results files, the calibration, the committed MaxText
+analyses), so results of an older analysis are remade, not mixed with new ones."""
 
 ENDS = ("overlapped", "scheduled", "exposed")
 """The step's ends: collectives (and copies) hidden, as the schedule places them, exposed."""
