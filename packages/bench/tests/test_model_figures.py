@@ -88,6 +88,7 @@ def test_train_figures_at_both_ends_against_maxtext() -> None:
     ratio = model_figures.against_reference(f)
     assert ratio["overlapped"] == pytest.approx(f["mfu"]["overlapped"] / 0.611)
     assert f["fits"] and f["peak_hbm"] == 10 << 30
+    assert f["peak_hbm_share"] == pytest.approx(10 / 16)
 
 
 def test_serving_figures_charge_prefill_and_every_decode_step() -> None:
@@ -206,9 +207,12 @@ def test_the_row_at_maxtext_settings_is_held_against_maxtext_s_engine() -> None:
     text = "\n".join(model_report.serving_table([row]))
     theirs = committed["tokens_per_second"]["exposed"]
     ours = f["tokens_per_second"]["exposed"]
+    against = f["against_reference_program"]["tokens_per_second"]
+    assert against["ratio"]["exposed"] == pytest.approx(ours / theirs)
     assert f"{ours / theirs:.3g}x" in text
     # the committed calibration's serving point gives the row its band, and the verdict
     assert f["calibrated"]["kinds"] == ["serving run"]
     band = f["calibrated"]["band"]
     verdict = "ahead" if ours / theirs > 1 + band else "behind" if ours / theirs < 1 - band else ""
     assert f"{verdict or 'level'} (band ±" in text
+    assert against["verdict"] == (verdict or "level")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_flash_bench.runs.runner import SPREAD, program_cycles, program_estimates
+from pallas_flash_bench.kernels.row_figures import SPREAD
+from pallas_flash_bench.runs.runner import program_cycles, program_estimates
 from pallas_flash_estimate.targets import TARGETS
 
 

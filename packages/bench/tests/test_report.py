@@ -10,10 +10,21 @@ from typing import Any
 
 import pytest
 
+from pallas_flash_bench.kernels import against_references, chip_scaling, row_figures
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.views.report import render_report, write_report
 
 SAMPLE = pathlib.Path(__file__).parent / "samples" / "results_small.json"
+
+
+def _render(results: dict[str, Any]) -> str:
+    """The report of ``results`` once its rows carry the records the runner adds to a run's
+    rows (the views only format them), made again after a test changed a row."""
+    rows = results.get("rows") or []
+    against_references.annotate(rows)
+    target = (results.get("meta") or {}).get("target") or {}
+    chip_scaling.annotate(rows, target.get("hbm_bandwidth", 819e9))
+    return render_report(results)
 
 
 @pytest.fixture
@@ -23,7 +34,7 @@ def results() -> dict[str, Any]:
 
 @pytest.fixture
 def report(results: dict[str, Any]) -> str:
-    return render_report(results)
+    return _render(results)
 
 
 def _section(report: str, title: str) -> str:
@@ -67,7 +78,7 @@ def test_header_has_target_versions_run_and_sources(results: dict[str, Any], rep
     ):
         assert text in report, text
     results["meta"]["target"].update(name="v5e-4", chips=4)
-    assert "**v5e-4**, a slice of 4 chips: a call runs on one" in render_report(results)
+    assert "**v5e-4**, a slice of 4 chips: a call runs on one" in _render(results)
     how = _section(report, "How to read this")
     for source in ("`static`", "`model`", "`compiler`", "`measured-cpu`", "`measured-tpu`"):
         assert source in how
@@ -76,7 +87,7 @@ def test_header_has_target_versions_run_and_sources(results: dict[str, Any], rep
 
 def test_measured_on_null_says_nothing_was_measured(results: dict[str, Any]) -> None:
     results["meta"]["measured_on"] = None
-    assert "nothing measured" in render_report(results)
+    assert "nothing measured" in _render(results)
 
 
 def test_sections_come_in_order(report: str) -> None:
@@ -132,7 +143,7 @@ def test_rows_sorted_by_seq_len_causal_then_subject(results: dict[str, Any]) -> 
     extra["label"] = "forward N=4096 full"
     extra["subject"] = "zzz"
     results["rows"].append(extra)
-    forward = re.search(r"### Forward\n(.*?)###", render_report(results), re.S).group(1)
+    forward = re.search(r"### Forward\n(.*?)###", _render(results), re.S).group(1)
     order = [(r[0], r[1]) for r in _table_rows(forward)[1:]]
     assert order == [
         ("forward N=1024", "jax_splash [reference]"),
@@ -233,7 +244,7 @@ def test_copy_trap_lists_each_copy(report: str) -> None:
 def test_copy_trap_says_none_when_no_copies(results: dict[str, Any]) -> None:
     for row in results["rows"]:
         row["copies"] = []
-    report = render_report(results)
+    report = _render(results)
     copies = _section(report, "Copy trap")
     assert "No copy, transpose or pad around the kernels." in copies
     assert "|" not in copies
@@ -253,7 +264,7 @@ def test_missing_figures_and_sparse_results_render(results: dict[str, Any]) -> N
     del row["figures"]["mfu"]
     row["figures"]["tokens_per_second"] = None
     row["hbm"] = None
-    report = render_report({"meta": results["meta"], "rows": [row]})
+    report = _render({"meta": results["meta"], "rows": [row]})
     rendered = _row_for(_section(report, "Results"), "forward N=4096 causal", "xla")
     assert rendered[3] == rendered[4] == rendered[8] == rendered[11] == "—"
     assert "No search was run." in _section(report, "Longest sequence that fits")
@@ -261,7 +272,7 @@ def test_missing_figures_and_sparse_results_render(results: dict[str, Any]) -> N
 
 
 def test_empty_results_render() -> None:
-    report = render_report({})
+    report = _render({})
     assert report.startswith("# Pallas-Flash benchmark: unknown target")
     assert "No results." in report
 
@@ -283,7 +294,7 @@ def test_against_references_picks_the_fastest_reference(results: dict[str, Any])
     mine.update(subject="mine", kind="backend", config="")
     mine["figures"]["latency_seconds"]["value"] = 0.0001
     results["rows"] += [slower, mine]
-    section = _section(render_report(results), "Against jax's kernels")
+    section = _section(_render(results), "Against jax's kernels")
     row = _row_for(section, "mine")
     assert row[4] == "jax_splash" and row[5] == "0.15 ms (static)" and row[7] == "1.50x"
     assert row[8] == "—"  # the sample has no no-overlap figures
@@ -301,7 +312,7 @@ def test_against_references_without_overlap_takes_the_least_serial_reference(
     for row, serial in ((splash, 0.0006), (other, 0.0005), (mine, 0.0004)):
         row["figures"]["latency_no_overlap_seconds"] = {"value": serial, "source": "model"}
     results["rows"] += [other, mine]
-    row = _row_for(_section(render_report(results), "Against jax's kernels"), "mine")
+    row = _row_for(_section(_render(results), "Against jax's kernels"), "mine")
     assert row[8] == "1.25x"
 
 
@@ -327,7 +338,7 @@ def test_decoding_table_compares_chips_and_the_hbm_time(results: dict[str, Any])
         _decode_row(1, 0.000656, 0.000656, 0.0),
         _decode_row(4, 0.000184, 0.000164, 0.0000205),
     ]
-    section = _section(render_report(results), "Decoding one sequence")
+    section = _section(_render(results), "Decoding one sequence")
     assert "assumed 10 us" in section and "50 GB/s" in section
     one = _row_for(section, "decode L=131072 H32/8")
     assert one[2:6] == ["0.656 ms (model)", "1.00x", "none", "—"]
@@ -338,7 +349,7 @@ def test_decoding_table_compares_chips_and_the_hbm_time(results: dict[str, Any])
 
 def test_decoding_table_is_left_out_without_decode_rows(results: dict[str, Any]) -> None:
     results["rows"] = [r for r in results["rows"] if r["workload"]["op"] != "decode"]
-    assert "## Decoding one sequence" not in render_report(results)
+    assert "## Decoding one sequence" not in _render(results)
 
 
 def test_against_references_is_left_out_without_a_shared_workload(report: str) -> None:
@@ -354,7 +365,6 @@ SPLASH_CYCLES = {"schedule": 1_258_409, "mxu": 1_048_576, "critical_path": 1_116
 
 
 def _with_estimates(row: dict[str, Any], cycles: dict[str, int]) -> dict[str, Any]:
-    from pallas_flash_bench.kernels import row_figures
     from pallas_flash_estimate.targets import TARGETS
 
     target = TARGETS["v5e-1"]
@@ -365,6 +375,9 @@ def _with_estimates(row: dict[str, Any], cycles: dict[str, int]) -> dict[str, An
     headline = row["estimates"]["schedule"]
     row["figures"]["latency_seconds"] = {"value": headline["latency_seconds"], "source": "static"}
     row["figures"]["mfu"] = {"value": headline["mfu"], "source": "static"}
+    row["mfu_range"] = row_figures.mfu_range(headline["mfu"], row["estimates"])
+    row["kernels"] = [dict(k, step_seconds=row_figures.step_seconds(k, target))
+                      for k in row["kernels"]]  # fmt: skip
     return row
 
 
@@ -380,18 +393,18 @@ def spread_results(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_mfu_range_over_the_estimates(spread_results: dict[str, Any]) -> None:
-    report = render_report(spread_results)
+    report = _render(spread_results)
     row = _row_for(_section(report, "Results"), "forward N=4096", "pallas")
     assert row[8] == "97.6 % (static)"
     # pushes at 16 cycles, not overlapped, to the headline (the MXU floor alone, 100 %, is one
     # of its parts, not a figure of its own)
     assert row[9] == "66.7 to 97.6 %"
-    splash = _row_for(_section(render_report(spread_results), "Results"), "jax_splash [reference]")
+    splash = _row_for(_section(_render(spread_results), "Results"), "jax_splash [reference]")
     assert splash[9] == "83.3 to 94.0 %"  # its critical path is shorter than its schedule
 
 
 def test_spread_section_gives_the_mfu_under_each_estimate(spread_results: dict[str, Any]) -> None:
-    section = _section(render_report(spread_results), "How sure the estimates are")
+    section = _section(_render(spread_results), "How sure the estimates are")
     assert "No hardware measurement tells which is right" in section
     header = _table_rows(section)[0]
     assert header[2:] == [
@@ -411,7 +424,7 @@ def test_spread_section_gives_the_mfu_under_each_estimate(spread_results: dict[s
 
 
 def test_lead_says_which_estimates_it_rests_on(spread_results: dict[str, Any]) -> None:
-    section = _section(render_report(spread_results), "Against jax's kernels")
+    section = _section(_render(spread_results), "Against jax's kernels")
     assert _table_rows(section)[0][-1] == "Lead under every estimate?"
     lead = _row_for(section, "pallas")[-1]
     assert lead == (
@@ -424,7 +437,7 @@ def test_lead_says_which_estimates_it_rests_on(spread_results: dict[str, Any]) -
         if row["kind"] == "backend":
             row["estimates"]["push8"]["latency_seconds"] /= 2
             row["estimates"]["push16"]["latency_seconds"] /= 2
-    lead = _row_for(_section(render_report(spread_results), "Against jax's kernels"), "pallas")
+    lead = _row_for(_section(_render(spread_results), "Against jax's kernels"), "pallas")
     assert lead[-1].startswith("never behind: ahead under Schedule (bundles) 1.17x,")
     assert "; level under MXU floor (matmuls) 1.00x" in lead[-1]
     (pallas,) = [r for r in spread_results["rows"] if r["subject"] == "pallas"]
@@ -432,22 +445,22 @@ def test_lead_says_which_estimates_it_rests_on(spread_results: dict[str, Any]) -
     for name, figures in pallas["estimates"].items():  # within 0.5 % of the fastest reference
         theirs = [t for r in references if (t := r["estimates"][name]["latency_seconds"])]
         figures["latency_seconds"] = min(theirs) * 1.004 if theirs else None
-    lead = _row_for(_section(render_report(spread_results), "Against jax's kernels"), "pallas")
+    lead = _row_for(_section(_render(spread_results), "Against jax's kernels"), "pallas")
     assert lead[-1].startswith("level under every estimate (Schedule (bundles) 1.00x,")
     pallas["estimates"]["schedule"]["latency_seconds"] *= 2
-    lead = _row_for(_section(render_report(spread_results), "Against jax's kernels"), "pallas")
+    lead = _row_for(_section(_render(spread_results), "Against jax's kernels"), "pallas")
     assert lead[-1].startswith("never ahead: level under MXU floor (matmuls) 1.00x,")
     assert lead[-1].endswith("; behind under Schedule (bundles) 0.50x")
     for row in spread_results["rows"]:
         if row["kind"] == "backend":
             for figures in row["estimates"].values():
                 figures["latency_seconds"] *= 10
-    lead = _row_for(_section(render_report(spread_results), "Against jax's kernels"), "pallas")
+    lead = _row_for(_section(_render(spread_results), "Against jax's kernels"), "pallas")
     assert lead[-1].startswith("behind under every estimate (Schedule (bundles) 0.05x,")
 
 
 def test_kernel_table_sets_dma_per_step_against_compute(spread_results: dict[str, Any]) -> None:
-    kernels = _section(render_report(spread_results), "Kernel schedules")
+    kernels = _section(_render(spread_results), "Kernel schedules")
     header = _table_rows(kernels)[0]
     row = dict(zip(header, _row_for(kernels, "pallas"), strict=True))
     assert row["Pushes"] == "4,096"
@@ -467,6 +480,7 @@ def test_the_readme_block_is_the_calibrated_comparison_of_one_run(
         row["figures"]["calibrated_latency_seconds"] = {
             "value": 1.05 * latency, "source": "calibrated", "band": 0.08, "kind": "MXU-bound"
         }  # fmt: skip
+    against_references.annotate(spread_results["rows"])
     block = readme.render_block(spread_results)
     assert block.startswith(readme.BEGIN) and block.rstrip().endswith(readme.END)
     assert "From one run of `pallas-flash bench --quick --target v5e-1` on 2026-11-21" in block
@@ -485,6 +499,7 @@ def test_a_reference_without_a_figure_makes_the_verdict_unknown_not_skipped(
 
     splash = next(r for r in spread_results["rows"] if r.get("kind") == "reference")
     splash["estimates"]["critical_path"] = {"cycles": None, "latency_seconds": None, "mfu": None}
+    against_references.annotate(spread_results["rows"])
     section = "\n".join(against_references_table(spread_results["rows"]))
     _, row = _table_rows(section)
     assert "unknown under Critical path" in row[-1]
@@ -499,6 +514,7 @@ def test_a_lead_within_the_calibrated_band_is_level(spread_results: dict[str, An
         row["figures"]["calibrated_latency_seconds"] = {
             "value": latency, "source": "calibrated", "band": 0.5, "kind": "MXU-bound"
         }  # fmt: skip
+    against_references.annotate(spread_results["rows"])
     _, row = _table_rows("\n".join(against_references_table(spread_results["rows"])))
     assert row[-1].startswith("level under every estimate"), row[-1]
     assert row[-2].endswith("±50%")

@@ -20,8 +20,9 @@ from pallas_flash_estimate.targets import Target
 def derive(result: Mapping[str, Any], target: Target) -> dict:
     """``step_seconds``, ``share_seconds`` (the one-chip time per pair over the chips),
     ``against_share`` (step over share), ``mfu`` and ``tokens_per_second``, each ``{end:
-    value}``; the ring's ``peak_hbm`` (or what it needed), ``fits``, ``head_groups``,
-    ``collective_bytes`` (a chip's, one step) and the compile time."""
+    value}``; the ring's ``peak_hbm`` (or what it needed) and its share of a chip's,
+    ``fits``, ``head_groups``, ``collective_bytes`` (a chip's, one step) and the compile
+    time."""
     w = ContextWorkload(**result["workload"])
     programs = {p["program"]: p for p in result["programs"]}
     ring, one_chip = programs["ring"], programs["one chip"]
@@ -34,6 +35,7 @@ def derive(result: Mapping[str, Any], target: Target) -> dict:
         "head_groups": result.get("head_groups"),
         "collective_bytes": sum(c["bytes"] * c["runs"] for c in estimate.get("collectives", [])),
     }
+    out["peak_hbm_share"] = None if out["peak_hbm"] is None else out["peak_hbm"] / target.hbm_bytes
     keys = ("step_seconds", "share_seconds", "against_share", "mfu", "tokens_per_second")
     out.update({key: dict.fromkeys(ENDS) for key in keys})
     flops = w.attention(w.seq_len).useful_flops

@@ -11,10 +11,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_estimate.cost.spread import ESTIMATES
 from pallas_flash_estimate.program import ici
 from pallas_flash_estimate.targets import Target
 
 Figure = dict[str, object]
+
+
+SPREAD = (*ESTIMATES, "dma")
+"""The program estimates of a row: the kernel estimates, and ``dma``: per kernel the larger of
+its headline cycles and its DMA cycles (`dma_cycles`)."""
+
+RANGE_ESTIMATES = ("critical_path", "push8", "push16", "dma")
+"""The estimates that are whole figures like the headline: the schedule alone and the MXU
+floor alone are its two parts (each a bound on time only), left out of the MFU range."""
 
 
 def figure(value: float | None, source: str) -> Figure:
@@ -25,6 +35,20 @@ def dma_cycles(dma_bytes: float, target: Target) -> float:
     """Cycles the target's HBM needs to move ``dma_bytes``: a kernel's block copies, to set
     against its compute (both overlap only while the copies hide under the compute)."""
     return dma_bytes / target.hbm_bandwidth * target.clock_hz
+
+
+def step_seconds(kernel: dict, target: Target) -> dict[str, float | None]:
+    """A kernel's time per grid step: its compute (headline cycles over the clock) and its
+    block copies (`dma_cycles`'s bytes over the HBM bandwidth), to set one against the other;
+    None where a figure is missing."""
+    steps = kernel.get("steps")
+    cycles, dma = kernel.get("cycles"), kernel.get("dma_bytes")
+    if not steps:
+        return {"compute": None, "dma": None}
+    return {
+        "compute": None if cycles is None else cycles / steps / target.clock_hz,
+        "dma": None if dma is None else dma / steps / target.hbm_bandwidth,
+    }
 
 
 def spread(
@@ -50,6 +74,16 @@ def spread(
             "mfu": workload.useful_flops / latency / peak,
         }
     return out
+
+
+def mfu_range(mfu: float | None, estimates: dict[str, dict[str, float | None]]) -> dict | None:
+    """The least and most MFU over the headline (``mfu``) and the whole estimates
+    (`RANGE_ESTIMATES`, from `spread`): ``{"low": ..., "high": ...}``; None without any."""
+    values = [estimates.get(name, {}).get("mfu") for name in RANGE_ESTIMATES]
+    if all(v is None for v in values):
+        return None
+    known = [v for v in (mfu, *values) if v is not None]
+    return {"low": min(known), "high": max(known)}
 
 
 def derive(

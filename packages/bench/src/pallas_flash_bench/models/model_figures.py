@@ -31,8 +31,10 @@ def step_seconds(program: Mapping[str, Any], end: str) -> float | None:
 
 def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float) -> dict:
     """Figures of one analysed model workload: ``step_seconds``, ``mfu``, ``tokens_per_second``
-    (and per chip), ``tokens_per_dollar``, each ``{end: value}``; ``peak_hbm``, ``fits``,
-    the reference and the compile time."""
+    (and per chip), ``tokens_per_dollar``, each ``{end: value}``; ``peak_hbm`` (and its share
+    of a chip's), ``fits``, the reference and ours against it (`against_reference`,
+    `against_reference_program`), per program the async copies its schedule hides, and the
+    compile time."""
     from pallas_flash_bench.models.model_workloads import (  # the LLaMa package
         REFERENCES,
         ModelWorkload,
@@ -71,6 +73,14 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
     }  # fmt: skip
     out["calibrated"] = _calibrated(w, programs, target, peak_flops)
     out["reference_program"] = _reference_program(w.name, target)
+    out["against_reference"] = against_reference(out)
+    out["against_reference_program"] = against_reference_program(out)
+    out["copies_hidden_seconds"] = {
+        name: e["compute_seconds"] - e["compute_seconds_copies_overlapped"]
+        for name, p in programs.items()
+        if (e := p.get("estimate")) is not None
+    }  # what of each program's async copies its schedule hides beside the compute alone
+    out["peak_hbm_share"] = None if out["peak_hbm"] is None else out["peak_hbm"] / target.hbm_bytes
     return out
 
 
@@ -163,6 +173,33 @@ def _calibrated(w: Any, programs: Mapping[str, Any], target: Target,
     band = None if None in bands else max(bands)
     kinds = sorted({c.kind for c in found.values()})
     return None if figures is None else {**figures, "band": band, "kinds": kinds}
+
+
+PROGRAM_RATIOS = {"mfu": True, "tokens_per_second": True, "step_seconds": False}
+"""The figures held against the reference's own programs, and whether the ratio is ours over
+theirs (a rate) or theirs over ours (a time: our speed-up)."""
+
+
+def against_reference_program(figures: Mapping[str, Any]) -> dict[str, Any]:
+    """Per figure of `PROGRAM_RATIOS` the reference's own programs have (``reference_program``,
+    the same estimator): ours against theirs at each end (``ratio``) and the verdict under the
+    row's calibrated band: ``ahead``, ``behind``, or ``level`` where the ratio at some end lies
+    within it (``verdict``; None without a band)."""
+    program = figures.get("reference_program")
+    band = (figures.get("calibrated") or {}).get("band")
+    out: dict[str, Any] = {}
+    for key, ours_first in PROGRAM_RATIOS.items():
+        if program is None or key not in program:
+            continue
+        theirs, ours = program[key], figures.get(key) or {}
+        ratio = {end: (ours[end] / theirs[end] if ours_first else theirs[end] / ours[end])
+                 for end in theirs if ours.get(end) and theirs[end]}  # fmt: skip
+        verdict = None
+        if ratio and band is not None:
+            lo, hi = min(ratio.values()), max(ratio.values())
+            verdict = "ahead" if lo > 1 + band else "behind" if hi < 1 - band else "level"
+        out[key] = {"ratio": ratio, "verdict": verdict, "band": band}
+    return out
 
 
 def against_reference(figures: Mapping[str, Any]) -> dict[str, float | None]:

@@ -15,7 +15,7 @@ import jax
 
 import pallas_flash as pf
 from pallas_flash_bench import aot
-from pallas_flash_bench.kernels import row_figures
+from pallas_flash_bench.kernels import against_references, chip_scaling, row_figures
 from pallas_flash_bench.kernels.references import all_subjects, reference_notes
 from pallas_flash_bench.kernels.subjects import Subject, program_code_versions
 from pallas_flash_bench.kernels.workloads import Workload
@@ -26,7 +26,6 @@ from pallas_flash_bench.views.report import write_report
 from pallas_flash_bench.views.roofline import write_roofline
 from pallas_flash_estimate import ANALYSIS_VERSION, calibration
 from pallas_flash_estimate.aot.devices import libtpu_version
-from pallas_flash_estimate.cost.spread import ESTIMATES
 from pallas_flash_estimate.targets import TARGETS, Target
 
 if TYPE_CHECKING:
@@ -179,6 +178,8 @@ def run(options: BenchOptions) -> dict:
         if result is None or "job_error" in result:
             result = _failed_row(subject, workload, result)
         rows.append(_with_figures(result, subject, workload, options))
+    against_references.annotate(rows)
+    chip_scaling.annotate(rows, options.target.hbm_bandwidth)
     output = {
         "meta": {
             "target": options.target.to_json(),
@@ -264,11 +265,6 @@ def program_cycles(row: dict) -> int | None:
     return kernels + other["cycles"]
 
 
-SPREAD = (*ESTIMATES, "dma")
-"""The program estimates of a row: the kernel estimates, and ``dma``: per kernel the larger of
-its headline cycles and its DMA cycles (`row_figures.dma_cycles`)."""
-
-
 def _dma_cycles(kernel: dict, target: Target) -> float | None:
     """Cycles the target's HBM needs for a kernel entry's block copies (None: not known)."""
     dma_bytes = kernel.get("dma_bytes")
@@ -276,12 +272,13 @@ def _dma_cycles(kernel: dict, target: Target) -> float | None:
 
 
 def program_estimates(row: dict, target: Target) -> dict[str, int | None]:
-    """The whole program's static cycles under each estimate of `SPREAD`: its kernels' figure
-    plus the other ops' headline cycles; None where a kernel lacks it (or with no kernel)."""
+    """The whole program's static cycles under each estimate of `row_figures.SPREAD`: its
+    kernels' figure plus the other ops' headline cycles; None where a kernel lacks it (or with
+    no kernel)."""
     other = (row.get("other_ops") or {}).get("cycles", 0)
     kernels = charged_kernels(row)
     out: dict[str, int | None] = {}
-    for name in SPREAD:
+    for name in row_figures.SPREAD:
         if name == "dma":
             dma = [_dma_cycles(k, target) for k in kernels]
             values = [
@@ -363,6 +360,11 @@ def _with_figures(row: dict, subject: Subject, workload: Workload, options: Benc
             row["figures"]["memory_seconds"]["value"],
             row["figures"]["collective_seconds"]["value"],
         )
+        row["mfu_range"] = row_figures.mfu_range(row["figures"]["mfu"]["value"], row["estimates"])
+        row["kernels"] = [
+            dict(k, step_seconds=row_figures.step_seconds(k, options.target))
+            for k in row["kernels"]
+        ]
     else:
         row["figures"] = {}
     if options.measure:

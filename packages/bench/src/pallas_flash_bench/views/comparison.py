@@ -1,5 +1,6 @@
 """How far the report trusts a lead: each row under every static estimate, and each backend
-against the fastest of jax's own kernels on its workload.
+against the fastest of jax's own kernels on its workload (the records of
+`pallas_flash_bench.kernels.against_references`, formatted).
 
 ``spread_table`` and ``against_references_table`` are sections of the report and of the
 README's report block (`readme`); ``mfu_range`` is the MFU range column of the results tables.
@@ -7,10 +8,10 @@ README's report block (`readme`); ``mfu_range`` is the MFU range column of the r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from pallas_flash_bench.kernels.against_references import LEVEL
 from pallas_flash_bench.views.cells import (
     MISSING,
     figure,
@@ -23,7 +24,6 @@ from pallas_flash_bench.views.cells import (
     sort_key,
     subject,
     tagged,
-    workload_of,
 )
 
 ESTIMATE_TITLES = {
@@ -34,7 +34,7 @@ ESTIMATE_TITLES = {
     "push16": "Pushes at 16, no overlap",
     "dma": "DMA bound",
 }
-"""The program estimates of a row (``runner.SPREAD``), as the report names them."""
+"""The program estimates of a row (``row_figures.SPREAD``), as the report names them."""
 
 
 def estimate_figure(row: Mapping[str, Any], name: str, key: str) -> float | None:
@@ -42,24 +42,12 @@ def estimate_figure(row: Mapping[str, Any], name: str, key: str) -> float | None
     return finite_number(((row.get("estimates") or {}).get(name) or {}).get(key))
 
 
-RANGE_ESTIMATES = ("critical_path", "push8", "push16", "dma")
-"""The estimates that are whole figures like the headline: the schedule alone and the MXU
-floor alone are its two parts (each a bound on time only), left out of the MFU range."""
-
-
 def mfu_range(row: Mapping[str, Any]) -> str:
-    """Least and most MFU over the headline and the whole estimates (`RANGE_ESTIMATES`):
-    ``66.7 to 97.6 %``; ``—`` without them."""
-    if not any(estimate_figure(row, name, "mfu") is not None for name in RANGE_ESTIMATES):
+    """A row's ``mfu_range`` (`row_figures.mfu_range`): ``66.7 to 97.6 %``; ``—`` without."""
+    found = row.get("mfu_range")
+    if not found:
         return MISSING
-    values = [
-        figure(row, "mfu")[0],
-        *(estimate_figure(row, name, "mfu") for name in RANGE_ESTIMATES),
-    ]
-    known = [v for v in values if v is not None]
-    if not known:
-        return MISSING
-    return f"{100 * min(known):.1f} to {percent(max(known))}"
+    return f"{100 * found['low']:.1f} to {percent(found['high'])}"
 
 
 SPREAD_HEADER = ("Workload", "Subject", "MFU (headline)", *ESTIMATE_TITLES.values())
@@ -113,61 +101,38 @@ AGAINST_REFERENCES_HEADER = (
 """Columns of `against_references_table`."""
 
 
-def row_band(row: Mapping[str, Any]) -> float:
-    """The relative error within which a row's lead is level: the calibrated band of its
-    kind of program (`runner.calibrated_latency`), or `LEVEL` where it has none."""
-    calibrated = (row.get("figures") or {}).get("calibrated_latency_seconds") or {}
-    band = finite_number(calibrated.get("band"))
-    return LEVEL if band is None else max(band, LEVEL)
+def _speedup(value: Any) -> str:
+    value = finite_number(value)
+    return MISSING if value is None else f"{value:.2f}x"
 
 
-def _calibrated(row: Mapping[str, Any]) -> float | None:
-    return figure(row, "calibrated_latency_seconds")[0]
+def _calibrated_speedup(record: Mapping[str, Any]) -> str:
+    """The calibrated speed-up with the row's band; ``unknown`` where it has none."""
+    value = finite_number(record.get("speedup_calibrated"))
+    return "unknown" if value is None else f"{value:.2f}x ±{record['band']:.0%}"
 
 
-def _calibrated_speedup(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
-    """The fastest reference's calibrated latency over the row's, with the row's band;
-    ``unknown`` where the row or a reference has none."""
-    mine = _calibrated(row)
-    theirs = [_calibrated(r) for r in references]
-    if mine is None or None in theirs:
-        return "unknown"
-    return f"{min(theirs) / mine:.2f}x ±{row_band(row):.0%}"
+def _compared(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows with a record against the references, in table order."""
+    return sorted((r for r in rows if r.get("against_references")), key=sort_key)
 
 
 def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Each backend's row beside the fastest reference kernel of the same workload."""
+    """Each backend's row beside the fastest reference kernel of the same workload (its
+    ``against_references`` record)."""
     table = []
-    for group in _by_workload(rows):
-        references = [r for r in group if r.get("kind") == "reference"]
-        timed = [r for r in references if figure(r, "latency_seconds")[0] is not None]
-        if not timed:
+    for row in _compared(rows):
+        record = row["against_references"]
+        fastest = record.get("fastest")
+        if fastest is None or not figure(row, "latency_seconds")[0]:
             continue
-        fastest = min(timed, key=lambda r: figure(r, "latency_seconds")[0])
-        fastest_latency = figure(fastest, "latency_seconds")[0]
-        serial = [figure(r, "latency_no_overlap_seconds")[0] for r in timed]
-        fastest_serial = min((t for t in serial if t is not None), default=None)
-        ours = [r for r in group if r.get("kind") != "reference"]
-        for row in sorted((r for r in ours if figure(r, "latency_seconds")[0]), key=sort_key):
-            latency = figure(row, "latency_seconds")[0]
-            row_serial = figure(row, "latency_no_overlap_seconds")[0]
-            table.append(
-                [
-                    label(row),
-                    subject(row),
-                    tagged(row, "latency_seconds", ms),
-                    tagged(row, "mfu", percent),
-                    subject(fastest).removesuffix(" [reference]"),
-                    tagged(fastest, "latency_seconds", ms),
-                    tagged(fastest, "mfu", percent),
-                    f"{fastest_latency / latency:.2f}x" if latency else MISSING,
-                    f"{fastest_serial / row_serial:.2f}x"
-                    if fastest_serial and row_serial
-                    else MISSING,
-                    _calibrated_speedup(row, references),
-                    _lead(row, references),
-                ]
-            )
+        table.append([
+            label(row), subject(row), tagged(row, "latency_seconds", ms),
+            tagged(row, "mfu", percent), subject(fastest).removesuffix(" [reference]"),
+            tagged(fastest, "latency_seconds", ms), tagged(fastest, "mfu", percent),
+            _speedup(record.get("speedup")), _speedup(record.get("speedup_no_overlap")),
+            _calibrated_speedup(record), _lead(record),
+        ])  # fmt: skip
     if not table:
         return []
     header = AGAINST_REFERENCES_HEADER
@@ -201,39 +166,27 @@ ASSUMPTIONS = {
 """What a lead that turns under an estimate rests on."""
 
 
-LEVEL = 0.005
-"""The least band of a tie: a speed-up within it of 1 is level even where a row has no
-calibrated band (`row_band`)."""
-
-
-def _verdicts(
-    row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]
-) -> tuple[dict[str, list[str]], list[str]]:
-    """Per verdict (ahead, level, behind, unknown), the estimates under which a backend's row
-    gets it against the fastest reference (``Title 1.07x``), and what the estimates it is
-    behind under assume; within the row's band of 1 (`row_band`) is level, and an estimate
-    under which the row or any reference has no figure is unknown."""
-    band = row_band(row)
+def _verdicts(record: Mapping[str, Any]) -> tuple[dict[str, list[str]], list[str]]:
+    """Per verdict (ahead, level, behind, unknown), the estimates under which a row gets it
+    (``Title 1.07x``; from its record's ``estimates``), and what the estimates it is behind
+    under assume."""
     verdicts: dict[str, list[str]] = {"ahead": [], "level": [], "behind": [], "unknown": []}
     turns: list[str] = []
     for name, title in ESTIMATE_TITLES.items():
-        mine = estimate_figure(row, name, "latency_seconds")
-        theirs = [estimate_figure(r, name, "latency_seconds") for r in references]
-        if not mine or not all(theirs):
+        found = (record.get("estimates") or {}).get(name) or {"verdict": "unknown"}
+        if found["verdict"] == "unknown":
             verdicts["unknown"].append(title)
             continue
-        speedup = min(theirs) / mine
-        verdict = "ahead" if speedup >= 1 + band else "level" if speedup > 1 - band else "behind"
-        verdicts[verdict].append(f"{title} {speedup:.2f}x")
-        if verdict == "behind" and ASSUMPTIONS[name] not in turns:
+        verdicts[found["verdict"]].append(f"{title} {found['speedup']:.2f}x")
+        if found["verdict"] == "behind" and ASSUMPTIONS[name] not in turns:
             turns.append(ASSUMPTIONS[name])
     return {verdict: items for verdict, items in verdicts.items() if items}, turns
 
 
-def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
+def _lead(record: Mapping[str, Any]) -> str:
     """Whether a backend's row beats the fastest reference under every estimate, or which
     estimates its lead rests on (speed-ups under the others; `_verdicts`)."""
-    found, turns = _verdicts(row, references)
+    found, turns = _verdicts(record)
     if not found:
         return MISSING
     if len(found) == 1:
@@ -247,10 +200,10 @@ def _lead(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> st
     return f"the lead rests on {' and '.join(turns)}: {parts}"
 
 
-def verdict_summary(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> str:
+def verdict_summary(record: Mapping[str, Any]) -> str:
     """`_lead` in a few words: ``level under every estimate``, ``ahead under 4 of 6, level
     under 2``."""
-    found, _ = _verdicts(row, references)
+    found, _ = _verdicts(record)
     if not found:
         return MISSING
     if len(found) == 1:
@@ -288,26 +241,18 @@ def headlines(rows: Sequence[Mapping[str, Any]]) -> list[Headline]:
     kernel fastest on the same workload, both calibrated, and the verdict over every
     estimate (`verdict_summary`)."""
     found = []
-    for group in _by_workload(rows):
-        references = [r for r in group if r.get("kind") == "reference"]
-        known = [r for r in references if _calibrated(r) is not None]
-        ours = [
-            r for r in group
-            if r.get("kind") != "reference" and _calibrated(r)
-            and any(estimate_figure(r, name, "cycles") for name in ESTIMATE_TITLES)
-        ]  # fmt: skip
-        if not references or not ours:
+    for row in _compared(rows):
+        record = row["against_references"]
+        calibrated = figure(row, "calibrated_latency_seconds")[0]
+        if not calibrated or not any(estimate_figure(row, n, "cycles") for n in ESTIMATE_TITLES):
             continue
-        fastest = min(known, key=_calibrated) if known else None
-        for row in sorted(ours, key=sort_key):
-            found.append(Headline(
-                label(row), subject(row),
-                f"{ms(_calibrated(row))} ±{row_band(row):.0%}",
-                MISSING if fastest is None else subject(fastest).removesuffix(" [reference]"),
-                MISSING if fastest is None else ms(_calibrated(fastest)),
-                _calibrated_speedup(row, references),
-                verdict_summary(row, references),
-            ))  # fmt: skip
+        fastest = record.get("fastest_calibrated")
+        found.append(Headline(
+            label(row), subject(row), f"{ms(calibrated)} ±{record['band']:.0%}",
+            MISSING if fastest is None else subject(fastest).removesuffix(" [reference]"),
+            MISSING if fastest is None else ms(figure(fastest, "calibrated_latency_seconds")[0]),
+            _calibrated_speedup(record), verdict_summary(record),
+        ))  # fmt: skip
     return found
 
 
@@ -315,10 +260,3 @@ def headline_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The README's table: `headlines` as Markdown."""
     table = [list(entry) for entry in headlines(rows)]
     return [*markdown_table(HEADLINE_HEADER, table), ""] if table else []
-
-
-def _by_workload(rows: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(json.dumps(workload_of(row), sort_keys=True), []).append(row)
-    return list(groups.values())

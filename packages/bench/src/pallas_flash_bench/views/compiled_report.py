@@ -30,19 +30,16 @@ def _grid(grid: Any) -> str:
     return "x".join(str(g) for g in grid)
 
 
-def _per_step_us(total: Any, steps: Any, rate: float | None) -> str:
-    """``total / steps / rate`` in microseconds (cycles over the clock, bytes over the HBM
-    bandwidth), or ``—``."""
-    total, steps = finite_number(total), finite_number(steps)
-    if total is None or not steps or not rate:
-        return MISSING
-    return f"{num(total / steps / rate * 1e6)} us"
+def _us(seconds: Any) -> str:
+    """A time in microseconds, ``11.2 us``; ``—`` without one."""
+    seconds = finite_number(seconds)
+    return MISSING if seconds is None else f"{num(seconds * 1e6)} us"
 
 
-def kernels_table(rows: Sequence[Mapping[str, Any]], target: Mapping[str, Any]) -> list[str]:
+def kernels_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The "Kernel schedules" section: each compiled kernel's bundles, grid, unit
-    utilisation, VMEM and cycles per grid step against its DMA per step (``target``: the
-    results' target, for its clock and HBM bandwidth)."""
+    utilisation, VMEM and compute per grid step against its DMA per step (its
+    ``step_seconds``: `row_figures.step_seconds`)."""
     lines = ["## Kernel schedules", ""]
     with_kernels = sorted((r for r in rows if r.get("kernels")), key=op_then_sort_key)
     if not with_kernels:
@@ -73,12 +70,11 @@ def kernels_table(rows: Sequence[Mapping[str, Any]], target: Mapping[str, Any]) 
         "Compute/step",
         "DMA/step",
     )
-    clock = finite_number(target.get("clock_hz"))
-    bandwidth = finite_number(target.get("hbm_bandwidth"))
     table = []
     for row in with_kernels:
         for kernel in row["kernels"]:
             utilization = kernel.get("utilization") or {}
+            per_step = kernel.get("step_seconds") or {}
             spills = f"{integer(kernel.get('spill_stores'))} / {integer(kernel.get('fill_loads'))}"
             table.append(
                 [
@@ -95,8 +91,8 @@ def kernels_table(rows: Sequence[Mapping[str, Any]], target: Mapping[str, Any]) 
                     integer(kernel.get("pushes")),
                     byte_size(kernel.get("vmem_bytes")),
                     num(kernel.get("cycles")),
-                    _per_step_us(kernel.get("cycles"), kernel.get("steps"), clock),
-                    _per_step_us(kernel.get("dma_bytes"), kernel.get("steps"), bandwidth),
+                    _us(per_step.get("compute")),
+                    _us(per_step.get("dma")),
                 ]
             )
     return [*lines, *markdown_table(header, table), ""]

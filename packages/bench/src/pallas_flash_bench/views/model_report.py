@@ -14,9 +14,6 @@ from typing import Any
 from pallas_flash_bench.models import model_figures
 from pallas_flash_bench.views.cells import MISSING, byte_size, markdown_table, num, percent
 
-GiB = 1 << 30
-HBM_PER_CHIP = 16 * GiB
-
 
 def ends_cell(values: Mapping[str, Any] | None, render: Callable[[Any], str]) -> str:
     """``s (a .. b)`` of a figure as the schedule overlaps the collectives and copies, all
@@ -72,7 +69,7 @@ def peak_hbm_cell(row: Mapping[str, Any]) -> str:
         return MISSING
     if not f.get("fits"):
         return f"does not fit: needs {byte_size(peak)} of temporaries"
-    return f"{byte_size(peak)} ({percent(peak / HBM_PER_CHIP)})"
+    return f"{byte_size(peak)} ({percent(f.get('peak_hbm_share'))})"
 
 
 def _split(w: Mapping[str, Any]) -> str:
@@ -90,29 +87,23 @@ def _reference(row: Mapping[str, Any], render: Callable[[Any], str]) -> tuple[st
     ref = f.get("reference")
     if ref is None:
         return "none published", MISSING
-    ratio = pessimistic_cell(model_figures.against_reference(f), lambda x: f"{num(x)}x")
+    ratio = pessimistic_cell(f.get("against_reference"), lambda x: f"{num(x)}x")
     return f"{render(ref['value'])} ({ref['source']})", ratio
 
 
-def _program_ratio(figures: Mapping[str, Any], key: str, render: Callable[[Any], str],
-                   ours_first: bool) -> tuple[str, str]:  # fmt: skip
+def _program_ratio(figures: Mapping[str, Any], key: str,
+                   render: Callable[[Any], str]) -> tuple[str, str]:  # fmt: skip
     """The reference program's ``key`` (``figures["reference_program"]``, the same estimator)
-    and ours against it at each end: ours over theirs (``ours_first``, a rate) or theirs
-    over ours (a time: our speed-up), with the verdict under the row's calibrated band
-    (``level`` where the ratio at some end lies within it)."""
+    and ours against it at each end with its verdict (``against_reference_program``:
+    `model_figures.against_reference_program`)."""
     program = figures.get("reference_program")
-    if program is None or key not in program:
+    found = (figures.get("against_reference_program") or {}).get(key)
+    if program is None or key not in program or found is None:
         return MISSING, MISSING
-    theirs, ours = program[key], figures.get(key) or {}
-    ratio = {end: (ours[end] / theirs[end] if ours_first else theirs[end] / ours[end])
-             for end in theirs if ours.get(end) and theirs[end]}  # fmt: skip
-    cell = pessimistic_cell(ratio, lambda x: f"{num(x)}x")
-    band = (figures.get("calibrated") or {}).get("band")
-    if ratio and band is not None:
-        lo, hi = min(ratio.values()), max(ratio.values())
-        verdict = "ahead" if lo > 1 + band else "behind" if hi < 1 - band else "level"
-        cell += f": {verdict} (band ±{percent(band)})"
-    return pessimistic_cell(theirs, render), cell
+    cell = pessimistic_cell(found["ratio"], lambda x: f"{num(x)}x")
+    if found["verdict"] is not None:
+        cell += f": {found['verdict']} (band ±{percent(found['band'])})"
+    return pessimistic_cell(program[key], render), cell
 
 
 def _failed(row: Mapping[str, Any]) -> str | None:
@@ -130,8 +121,8 @@ def training_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         f = row.get("figures") or {}
         ref, _ = _reference(row, percent)
         failed = _failed(row)
-        theirs, _ = _program_ratio(f, "mfu", percent, ours_first=True)
-        _, ratio = _program_ratio(f, "step_seconds", seconds_cell, ours_first=False)  # speed-up
+        theirs, _ = _program_ratio(f, "mfu", percent)
+        _, ratio = _program_ratio(f, "step_seconds", seconds_cell)  # our speed-up
         rows.append([w["name"], _slice(w), f"{w['batch']} x {w['seq_len']}", w["remat"],
                      failed or pessimistic_cell(f.get("step_seconds"), seconds_cell),
                      pessimistic_cell(f.get("mfu"), percent),
@@ -163,7 +154,7 @@ def serving_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
             continue
         f = row.get("figures") or {}
         ref, ratio = _reference(row, lambda v: f"{num(v)} tok/s")
-        theirs, over = _program_ratio(f, "tokens_per_second", num, ours_first=True)
+        theirs, over = _program_ratio(f, "tokens_per_second", num)
         rows.append([w["name"], _slice(w), w["batch"], f"{w['prompt_len']} / {w['generate_len']}",
                      f"{w.get('kv_dtype') or 'bfloat16'}, split over {_split(w)}",
                      _failed(row) or pessimistic_cell(f.get("prefill_seconds"), seconds_cell),
@@ -274,7 +265,7 @@ def breakdown_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
             trips = ", ".join(f"{t}" if t is not None else "?" for t in e["loop_trips"].values())
             once = len(e["undetermined_loops"]) + len(e["ops_with_unknown_inner_loops"])
             unlisted = len(e.get("ops_without_listing", []))
-            hidden = e["compute_seconds"] - e["compute_seconds_copies_overlapped"]
+            hidden = (row.get("figures") or {}).get("copies_hidden_seconds", {}).get(p["program"])
             copies = f"{seconds_cell(e['async_copy_seconds'])} ({seconds_cell(hidden)})"
             rows.append([row["workload"]["name"], p["program"], seconds_cell(e["compute_seconds"]),
                          seconds_cell(kinds["kernel"]), seconds_cell(kinds["matmul"]),

@@ -12,7 +12,6 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.views import calibration_report
 from pallas_flash_bench.views.cells import (
     MISSING,
@@ -228,61 +227,30 @@ def _header(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _one_chip_twin(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> Any:
-    """The same subject's row of the same workload on one chip, or None."""
-    single = {**workload_of(row), "chips": 1}
-    for other in rows:
-        same_subject = (other.get("subject"), other.get("config")) == (
-            row.get("subject"),
-            row.get("config"),
-        )
-        if same_subject and {"chips": 1, **workload_of(other)} == single:
-            return other
-    return None
-
-
-def _hbm_time(workload: Mapping[str, Any], bandwidth: float | None) -> float | None:
-    """The least HBM time of a workload: the bytes it must move over the bandwidth of the
-    chips it runs on; None when the workload or the bandwidth is not known."""
-    try:
-        least = Workload(**workload).min_hbm_bytes
-    except (TypeError, ValueError):
-        return None
-    return least / bandwidth / int(workload.get("chips", 1)) if bandwidth else None
-
-
 def _decoding_table(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Each backend's decode rows: latency against the HBM time, the collectives' share, the
-    speed-up of several chips over one, tokens/s and tokens per dollar."""
+    speed-up of several chips over one (their ``chip_scaling`` records), tokens/s and tokens
+    per dollar."""
     decode = sorted(
-        (
-            r
-            for r in rows
-            if workload_of(r).get("op") == "decode"
-            and r.get("kind") != "reference"
-            and figure(r, "latency_seconds")[0] is not None
-        ),
+        (r for r in rows if r.get("chip_scaling")),
         key=lambda r: (sort_key(r), workload_of(r).get("chips", 1)),
     )
     if not decode:
         return []
     target = (results.get("meta") or {}).get("target") or {}
-    bandwidth = finite_number(target.get("hbm_bandwidth"))
     table = []
     for row in decode:
-        latency = figure(row, "latency_seconds")[0]
-        memory = _hbm_time(workload_of(row), bandwidth)
+        scaling = row["chip_scaling"]
         collective = figure(row, "collective_seconds")[0]
-        twin = _one_chip_twin(row, rows) if workload_of(row).get("chips", 1) > 1 else None
-        twin_latency = figure(twin, "latency_seconds")[0] if twin else None
+        speedup = scaling.get("speedup_over_one_chip")
         table.append(
             [
                 label(row),
                 subject(row),
                 tagged(row, "latency_seconds", ms),
-                f"{latency / memory:.2f}x" if memory else MISSING,
+                f"{scaling['latency_over_hbm_time']:.2f}x",
                 f"{num(collective * 1e6)} us" if collective else "none",
-                f"{twin_latency / latency:.2f}x" if twin_latency else MISSING,
+                MISSING if speedup is None else f"{speedup:.2f}x",
                 tagged(row, "tokens_per_second", num),
                 tagged(row, "tokens_per_dollar", num),
             ]
@@ -378,7 +346,7 @@ def render_report(results: Mapping[str, Any]) -> str:
         *model_sections(results),
         *context_section(results),
         *_fits_table(list(results.get("fits") or [])),
-        *kernels_table(rows, (results.get("meta") or {}).get("target") or {}),
+        *kernels_table(rows),
         *copies_section(rows),
         *_notes_section(results, rows),
     ]
