@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pallas_flash_bench.kernels import stack_comparison
 from pallas_flash_bench.views.cells import (
     MISSING,
     figure,
@@ -21,7 +22,7 @@ from pallas_flash_bench.views.cells import (
     sort_key,
     subject,
 )
-from pallas_flash_bench.views.comparison import ESTIMATE_TITLES, estimate_figure, headlines
+from pallas_flash_bench.views.comparison import ESTIMATE_TITLES, headlines
 
 Rows = Sequence[Mapping[str, Any]]
 """One run's compiled rows (``results.json``'s ``rows``)."""
@@ -59,63 +60,44 @@ def verdicts_table(pinned: Rows, newest: Rows) -> list[str]:
     return [*markdown_table(VERDICTS_HEADER, table), ""] if table else []
 
 
-def _program_key(row: Mapping[str, Any]) -> tuple[str, str]:
-    return label(row), subject(row)
-
-
-def _on_both(pinned: Rows, newest: Rows) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
-    """Each program run on both stacks, as (pinned row, newest row), in table order."""
-    before = {_program_key(r): r for r in pinned}
-    return [(before[_program_key(row)], row) for row in sorted(newest, key=sort_key)
-            if _program_key(row) in before]  # fmt: skip
+def _program(row: Mapping[str, Any]) -> list[str]:
+    return [label(row), subject(row)]
 
 
 def programs_table(pinned: Rows, newest: Rows) -> list[str]:
     """Every program (a backend or a reference in one configuration, on one workload) with a
-    static latency on both stacks, and the newest over the pinned: above 1, slower on the
-    newest stack."""
-    table = []
-    for old, row in _on_both(pinned, newest):
-        new_latency = figure(row, "latency_seconds")[0]
-        old_latency = figure(old, "latency_seconds")[0]
-        if new_latency and old_latency:
-            table.append([*_program_key(row), ms(old_latency), ms(new_latency),
-                          f"{new_latency / old_latency:.3f}"])  # fmt: skip
+    static latency on both stacks, and the newest over the pinned
+    (`stack_comparison.latency_ratios`): above 1, slower on the newest stack."""
+    found = sorted(stack_comparison.latency_ratios(pinned, newest),
+                   key=lambda entry: sort_key(entry["newest"]))  # fmt: skip
+    table = [[*_program(e["newest"]), ms(figure(e["pinned"], "latency_seconds")[0]),
+              ms(figure(e["newest"], "latency_seconds")[0]), f"{e['ratio']:.3f}"]
+             for e in found]  # fmt: skip
     return [*markdown_table(PROGRAMS_HEADER, table), ""] if table else []
 
 
 def only_on_one(pinned: Rows, newest: Rows) -> list[str]:
-    """The programs compiled on one stack and not the other (a reference new on one, or a
-    compile that failed), as a list; empty when both compiled the same."""
-    before, after = (
-        {_program_key(r) for r in rows if r.get("compiled")} for rows in (pinned, newest)
-    )
+    """The programs compiled on one stack and not the other (`stack_comparison.only_on_one`),
+    as a list; empty when both compiled the same."""
     lines = [
-        f"- only on the {stack} stack: {workload}, {program}"
-        for stack, keys in (("pinned", before - after), ("newest", after - before))
-        for workload, program in sorted(keys)
+        f"- only on the {stack} stack: {', '.join(_program(row))}"
+        for stack, rows in stack_comparison.only_on_one(pinned, newest).items()
+        for row in sorted(rows, key=lambda r: (label(r), subject(r)))
     ]
     return [*lines, ""] if lines else []
 
 
-def _unknown(row: Mapping[str, Any]) -> set[str]:
-    """The estimates under which a row has no figure."""
-    return {name for name in ESTIMATE_TITLES if not estimate_figure(row, name, "cycles")}
-
-
 def unknown_on_one(pinned: Rows, newest: Rows) -> list[str]:
-    """The programs with a figure under an estimate on one stack and none on the other: where
-    the estimator could not read one compiler's output. Their verdicts read unknown under it
-    there, and without the DMA estimate's block copies the calibrated figure charges no first
-    block (`runner.calibrated_latency`): it is then too short."""
-    lines = []
-    for old, row in _on_both(pinned, newest):
-        for stack, missing in (("newest", _unknown(row) - _unknown(old)),
-                               ("pinned", _unknown(old) - _unknown(row))):  # fmt: skip
-            if missing:
-                titles = ", ".join(ESTIMATE_TITLES[name] for name in sorted(missing))
-                lines.append(f"- unknown on the {stack} stack only: {', '.join(_program_key(row))}"
-                             f" under {titles}")  # fmt: skip
+    """The programs with a figure under an estimate on one stack and none on the other
+    (`stack_comparison.unknown_on_one`): where the estimator could not read one compiler's
+    output. Their verdicts read unknown under it there, and without the DMA estimate's block
+    copies the calibrated figure charges no first block (`runner.calibrated_latency`): it is
+    then too short."""
+    found = sorted(stack_comparison.unknown_on_one(pinned, newest),
+                   key=lambda entry: sort_key(entry["row"]))  # fmt: skip
+    lines = [f"- unknown on the {e['stack']} stack only: {', '.join(_program(e['row']))} under "
+             f"{', '.join(ESTIMATE_TITLES[name] for name in sorted(e['estimates']))}"
+             for e in found]  # fmt: skip
     return [*lines, ""] if lines else []
 
 
