@@ -36,7 +36,13 @@ from pallas_flash_llama.generation import KV_CACHES, PAGE_SIZE, generate
 from pallas_flash_llama.kv_cache import CACHE_SPLITS
 from pallas_flash_llama.model import init_params
 from pallas_flash_llama.sampling import Sampling
-from pallas_flash_llama.tokenizer import TOKENIZER_FILE, encode, load_tokenizer
+from pallas_flash_llama.tokenizer import (
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    encode,
+    load_tokenizer,
+    special_tokens,
+)
 from pallas_flash_llama.train import TrainConfig, init_state, make_train_step, shard_batch
 from pallas_flash_llama.weights import load_params, save_params
 
@@ -77,7 +83,8 @@ def _generate(args: argparse.Namespace) -> None:
     if args.dtype:
         config = config.replace(dtype=args.dtype)
     tokenizer = load_tokenizer(args.model)
-    prompts = [encode(tokenizer, text, config) for text in args.prompt]
+    special = special_tokens(args.model, tokenizer, config)
+    prompts = [encode(tokenizer, text, special) for text in args.prompt]
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     steps = generate(
         params,
@@ -136,9 +143,11 @@ def _train(args: argparse.Namespace) -> None:
     config = config.replace(remat=args.remat, loss_chunk=args.loss_chunk,
                             **({"dtype": args.dtype} if args.dtype else {}))  # fmt: skip
     tokenizer = load_tokenizer(tokenizer_dir)
+    special = special_tokens(tokenizer_dir, tokenizer, config)
+    ends = list(config.eos_ids[:1])
     documents = [
-        encode(tokenizer, text, config) + list(config.eos_ids[:1])
-        for text in data.read_documents(args.data)
+        ids if ids[-len(ends) :] == ends else ids + ends  # each document ends in one eos
+        for ids in (encode(tokenizer, text, special) for text in data.read_documents(args.data))
     ]
     packed = data.pack(documents, args.seq_len)
     train_config = TrainConfig(
@@ -172,7 +181,9 @@ def _train(args: argparse.Namespace) -> None:
     def save(directory: pathlib.Path) -> None:
         save_params(directory, state.params, config)
         if distributed.is_main():
-            shutil.copy(pathlib.Path(tokenizer_dir) / TOKENIZER_FILE, directory / TOKENIZER_FILE)
+            for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+                if (pathlib.Path(tokenizer_dir) / name).exists():
+                    shutil.copy(pathlib.Path(tokenizer_dir) / name, directory / name)
 
     log = open(args.metrics, "a") if args.metrics and distributed.is_main() else None  # noqa: SIM115
 
