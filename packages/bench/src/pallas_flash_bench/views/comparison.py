@@ -8,6 +8,7 @@ README's report block (`readme`); ``mfu_range`` is the MFU range column of the r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from pallas_flash_bench.views.cells import (
     sort_key,
     subject,
     tagged,
+    workload_of,
 )
 
 ESTIMATE_TITLES = {
@@ -113,8 +115,13 @@ def _calibrated_speedup(record: Mapping[str, Any]) -> str:
 
 
 def _compared(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The rows with a record against the references, in table order."""
-    return sorted((r for r in rows if r.get("against_references")), key=sort_key)
+    """The rows with a record against the references, in table order: by workload in the
+    order of the run, then by subject."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        if row.get("against_references"):
+            groups.setdefault(json.dumps(workload_of(row), sort_keys=True), []).append(row)
+    return [row for group in groups.values() for row in sorted(group, key=sort_key)]
 
 
 def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
