@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from pallas_flash_bench.kernels.row_figures import SPREAD
+from pallas_flash_bench.kernels.row_figures import SPREAD, figure_value
 
 LEVEL = 0.005
 """The least band of a tie: a speed-up within it of 1 is level even where a row has no
 calibrated band (`row_band`)."""
 
+Row = TypeVar("Row", bound=Mapping[str, Any])
+
 SUMMARY_FIGURES = ("latency_seconds", "mfu", "calibrated_latency_seconds")
 """The figures of a reference a record keeps (`reference_summary`)."""
-
-
-def _value(row: Mapping[str, Any], name: str) -> float | None:
-    entry = (row.get("figures") or {}).get(name)
-    value = entry.get("value") if isinstance(entry, Mapping) else None
-    return float(value) if isinstance(value, int | float) else None
 
 
 def _estimate_latency(row: Mapping[str, Any], name: str) -> float | None:
@@ -73,11 +69,11 @@ def _ratio(theirs: float | None, mine: float | None) -> float | None:
 def compare(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``row``'s record against ``references`` (the module docstring)."""
     band = row_band(row)
-    timed = [r for r in references if _value(r, "latency_seconds") is not None]
-    fastest = min(timed, key=lambda r: _value(r, "latency_seconds")) if timed else None
-    serial = [t for r in timed if (t := _value(r, "latency_no_overlap_seconds")) is not None]
-    known = [r for r in references if _value(r, "calibrated_latency_seconds") is not None]
-    fastest_calibrated = (min(known, key=lambda r: _value(r, "calibrated_latency_seconds"))
+    timed = [r for r in references if figure_value(r, "latency_seconds") is not None]
+    fastest = min(timed, key=lambda r: figure_value(r, "latency_seconds")) if timed else None
+    serial = [t for r in timed if (t := figure_value(r, "latency_no_overlap_seconds")) is not None]
+    known = [r for r in references if figure_value(r, "calibrated_latency_seconds") is not None]
+    fastest_calibrated = (min(known, key=lambda r: figure_value(r, "calibrated_latency_seconds"))
                           if known else None)  # fmt: skip
     estimates = {}
     for name in SPREAD:
@@ -89,26 +85,32 @@ def compare(row: Mapping[str, Any], references: Sequence[Mapping[str, Any]]) -> 
         "band": band,
         "fastest": None if fastest is None else reference_summary(fastest),
         "speedup": None if fastest is None
-        else _ratio(_value(fastest, "latency_seconds"), _value(row, "latency_seconds")),
+        else _ratio(figure_value(fastest, "latency_seconds"), figure_value(row, "latency_seconds")),
         "speedup_no_overlap": _ratio(min(serial, default=None),
-                                     _value(row, "latency_no_overlap_seconds")),
+                                     figure_value(row, "latency_no_overlap_seconds")),
         "fastest_calibrated": None if fastest_calibrated is None
         else reference_summary(fastest_calibrated),
         "speedup_calibrated": None if len(known) < len(references) else _ratio(
-            _value(fastest_calibrated, "calibrated_latency_seconds"),
-            _value(row, "calibrated_latency_seconds")),
+            figure_value(fastest_calibrated, "calibrated_latency_seconds"),
+            figure_value(row, "calibrated_latency_seconds")),
         "estimates": estimates,
     }  # fmt: skip
+
+
+def by_workload(rows: Sequence[Row]) -> list[list[Row]]:
+    """``rows`` grouped by workload, the groups in the order their first row comes."""
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(json.dumps(row.get("workload") or {}, sort_keys=True), []).append(row)
+    return list(groups.values())
 
 
 def annotate(rows: Sequence[dict[str, Any]]) -> None:
     """Sets ``against_references`` on every compiled non-reference row whose workload has a
     reference (and removes it from the others)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         row.pop("against_references", None)
-        groups.setdefault(json.dumps(row.get("workload") or {}, sort_keys=True), []).append(row)
-    for group in groups.values():
+    for group in by_workload(rows):
         references = [r for r in group if r.get("kind") == "reference"]
         if not references:
             continue

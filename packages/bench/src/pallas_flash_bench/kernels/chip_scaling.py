@@ -16,11 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pallas_flash_bench.kernels.row_figures import figure_value
 from pallas_flash_bench.kernels.workloads import Workload
-
-
-def _latency(row: Mapping[str, Any]) -> float | None:
-    return ((row.get("figures") or {}).get("latency_seconds") or {}).get("value")
 
 
 def one_chip_twin(
@@ -43,9 +40,9 @@ def record(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
     """``row``'s record (the module docstring), its one-chip twin looked up in ``rows``."""
     workload = Workload(**row["workload"])
     hbm_time = workload.min_hbm_bytes / hbm_bandwidth / workload.chips
-    latency = _latency(row)
+    latency = figure_value(row, "latency_seconds")
     twin = one_chip_twin(row, rows) if workload.chips > 1 else None
-    twin_latency = None if twin is None else _latency(twin)
+    twin_latency = None if twin is None else figure_value(twin, "latency_seconds")
     return {
         "hbm_time_seconds": hbm_time,
         "latency_over_hbm_time": latency / hbm_time,
@@ -58,5 +55,9 @@ def annotate(rows: Sequence[dict[str, Any]], hbm_bandwidth: float) -> None:
     for row in rows:
         row.pop("chip_scaling", None)
         workload = row.get("workload") or {}
-        if workload.get("op") == "decode" and row.get("kind") != "reference" and _latency(row):
+        if (
+            workload.get("op") == "decode"
+            and row.get("kind") != "reference"
+            and figure_value(row, "latency_seconds")
+        ):
             row["chip_scaling"] = record(row, rows, hbm_bandwidth)

@@ -31,6 +31,14 @@ def figure(value: float | None, source: str) -> Figure:
     return {"value": value, "source": source}
 
 
+def figure_value(row: Mapping, name: str) -> float | None:
+    """The value of a row's figure ``name`` (``row["figures"][name]["value"]``); None where
+    the row has no such figure or it has no value."""
+    entry = (row.get("figures") or {}).get(name)
+    value = entry.get("value") if isinstance(entry, Mapping) else None
+    return float(value) if isinstance(value, int | float) else None
+
+
 def dma_cycles(dma_bytes: float, target: Target) -> float:
     """Cycles the target's HBM needs to move ``dma_bytes``: a kernel's block copies, to set
     against its compute (both overlap only while the copies hide under the compute)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pallas_flash_bench.kernels.row_figures import SPREAD
+from pallas_flash_bench.kernels.row_figures import SPREAD, figure_value
 
 Row = Mapping[str, Any]
 
@@ -25,15 +25,15 @@ def on_both(pinned: Sequence[Row], newest: Sequence[Row]) -> list[tuple[Row, Row
     return [(before[program_key(r)], r) for r in newest if program_key(r) in before]
 
 
-def _latency(row: Row) -> float | None:
-    return ((row.get("figures") or {}).get("latency_seconds") or {}).get("value")
-
-
 def latency_ratios(pinned: Sequence[Row], newest: Sequence[Row]) -> list[dict[str, Any]]:
     """Every program with a static latency on both stacks: ``{"pinned": row, "newest": row,
     "ratio": newest latency / pinned latency}`` (above 1: slower on the newest stack)."""
-    return [{"pinned": old, "newest": new, "ratio": _latency(new) / _latency(old)}
-            for old, new in on_both(pinned, newest) if _latency(new) and _latency(old)]  # fmt: skip
+    found = []
+    for old, new in on_both(pinned, newest):
+        before, after = figure_value(old, "latency_seconds"), figure_value(new, "latency_seconds")
+        if before and after:
+            found.append({"pinned": old, "newest": new, "ratio": after / before})
+    return found
 
 
 def only_on_one(pinned: Sequence[Row], newest: Sequence[Row]) -> dict[str, list[Row]]:

@@ -8,11 +8,10 @@ README's report block (`readme`); ``mfu_range`` is the MFU range column of the r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from pallas_flash_bench.kernels.against_references import LEVEL
+from pallas_flash_bench.kernels.against_references import LEVEL, by_workload
 from pallas_flash_bench.views.cells import (
     MISSING,
     figure,
@@ -25,7 +24,6 @@ from pallas_flash_bench.views.cells import (
     sort_key,
     subject,
     tagged,
-    workload_of,
 )
 
 ESTIMATE_TITLES = {
@@ -117,11 +115,8 @@ def _calibrated_speedup(record: Mapping[str, Any]) -> str:
 def _compared(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The rows with a record against the references, in table order: by workload in the
     order of the run, then by subject."""
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        if row.get("against_references"):
-            groups.setdefault(json.dumps(workload_of(row), sort_keys=True), []).append(row)
-    return [row for group in groups.values() for row in sorted(group, key=sort_key)]
+    compared = [r for r in rows if r.get("against_references")]
+    return [row for group in by_workload(compared) for row in sorted(group, key=sort_key)]
 
 
 def against_references_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
