@@ -146,7 +146,7 @@ def _train(args: argparse.Namespace) -> None:
     special = special_tokens(tokenizer_dir, tokenizer, config)
     ends = list(config.eos_ids[:1])
     documents = [
-        ids if ids[-len(ends) :] == ends else ids + ends  # each document ends in one eos
+        ids if ids[-1:] == ends else ids + ends  # each document ends in one eos
         for ids in (encode(tokenizer, text, special) for text in data.read_documents(args.data))
     ]
     packed = data.pack(documents, args.seq_len)

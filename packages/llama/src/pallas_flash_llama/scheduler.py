@@ -273,10 +273,6 @@ class Scheduler:
                 finished.append(Finished(seq.request.id, generated, reason))
         return finished
 
-    def slot_of(self, request_id: str) -> int | None:
-        """The cache row a running request holds (None: not running)."""
-        return next((s.slot for s in self._running if s.request.id == request_id), None)
-
 
 def serve_all(scheduler: Scheduler, requests: Sequence[Request],
               step: Callable[[StepPlan], Mapping[str, int]]) -> dict[str, Finished]:  # fmt: skip
