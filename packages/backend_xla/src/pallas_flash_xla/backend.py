@@ -43,3 +43,15 @@ class XlaBackend(pf.Backend):
         mesh: jax.sharding.Mesh | None = None,
     ) -> jax.Array:
         return dense.decode(q, cache, lengths, spec)
+
+    def ragged_attention(
+        self,
+        q: jax.Array,
+        cache: pf.DecodeCache,
+        query_starts: jax.Array,
+        kv_lengths: jax.Array,
+        spec: pf.RaggedSpec,
+        *,
+        sinks: jax.Array | None = None,
+    ) -> jax.Array:
+        return dense.ragged(q, cache, query_starts, kv_lengths, spec, sinks)

@@ -14,6 +14,7 @@ from jax import lax
 
 import pallas_flash as pf
 from pallas_flash.masking import apply_softcap, positional_mask
+from pallas_flash.ragged_batch import token_places
 
 _F32 = jnp.float32
 
@@ -172,3 +173,38 @@ def decode(
         visible=visible[:, None, None, None, :],
     )
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def ragged(
+    q: jax.Array,
+    cache: pf.DecodeCache,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    spec: pf.RaggedSpec,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """Dense ragged attention; arguments as ``pf.Backend.ragged_attention``, output ``[tokens,
+    q_heads, head_dim]``: each token attends to its own sequence's cache, gathered whole
+    (``[tokens, kv_heads, max_len, head_dim]``). An int8 cache is attended to in float32."""
+    tokens, q_heads, head_dim = q.shape
+    k_cache, v_cache = contiguous(cache, _F32 if cache.quantized else q.dtype)
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    places = token_places(query_starts, kv_lengths, tokens)
+    keys = jnp.arange(max_len)[None, :]
+    visible = places.valid[:, None] & (keys <= places.position[:, None])  # [tokens, max_len]
+    if spec.window is not None:
+        visible &= keys >= places.position[:, None] - spec.window
+    # as in decode: positions no token sees may hold stale values, even NaN
+    v_tokens = jnp.where(visible[:, None, :, None], v_cache[places.sequence], 0)
+    out = _softmax_attention(
+        q.astype(k_cache.dtype).reshape(tokens, kv_heads, q_heads // kv_heads, 1, head_dim),
+        k_cache[places.sequence],
+        v_tokens,
+        sm_scale=spec.sm_scale,
+        softcap=spec.softcap,
+        bias=None,
+        visible=visible[:, None, None, None, :],
+        sinks=None if sinks is None else sinks.reshape(kv_heads, q_heads // kv_heads),
+    )
+    return out.reshape(tokens, q_heads, head_dim).astype(q.dtype)

@@ -10,6 +10,7 @@ Quick start::
     tok = pf.decode(q1, k_cache, v_cache, lengths)      # one token against a KV cache
     tok = pf.decode(q1, k_pages, v_pages, lengths, page_table=table)  # a paged cache
     k_cache = pf.write_token(k_cache, k1, lengths)      # its keys, in place under donation
+    out, cache = pf.ragged_attention(q, k, v, k_pages, v_pages, table, starts, kv_lengths)
     pages = pf.PageAllocator.empty(batch, pages_per_sequence, num_pages)  # a page table
     [info.name for info in pf.list_backends()]
 """
@@ -26,8 +27,9 @@ from pallas_flash.errors import BackendNotFoundError, InvalidInputError, Unsuppo
 from pallas_flash.hookspecs import hookimpl
 from pallas_flash.page_allocator import PageAllocator
 from pallas_flash.quantization import dequantize_int8, quantize_int8
+from pallas_flash.ragged_attention import ragged_attention
 from pallas_flash.registry import get_backend, list_backends, register_plugin, unregister_plugin
-from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
+from pallas_flash.specs import AttentionSpec, DecodeSpec, RaggedSpec, SegmentIds
 
 __all__ = [
     "AttentionSpec",
@@ -39,6 +41,7 @@ __all__ = [
     "DecodeSpec",
     "InvalidInputError",
     "PageAllocator",
+    "RaggedSpec",
     "SegmentIds",
     "UnsupportedFeatureError",
     "attention",
@@ -52,6 +55,7 @@ __all__ = [
     "kept_format",
     "list_backends",
     "quantize_int8",
+    "ragged_attention",
     "register_plugin",
     "to_zigzag",
     "unregister_plugin",

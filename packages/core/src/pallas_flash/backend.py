@@ -10,7 +10,7 @@ import jax
 from pallas_flash.capabilities import Capability
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.errors import UnsupportedFeatureError
-from pallas_flash.specs import AttentionSpec, DecodeSpec, SegmentIds
+from pallas_flash.specs import AttentionSpec, DecodeSpec, RaggedSpec, SegmentIds
 
 
 class Backend:
@@ -96,6 +96,30 @@ class Backend:
           mesh: devices to split the cache over; single-device backends ignore it.
         """
         raise UnsupportedFeatureError(f"backend {self.name!r} does not implement decode")
+
+    def ragged_attention(
+        self,
+        q: jax.Array,
+        cache: DecodeCache,
+        query_starts: jax.Array,
+        kv_lengths: jax.Array,
+        spec: RaggedSpec,
+        *,
+        sinks: jax.Array | None = None,
+    ) -> jax.Array:
+        """Ragged attention output ``[tokens, q_heads, head_dim]`` in the dtype of q, zeros
+        for padding rows (``pf.ragged_attention``; layout: `pallas_flash.ragged_batch`).
+
+        Args:
+          q: ``[tokens, q_heads, head_dim]``, the new tokens of every sequence, flat.
+          cache: the paged cache with the new tokens' keys and values already written (core
+            writes them), float or int8 (int8 only when the backend declares ``int8_cache``).
+          query_starts: ``[seqs + 1]`` int32, each sequence's first row.
+          kv_lengths: ``[seqs]`` int32, each sequence's positions, its new tokens included.
+          spec: the call's static settings.
+          sinks: ``[q_heads]``, passed only to calls that use it (``sinks`` capability).
+        """
+        raise UnsupportedFeatureError(f"backend {self.name!r} does not implement ragged attention")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,9 @@ over a mesh (a contiguous cache's sequence axis, a paged cache's pages) is writt
 ``shard_map``: each device writes a row only if it falls in its own slice, so a write moves
 no cache data between devices (left to XLA's partitioner, a dynamic index on a partitioned
 axis gathers the cache). `write_pages` writes whole pages of a paged pool (a prompt's K/V),
-and `write_kv` writes a layer's keys and values with any of these, quantized to int8 with
-their scales when the cache is int8.
+`write_tokens` a ragged batch's tokens into their pages (several may share a page), and
+`write_kv` writes a layer's keys and values with any of these, quantized to int8 with their
+scales when the cache is int8.
 """
 
 from __future__ import annotations
@@ -198,3 +199,15 @@ def write_token(
     """
     batch = jnp.arange(cache.shape[0])
     return write_rows(cache, row, batch, positions, split=split, split_axis=2, distinct_blocks=True)
+
+
+def write_tokens(
+    pool: jax.Array, values: jax.Array, pages: jax.Array, rows: jax.Array
+) -> jax.Array:
+    """``pool [num_pages, kv_heads, page_size, ...]`` with each ``values[i] [kv_heads, ...]``
+    written at ``[pages[i], :, rows[i]]``; a token whose page is outside ``[0, num_pages)`` is
+    written nowhere. One scatter for a ragged batch's tokens, any number of them in one page
+    (``...``: ``head_dim``, or nothing for scales); donate ``pool`` for it to be in place."""
+    outside = (pages < 0) | (pages >= pool.shape[0])
+    pages = jnp.where(outside, pool.shape[0], pages)  # past the end: dropped, never wrapped
+    return pool.at[pages, :, rows].set(values.astype(pool.dtype), mode="drop")

@@ -16,6 +16,9 @@ class Capability(enum.StrEnum):
     """``pf.attention``: prefill / training attention."""
     DECODE = "decode"
     """``pf.decode``: one query token per sequence against a KV cache."""
+    RAGGED = "ragged"
+    """``pf.ragged_attention``: a flat batch of new tokens from many sequences (decode tokens
+    and prefill chunks mixed) against their paged cache."""
     GRAD = "grad"
     """Gradients of ``pf.attention`` with respect to q, k and v."""
     CAUSAL = "causal"

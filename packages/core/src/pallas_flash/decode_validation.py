@@ -26,7 +26,7 @@ CONTIGUOUS = "[batch, kv_heads, max_len, head_dim]"
 PAGED = "[num_pages, kv_heads, page_size, head_dim]"
 
 
-def _concrete(x: Any) -> np.ndarray | None:
+def concrete(x: Any) -> np.ndarray | None:
     """``x`` as a NumPy array, or None when it is traced."""
     try:
         return np.asarray(x)
@@ -34,7 +34,7 @@ def _concrete(x: Any) -> np.ndarray | None:
         return None
 
 
-def _check_cache_arrays(q: Any, cache: DecodeCache, layout: str) -> None:
+def check_cache_arrays(q: Any, cache: DecodeCache, layout: str) -> None:
     """Ranks, shapes and dtypes of k, v and their scales against q."""
     check_rank("k_cache", cache.k, 4, layout)
     check_rank("v_cache", cache.v, 4, layout)
@@ -76,23 +76,27 @@ def _check_int8(q: Any, cache: DecodeCache, layout: str) -> None:
             raise fail(name, f"dtype {jnp.result_type(scales)}", text)
 
 
-def _check_lengths(lengths: Any, batch: int, max_len: int, room: str) -> np.ndarray | None:
-    """Shape, dtype and (when concrete) range of lengths; returns their values if concrete."""
+def _check_lengths(
+    lengths: Any, batch: int, max_len: int, room: str, name: str = "lengths"
+) -> np.ndarray | None:
+    """Shape, dtype and (when concrete) range of lengths (the argument ``name``); returns their
+    values if concrete."""
     if tuple(jnp.shape(lengths)) != (batch,):
-        raise fail("lengths", f"shape {tuple(jnp.shape(lengths))}", f"shape ({batch},) [batch]")
+        raise fail(name, f"shape {tuple(jnp.shape(lengths))}", f"shape ({batch},) [batch]")
     if not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
-        raise fail("lengths", f"dtype {jnp.result_type(lengths)}", "an integer dtype (int32)")
-    values = _concrete(lengths)
+        raise fail(name, f"dtype {jnp.result_type(lengths)}", "an integer dtype (int32)")
+    values = concrete(lengths)
     if values is not None and ((values < 0) | (values > max_len)).any():
-        raise fail("lengths", f"values {values.tolist()}", f"values in [0, {room}]")
+        raise fail(name, f"values {values.tolist()}", f"values in [0, {room}]")
     return values
 
 
-def _check_page_table(
-    page_table: Any, batch: int, num_pages: int, page_size: int, lengths: Any
-) -> None:
-    """The table's shape and dtype and, when it and lengths are concrete, that every page a
-    sequence's length uses is a page of the cache."""
+def check_page_table(
+    page_table: Any, batch: int, num_pages: int, page_size: int, lengths: Any,
+    *, name: str = "lengths",
+) -> None:  # fmt: skip
+    """The table's shape and dtype and, when it and lengths (the argument ``name``) are
+    concrete, that every page a sequence's length uses is a page of the cache."""
     check_rank("page_table", page_table, 2, "[batch, pages_per_sequence]")
     shape = tuple(jnp.shape(page_table))
     if shape[0] != batch:
@@ -101,8 +105,8 @@ def _check_page_table(
         raise fail("page_table", f"dtype {jnp.result_type(page_table)}", "an integer dtype (int32)")
     max_len = shape[1] * page_size
     room = f"{max_len}: pages_per_sequence={shape[1]} x page_size={page_size}"
-    values = _check_lengths(lengths, batch, max_len, room)
-    table = _concrete(page_table)
+    values = _check_lengths(lengths, batch, max_len, room, name)
+    table = concrete(page_table)
     if values is None or table is None:
         return
     used = np.arange(shape[1])[None, :] < -(-values[:, None] // page_size)  # ceil division
@@ -112,7 +116,7 @@ def _check_page_table(
         raise fail(
             "page_table",
             f"page {int(table[b, j])} at [{b}, {j}] ({len(bad)} out of range)",
-            f"indices in [0, num_pages={num_pages}) for every page that lengths use",
+            f"indices in [0, num_pages={num_pages}) for every page that {name} use",
         )
 
 
@@ -122,7 +126,7 @@ def check_decode(q: Any, cache: DecodeCache, lengths: Any) -> AttentionDims:
     check_rank("q", q, 3, "[batch, q_heads, head_dim]")
     batch, q_heads, head_dim = jnp.shape(q)
     layout = CONTIGUOUS if cache.page_table is None else PAGED
-    _check_cache_arrays(q, cache, layout)
+    check_cache_arrays(q, cache, layout)
     k_shape = tuple(jnp.shape(cache.k))
     if cache.page_table is None:
         if k_shape[0] != batch:
@@ -130,6 +134,6 @@ def check_decode(q: Any, cache: DecodeCache, lengths: Any) -> AttentionDims:
         max_len = k_shape[2]
         _check_lengths(lengths, batch, max_len, f"max_len={max_len}")
     else:
-        _check_page_table(cache.page_table, batch, k_shape[0], k_shape[2], lengths)
+        check_page_table(cache.page_table, batch, k_shape[0], k_shape[2], lengths)
         max_len = jnp.shape(cache.page_table)[1] * k_shape[2]
     return AttentionDims(batch, q_heads, 1, k_shape[1], max_len, head_dim, head_dim)

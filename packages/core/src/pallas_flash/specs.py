@@ -59,3 +59,19 @@ class DecodeSpec:
 
     sm_scale: float
     softcap: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedSpec:
+    """Static settings of one ragged attention call.
+
+    Attributes:
+      sm_scale: scores are ``(q @ k^T) * sm_scale``.
+      softcap: if set, ``scores = softcap * tanh(scores / softcap)``, applied before masking.
+      window: if set, ``w``: a new token at position ``p`` sees positions ``p - w <= j <= p``
+        (every token sees only positions up to its own: causal).
+    """
+
+    sm_scale: float
+    softcap: float | None = None
+    window: int | None = None

@@ -1,0 +1,120 @@
+"""``pf.ragged_attention``: one call over the new tokens of many sequences, decoding and
+prefilling at once, against their paged cache (the serving engine's attention).
+
+Core validates the call, writes the new keys and values into their pages (`write_tokens`,
+quantized for an int8 cache) and hands the backend the written cache: every backend reads the
+same cache, and the write happens once, in place when the caller donates the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash import validation
+from pallas_flash.cache_write import write_kv, write_tokens
+from pallas_flash.capabilities import Capability
+from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.ragged_batch import token_places
+from pallas_flash.ragged_validation import check_ragged
+from pallas_flash.registry import select_backend
+from pallas_flash.specs import RaggedSpec
+
+
+def ragged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    sm_scale: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    sinks: jax.Array | None = None,
+    backend: str | None = None,
+) -> tuple[jax.Array, DecodeCache]:
+    """Causal attention of a flat batch of new tokens from many sequences against their paged
+    cache, their own keys and values written into it first.
+
+    Sequence ``s`` owns rows ``query_starts[s]`` to ``query_starts[s + 1] - 1`` of ``q``,
+    ``k`` and ``v`` (one token while decoding, a chunk while prefilling, none for an empty
+    slot), at its positions ``kv_lengths[s] - n_s`` to ``kv_lengths[s] - 1``; each token sees
+    the sequence's positions up to its own (`pallas_flash.ragged_batch`). Rows from
+    ``query_starts[-1]`` on are padding: written nowhere, their output zeros.
+
+    Args:
+      q: ``[tokens, q_heads, head_dim]``.
+      k: ``[tokens, kv_heads, head_dim]``, q's dtype: the new tokens' keys (RoPE applied).
+      v: the new tokens' values, shaped as ``k``.
+      k_cache: ``[num_pages, kv_heads, page_size, head_dim]``, q's dtype, or int8 with
+        ``k_scales`` (`pallas_flash.DecodeCache`); donate it for the write to be in place.
+      v_cache: the shape and dtype of ``k_cache``.
+      page_table: ``[seqs, pages_per_sequence]`` int32: position ``p`` of sequence ``s`` is
+        row ``p % page_size`` of page ``page_table[s, p // page_size]``.
+      query_starts: ``[seqs + 1]`` int32, non-decreasing from 0, at most ``tokens``.
+      kv_lengths: ``[seqs]`` int32 positions of each sequence once its new tokens are cached,
+        at least its new tokens and at most ``pages_per_sequence * page_size``.
+      k_scales, v_scales: float32 ``[num_pages, kv_heads, page_size]`` for an int8 cache.
+      sm_scale: score scale; default ``1 / sqrt(head_dim)``.
+      softcap: if set, ``scores = softcap * tanh(scores / softcap)``.
+      sliding_window: ``w``: a token at position ``p`` sees positions ``p - w`` to ``p``.
+      sinks: ``[q_heads]`` float: a logit per query head in every row's softmax denominator.
+      backend: backend name (see `pallas_flash.attention`).
+
+    Concrete values out of range raise; traced ones cannot be checked: backends clip page
+    indices into the cache, and a token whose page is out of range is written nowhere.
+
+    Returns:
+      The output ``[tokens, q_heads, head_dim]`` in q's dtype, and the cache with the new
+      keys and values written (``page_table`` unchanged).
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    optional = (k_scales, v_scales)
+    cache = DecodeCache(jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(page_table),
+                        *(None if x is None else jnp.asarray(x) for x in optional))  # fmt: skip
+    query_starts, kv_lengths = jnp.asarray(query_starts), jnp.asarray(kv_lengths)
+    dims = check_ragged(q, k, v, cache, query_starts, kv_lengths)
+    spec = RaggedSpec(
+        sm_scale=validation.check_sm_scale(sm_scale, dims.head_dim),
+        softcap=validation.check_softcap(softcap),
+        window=None if sliding_window is None else validation.check_window(
+            sliding_window, causal=True)[0],
+    )  # fmt: skip
+    if sinks is not None:
+        sinks = validation.check_sinks(sinks, dims)
+    used = {
+        Capability.RAGGED: True,
+        Capability.GQA: dims.q_heads != dims.kv_heads,
+        Capability.SOFTCAP: spec.softcap is not None,
+        Capability.SLIDING_WINDOW: spec.window is not None,
+        Capability.SINKS: sinks is not None,
+        Capability.INT8_CACHE: cache.quantized,
+    }
+    impl = select_backend(backend, frozenset(f for f, needed in used.items() if needed))
+    cache = cache._replace(page_table=cache.page_table.astype(jnp.int32))
+    query_starts, kv_lengths = query_starts.astype(jnp.int32), kv_lengths.astype(jnp.int32)
+    cache = write_new_tokens(cache, k, v, query_starts, kv_lengths)
+    extra = {} if sinks is None else {"sinks": sinks}
+    out = impl.ragged_attention(q, cache, query_starts, kv_lengths, spec, **extra)
+    return out, cache
+
+
+def write_new_tokens(
+    cache: DecodeCache, k: jax.Array, v: jax.Array, query_starts: jax.Array, kv_lengths: jax.Array
+) -> DecodeCache:
+    """``cache`` with each valid row of ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` written
+    at its sequence's position (`pallas_flash.ragged_batch`); padding rows and rows whose page
+    is out of range are written nowhere."""
+    page_size, pages_per_sequence = cache.k.shape[2], cache.page_table.shape[1]
+    places = token_places(query_starts, kv_lengths, k.shape[0])
+    column = places.position // page_size
+    inside = places.valid & (places.position >= 0) & (column < pages_per_sequence)
+    page = cache.page_table[places.sequence, jnp.clip(column, 0, pages_per_sequence - 1)]
+    pages, rows = jnp.where(inside, page, -1), places.position % page_size
+    return write_kv(cache, k, v, lambda array, values: write_tokens(array, values, pages, rows))
