@@ -105,6 +105,11 @@ class ToyBackend(pf.Backend):
         self.calls.append(dict(q=q, cache=cache, lengths=lengths, spec=spec, mesh=mesh))
         return q + 1
 
+    def ragged_attention(self, q, cache, query_starts, kv_lengths, spec, *, sinks=None):
+        self.calls.append(dict(q=q, cache=cache, query_starts=query_starts,
+                               kv_lengths=kv_lengths, spec=spec, sinks=sinks))  # fmt: skip
+        return q + 1
+
 
 class ToyPlugin:
     """A pluggy plugin object that provides the given backends."""

@@ -226,6 +226,40 @@ def decode(
     return out[:, :, 0, :]
 
 
+def ragged(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    query_starts: ArrayLike,
+    kv_lengths: ArrayLike,
+    **options: Any,
+) -> np.ndarray:
+    """Ragged attention of a flat batch of new tokens; returns ``[tokens, q_heads, head_dim]``.
+
+    ``q`` is ``[tokens, q_heads, head_dim]``; ``k`` and ``v`` are each sequence's cache with its
+    new tokens in it, ``[seqs, kv_heads, max_len, head_dim]``. Sequence ``s`` owns rows
+    ``query_starts[s]`` to ``query_starts[s + 1] - 1``, its last ``n_s`` positions before
+    ``kv_lengths[s]``, each seeing the positions up to its own; rows past
+    ``query_starts[-1]`` are zeros. ``options``: ``sm_scale`` (required), ``softcap``,
+    ``window=w`` (positions ``p - w`` to ``p``), ``sinks``.
+    """
+    q, starts, lengths = _f64(q), np.asarray(query_starts), np.asarray(kv_lengths)
+    window = options.pop("window", None)
+    out = np.zeros_like(q)
+    for s, length in enumerate(lengths):
+        first, end = starts[s], starts[s + 1]
+        if first == end:
+            continue
+        rows = q[first:end].transpose(1, 0, 2)[None]  # [1, q_heads, n_s, head_dim]
+        part = attention(
+            rows, _f64(k)[s : s + 1, :, :length], _f64(v)[s : s + 1, :, :length], causal=True,
+            q_offset=length - (end - first), window=None if window is None else (window, 0),
+            **options,
+        )  # fmt: skip
+        out[first:end] = part[0].transpose(1, 0, 2)
+    return out
+
+
 def gather_pages(pages: ArrayLike, page_table: ArrayLike) -> np.ndarray:
     """A paged cache ``[num_pages, kv_heads, page_size, ...]`` read through ``page_table
     [batch, pages_per_sequence]`` as a contiguous ``[batch, kv_heads, pages_per_sequence *

@@ -39,6 +39,13 @@ def _int8(backend: str):
     return pf.decode(q, values, values, lengths, k_scales=scales, v_scales=scales, backend=backend)
 
 
+def _ragged(backend: str):
+    pages = inputs.normal(1, (2, 2, 8, 64))
+    new = inputs.normal(2, (3, 2, 64))
+    table, starts, lengths = np.array([[1, 0]]), np.array([0, 3]), np.array([10])
+    return pf.ragged_attention(new, new, new, pages, pages, table, starts, lengths, backend=backend)
+
+
 def _grouped_query(backend: str):
     q, k, v = inputs.qkv(1, 4, 2, 16, 16, 64)
     return pf.attention(q, k, v, backend=backend)
@@ -48,6 +55,7 @@ def _grouped_query(backend: str):
 CALLS = {
     "attention": (_attention, None),
     "decode": (_decode, None),
+    "ragged": (_ragged, None),
     "grad": (lambda b: jax.grad(lambda q: _attention(b, q=q).sum())(_Q), "attention"),
     "causal": (lambda b: _attention(b, causal=True), "attention"),
     "gqa": (_grouped_query, "attention"),
