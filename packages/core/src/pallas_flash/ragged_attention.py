@@ -60,7 +60,8 @@ def ragged_attention(
       query_starts: ``[seqs + 1]`` int32, non-decreasing from 0, at most ``tokens``.
       kv_lengths: ``[seqs]`` int32 positions of each sequence once its new tokens are cached,
         at least its new tokens and at most ``pages_per_sequence * page_size``.
-      k_scales, v_scales: float32 ``[num_pages, kv_heads, page_size]`` for an int8 cache.
+      k_scales: float32 ``[num_pages, kv_heads, page_size]`` for an int8 cache.
+      v_scales: the same for ``v_cache``.
       sm_scale: score scale; default ``1 / sqrt(head_dim)``.
       softcap: if set, ``scores = softcap * tanh(scores / softcap)``.
       sliding_window: ``w``: a token at position ``p`` sees positions ``p - w`` to ``p``.
