@@ -8,6 +8,7 @@ import random
 import threading
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import pallas_flash as pf
@@ -115,6 +116,14 @@ def test_preempted_requests_get_the_same_tokens(tiny, engine) -> None:
     assert few.preemptions > 0
     assert _tokens(done) == _alone(engine, requests)
     assert few.free_pages == FEW_PAGES, "no page leaked"
+
+
+def test_an_int8_cache_serves_the_same_tokens_alone_and_batched(tiny) -> None:
+    config, params = tiny
+    int8 = Engine(params, config, num_pages=PAGES, backend="xla", cache_dtype=jnp.int8, **SIZES)
+    requests = _requests(4, seed=6)
+    assert _tokens(int8.run_all(requests)) == _alone(int8, requests)
+    assert int8.free_pages == PAGES
 
 
 def test_sampled_requests_follow_their_own_seeds(engine) -> None:

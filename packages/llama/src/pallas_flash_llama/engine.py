@@ -107,6 +107,7 @@ class Engine:
           pf.InvalidInputError: a prompt token outside the vocabulary, a seed outside ``[0,
             2**32)``, or what `Scheduler.add` refuses (an empty prompt, ``max_tokens`` below
             1 or past `max_len`, an id already queued or running).
+          RuntimeError: the stepping thread failed (the error is its cause).
         """
         bad = [t for t in request.prompt if not 0 <= t < self.config.vocab]
         if bad:
@@ -116,6 +117,7 @@ class Engine:
         if not 0 <= request.seed < SEEDS:
             raise pf.InvalidInputError(f"seed: expected 0 <= seed < 2**32, got {request.seed}")
         with self._lock:
+            self._check_alive()
             self._scheduler.add(request)
             self._live[request.id] = _Live(request, on_token, on_finish)
             self._lock.notify_all()
@@ -149,6 +151,9 @@ class Engine:
         if thread is not None:
             thread.join()
         self._thread = None
+        self._check_alive()
+
+    def _check_alive(self) -> None:
         if self._error is not None:
             raise RuntimeError("the engine's step failed") from self._error
 
@@ -172,9 +177,8 @@ class Engine:
         while requests and not all_done.is_set():
             if self._thread is None:
                 self._step()
-            elif self._error is not None:
-                raise RuntimeError("the engine's step failed") from self._error
             else:
+                self._check_alive()
                 all_done.wait(0.1)
         return done
 
