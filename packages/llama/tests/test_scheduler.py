@@ -10,7 +10,7 @@ import random
 import pytest
 
 import pallas_flash as pf
-from pallas_flash_llama.scheduler import Request, Scheduler, StepPlan, serve_all
+from pallas_flash_llama.scheduler import Finished, Request, Scheduler, StepPlan, serve_all
 
 VOCAB = 1000
 
@@ -126,3 +126,23 @@ def test_bad_requests_and_pools_are_refused() -> None:
         Scheduler(slots=1, token_budget=8, page_size=4, num_pages=8, pages_per_sequence=16)
     with pytest.raises(pf.InvalidInputError, match="token_budget: expected a positive int"):
         Scheduler(slots=1, token_budget=0, page_size=4, num_pages=8, pages_per_sequence=2)
+
+
+def test_cancel_ends_a_request_where_it_stands_and_frees_its_pages() -> None:
+    scheduler = _scheduler(64)
+    model = StandIn(scheduler)
+    running, queued = Request("running", tuple(range(10)), 8), Request("queued", (1,), 4)
+    scheduler.add(running)
+    for _ in range(2):  # its prompt and first token, then its second token
+        plan = scheduler.schedule()
+        scheduler.commit(plan, model(plan))
+    scheduler.add(queued)
+    assert scheduler.cancel("running") == Finished("running", _alone(running)[:2], "cancelled")
+    assert scheduler.cancel("running") is None and scheduler.cancel("unknown") is None
+    plan = scheduler.schedule()
+    assert plan.released == (0,) and [w.request_id for w in plan.work] == ["queued"]
+    assert scheduler.cancel("queued") == Finished("queued", (), "cancelled")
+    assert scheduler.schedule().released == (0,)
+    assert scheduler.idle and scheduler.free_pages == [64], "no page leaked"
+    scheduler.add(queued)  # its id is free again
+    assert scheduler.cancel("queued") == Finished("queued", (), "cancelled")

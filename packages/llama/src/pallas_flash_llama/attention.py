@@ -1,15 +1,18 @@
-"""The model's attention calls into Pallas-Flash: causal self-attention and cached decoding.
+"""The model's attention calls into Pallas-Flash: causal self-attention, cached decoding and
+continuous batching's ragged step.
 
-Both take ``[batch, heads, seq, head_dim]`` (decode: one position) and pick the backend by
-name, or let the registry choose. Under a mesh a Pallas kernel cannot be partitioned by XLA,
-so self-attention runs inside ``shard_map``: each device attends over its own batch rows
-(``data`` x ``fsdp``) and heads (``tensor``); GQA keeps K/V unrepeated, each device holding
-the kv heads of its query heads. Decoding writes the new token into a contiguous or paged,
-float or int8 cache (`kv_cache`) and attends through ``pf.decode``; over a mesh, as the cache
-is split (`kv_cache.CacheSplit`): a cache split over batch and kv heads is written and read
-inside ``shard_map``, each device on its own sequences and heads, nothing exchanged; a cache
-split along its sequence (a paged one: its pages) goes to ``pf.decode`` with the mesh, whose
-multi-device backends (``splitkv``) merge the devices' partials.
+All take ``[batch, heads, seq, head_dim]`` (decode: one position; the ragged step: one row
+of many sequences' new tokens) and pick the backend by name, or let the registry choose.
+Under a mesh a Pallas kernel cannot be partitioned by XLA, so self-attention runs inside
+``shard_map``: each device attends over its own batch rows (``data`` x ``fsdp``) and heads
+(``tensor``); GQA keeps K/V unrepeated, each device holding the kv heads of its query heads.
+Decoding writes the new token into a contiguous or paged, float or int8 cache (`kv_cache`)
+and attends through ``pf.decode``; over a mesh, as the cache is split
+(`kv_cache.CacheSplit`): a cache split over batch and kv heads is written and read inside
+``shard_map``, each device on its own sequences and heads, nothing exchanged; a cache split
+along its sequence (a paged one: its pages) goes to ``pf.decode`` with the mesh, whose
+multi-device backends (``splitkv``) merge the devices' partials. The ragged step writes its
+tokens into a paged cache and attends through ``pf.ragged_attention`` (one device).
 """
 
 from __future__ import annotations
@@ -122,3 +125,35 @@ def _write_and_decode(q, k, v, cache, blocks, positions, lengths, *, backend, me
         k_scales=cache.k_scales, v_scales=cache.v_scales, backend=backend, mesh=mesh,
     )  # fmt: skip
     return out[:, :, None], cache
+
+
+def ragged_cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: pf.DecodeCache,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    backend: str | None,
+) -> tuple[jax.Array, pf.DecodeCache]:
+    """One layer of a continuous-batching step: a flat batch of new tokens from many
+    sequences, held as one row (``pf.ragged_attention``, which writes their K/V into the
+    paged cache first).
+
+    Args:
+      q: ``[1, q_heads, tokens, head_dim]``.
+      k, v: ``[1, kv_heads, tokens, head_dim]``.
+      cache: the layer's paged cache (donated by the caller).
+      query_starts: ``[seqs + 1]`` int32, sequence ``s``'s tokens from ``query_starts[s]``.
+      kv_lengths: ``[seqs]`` int32 positions of each sequence once its tokens are cached.
+
+    Returns:
+      The output ``[1, q_heads, tokens, head_dim]`` and the updated cache.
+    """
+    flat = lambda x: x[0].swapaxes(0, 1)  # noqa: E731  [tokens, heads, head_dim]
+    out, cache = pf.ragged_attention(
+        flat(q), flat(k), flat(v), cache.k, cache.v, cache.page_table, query_starts,
+        kv_lengths, k_scales=cache.k_scales, v_scales=cache.v_scales, backend=backend,
+    )  # fmt: skip
+    return out.swapaxes(0, 1)[None], cache

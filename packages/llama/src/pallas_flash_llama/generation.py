@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
-from typing import Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -172,10 +172,27 @@ def jitted(
     """
     if step not in _STEPS:
         raise pf.InvalidInputError(f"step: expected one of {sorted(_STEPS)}, got {step!r}")
+    return jit_step(_STEPS[step], cache, config, backend, mesh)
+
+
+def jit_step(
+    step: Callable[..., tuple[Any, KVCache]],
+    cache: KVCache,
+    config: LlamaConfig,
+    backend: str | None = None,
+    mesh: Mesh | None = None,
+) -> jax.stages.Wrapped:
+    """``step(params, cache, ..., config=, backend=, mesh=) -> (out, cache)`` (a module-level
+    function) jitted as `jitted` jits its steps, once per step, cache layout and config: the
+    cache donated and returned row-major in its own placement.
+
+    Raises:
+      pf.InvalidInputError: a cache whose split its layout does not take.
+    """
     check_split(cache.split, cache.paged)
     scales = None if cache.k_scales is None else pf.kept_format(cache.k_scales[0])
     kept = pf.kept_format(cache.k[0])
-    return _jit(_STEPS[step], config, backend, mesh, kept, scales, cache.split)
+    return _jit(step, config, backend, mesh, kept, scales, cache.split)
 
 
 @functools.cache

@@ -39,17 +39,41 @@ class Sampling:
 def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """``logits [batch, vocab]`` float32 divided by the temperature, with the tokens top-k and
     top-p exclude set to -inf."""
-    logits = logits.astype(jnp.float32) / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+    return filter_rows(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def filter_rows(
+    logits: jax.Array,
+    temperature: jax.Array | float,
+    top_k: jax.Array | int | None = None,
+    top_p: jax.Array | float | None = None,
+) -> jax.Array:
+    """`filter_logits` with a parameter per row: ``logits [batch, vocab]`` float32 divided by
+    ``temperature`` (``[batch]`` or a scalar, > 0), the tokens outside each row's ``top_k``
+    (``[batch]`` int32 or a scalar; the vocabulary or more keeps all) and ``top_p`` (``[batch]``
+    float32 or a scalar; 1 keeps all) set to -inf. None skips that filter for every row."""
+    logits = logits.astype(jnp.float32) / _per_row(temperature, jnp.float32)
+    vocab = logits.shape[-1]
+    if top_k is None and top_p is None:
+        return logits
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    if top_k is not None:
+        index = jnp.clip(_per_row(top_k, jnp.int32) - 1, 0, vocab - 1)
+        kth = jnp.take_along_axis(ordered, index, axis=-1)
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p is not None and sampling.top_p < 1:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+    if top_p is not None:
+        top_p = _per_row(top_p, jnp.float32)
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        kept = jnp.where(before < sampling.top_p, ordered, jnp.inf)
+        kept = jnp.where((before < top_p) | (top_p >= 1), ordered, jnp.inf)
         logits = jnp.where(logits < kept.min(axis=-1, keepdims=True), -jnp.inf, logits)
     return logits
+
+
+def _per_row(value: jax.Array | float, dtype: jnp.dtype) -> jax.Array:
+    """A scalar or ``[batch]`` parameter as ``[batch or 1, 1]``, to broadcast over logits."""
+    return jnp.asarray(value, dtype).reshape(-1, 1)
 
 
 @functools.partial(jax.jit, static_argnames="sampling")
@@ -58,3 +82,19 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, filter_logits(logits, sampling)).astype(jnp.int32)
+
+
+def sample_rows(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> jax.Array:
+    """``[batch]`` int32 next tokens for ``logits [batch, vocab]``, each row by its own
+    parameters (`filter_rows`, ``[batch]`` each) and key (``keys [batch]``): greedy where its
+    temperature is 0."""
+    greedy = temperature == 0
+    filtered = filter_rows(logits, jnp.where(greedy, 1.0, temperature), top_k, top_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

@@ -20,7 +20,7 @@ holds no array and calls no model.
   does). Its output is the same as if it had never been preempted.
 - **Ends.** `Scheduler.commit` takes the tokens the step sampled: a sequence ends at a stop
   token or at ``max_tokens`` generated tokens, and its pages and slot are freed (the next
-  plan's ``released``).
+  plan's ``released``). `Scheduler.cancel` ends a request where it stands, the same way.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """A request that ended: its generated tokens and why (``stop`` or ``length``)."""
+    """A request that ended: its generated tokens and why (``stop``, ``length`` or
+    ``cancelled``)."""
 
     request_id: str
     tokens: tuple[int, ...]
@@ -163,6 +164,27 @@ class Scheduler:
             raise pf.InvalidInputError(f"id: {request.id!r} is already queued or running")
         self._ids.add(request.id)
         self._waiting.append(_Sequence(request, list(request.prompt)))
+
+    def cancel(self, request_id: str) -> Finished | None:
+        """Ends ``request_id`` where it stands: a running sequence's pages and slot are freed
+        (the next plan's ``released``). Call it between a commit and the next plan, not for a
+        request of a plan not yet committed.
+
+        Returns:
+          The request with the tokens it has generated and reason ``cancelled``; None where it
+          is neither queued nor running (it has ended, or was never added).
+        """
+        seq = next((s for s in (*self._waiting, *self._running) if s.request.id == request_id),
+                   None)  # fmt: skip
+        if seq is None:
+            return None
+        if seq in self._running:
+            self._running.remove(seq)
+            self._freed.append(self._release(seq))
+        else:
+            self._waiting.remove(seq)
+        self._ids.discard(request_id)
+        return Finished(request_id, tuple(seq.tokens[len(seq.request.prompt) :]), "cancelled")
 
     @property
     def idle(self) -> bool:

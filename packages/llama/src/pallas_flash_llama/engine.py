@@ -1,0 +1,258 @@
+"""The serving engine: continuous batching (`scheduler`) run on the model (`engine_step`).
+
+`Engine` holds the model's parameters, a paged cache of ``slots`` rows and a `Scheduler`.
+Each step the scheduler plans the new tokens (decode tokens and prefill chunks of many
+requests, at most ``token_budget``), the host lays them out as a `engine_step.StepBatch`, and
+one jitted call (compiled once) runs them, frees and allocates pages on the device and
+samples each finishing slot's next token; the host reads the sampled tokens back (its only
+sync), commits them to the scheduler and calls the requests' callbacks. A background thread
+(`Engine.start`) steps while there is work and waits on a condition otherwise; `submit` and
+`cancel` may be called from any thread, `run_all` serves a batch synchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+
+import jax
+import numpy as np
+
+import pallas_flash as pf
+from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.engine_step import StepBatch, release_slots, run_step
+from pallas_flash_llama.generation import inference_params
+from pallas_flash_llama.kv_cache import init_cache
+from pallas_flash_llama.model import Params
+from pallas_flash_llama.scheduler import Finished, Request, Scheduler, StepPlan
+
+SEEDS = 2**32
+"""A request's seed is in ``[0, SEEDS)``."""
+
+
+@dataclasses.dataclass
+class _Live:
+    """A submitted request that has not ended: its callbacks and tokens generated so far."""
+
+    request: Request
+    on_token: Callable[[int], None]
+    on_finish: Callable[[Finished], None]
+    generated: int = 0
+
+
+class Engine:
+    """Serves requests by continuous batching on one device (module doc).
+
+    Args:
+      params: the model's parameters (`model.init_params` or `weights.load_params`).
+      config: the model.
+      slots: sequences running at once (rows of the cache).
+      token_budget: new tokens per step (the step's compiled size).
+      page_size: positions per page.
+      num_pages: pages in each layer's pool.
+      pages_per_sequence: the most pages one sequence holds (`max_len` / ``page_size``).
+      backend: ``pf.ragged_attention``'s backend; default: the registry's choice.
+      cache_dtype: the cache's dtype: None for the compute dtype, or ``jnp.int8``.
+
+    Raises:
+      pf.InvalidInputError: a size below 1, a pool that cannot hold one sequence, or a bad
+        ``cache_dtype``.
+    """
+
+    def __init__(self, params: Params, config: LlamaConfig, *, slots: int, token_budget: int,
+                 page_size: int, num_pages: int, pages_per_sequence: int,
+                 backend: str | None = None,
+                 cache_dtype: jax.typing.DTypeLike | None = None) -> None:  # fmt: skip
+        self._scheduler = Scheduler(
+            slots=slots, token_budget=token_budget, page_size=page_size, num_pages=num_pages,
+            pages_per_sequence=pages_per_sequence,
+        )  # fmt: skip
+        self.config, self.backend, self.num_pages = config, backend, num_pages
+        self._params = inference_params(params, config)
+        cache = init_cache(config, slots, self.max_len, kv_dtype=cache_dtype,
+                           page_size=page_size, num_pages=num_pages)  # fmt: skip
+        # lengths and pages committed to the pools' device, as the step returns them: one compile
+        self._cache = jax.device_put(cache, cache.k[0].sharding)
+        self._lock = threading.Condition()  # the scheduler, _live, _cancels, _stopping
+        self._stepping = threading.Lock()  # one step at a time; the cache
+        self._live: dict[str, _Live] = {}
+        self._cancels: list[str] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def max_len(self) -> int:
+        """Positions one sequence holds: its prompt and generated tokens together."""
+        return self._scheduler.max_len
+
+    @property
+    def preemptions(self) -> int:
+        """How many times a running request was preempted (recomputed later)."""
+        return self._scheduler.preemptions
+
+    @property
+    def free_pages(self) -> int:
+        """Free pages of the device's allocator (reads it back; `num_pages` when idle)."""
+        with self._stepping:
+            return int(np.asarray(self._cache.pages.num_free).sum())
+
+    def submit(self, request: Request, on_token: Callable[[int], None],
+               on_finish: Callable[[Finished], None]) -> None:  # fmt: skip
+        """Queues ``request``: ``on_token(token)`` is called for each token it generates (the
+        last included), then ``on_finish`` once, from the thread that steps.
+
+        Raises:
+          pf.InvalidInputError: a prompt token outside the vocabulary, a seed outside ``[0,
+            2**32)``, or what `Scheduler.add` refuses (an empty prompt, ``max_tokens`` below
+            1 or past `max_len`, an id already queued or running).
+          RuntimeError: the stepping thread failed (the error is its cause).
+        """
+        bad = [t for t in request.prompt if not 0 <= t < self.config.vocab]
+        if bad:
+            raise pf.InvalidInputError(
+                f"prompt: expected token ids in [0, {self.config.vocab}), got {bad[:5]}"
+            )
+        if not 0 <= request.seed < SEEDS:
+            raise pf.InvalidInputError(f"seed: expected 0 <= seed < 2**32, got {request.seed}")
+        with self._lock:
+            self._check_alive()
+            self._scheduler.add(request)
+            self._live[request.id] = _Live(request, on_token, on_finish)
+            self._lock.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        """Ends ``request_id`` before its next step: ``on_finish`` gets its tokens so far and
+        reason ``cancelled``, its pages and slot are freed. Unknown or ended ids are ignored."""
+        with self._lock:
+            if request_id in self._live:
+                self._cancels.append(request_id)
+                self._lock.notify_all()
+
+    def start(self) -> None:
+        """Starts the thread that steps while there is work."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the thread after its current step (requests left stay queued).
+
+        Raises:
+          RuntimeError: the thread's step failed (the error is its cause).
+        """
+        with self._lock:
+            thread, self._stopping = self._thread, True
+            self._lock.notify_all()
+        if thread is not None:
+            thread.join()
+        self._thread = None
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the engine's step failed") from self._error
+
+    def run_all(self, requests: Iterable[Request]) -> dict[str, Finished]:
+        """Serves ``requests`` to their ends, on the thread when started, else on this one.
+
+        Raises:
+          pf.InvalidInputError: as `submit`, before any is queued past the bad one.
+        """
+        requests = list(requests)
+        done: dict[str, Finished] = {}
+        all_done = threading.Event()
+
+        def finish(result: Finished) -> None:
+            done[result.request_id] = result
+            if len(done) == len(requests):
+                all_done.set()
+
+        for request in requests:
+            self.submit(request, lambda token: None, finish)
+        while requests and not all_done.is_set():
+            if self._thread is None:
+                self._step()
+            else:
+                self._check_alive()
+                all_done.wait(0.1)
+        return done
+
+    def _has_work(self) -> bool:
+        return not self._scheduler.idle or bool(self._cancels)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self._has_work():
+                        self._lock.wait()
+                    if self._stopping:
+                        return
+                self._step()
+        except BaseException as error:
+            self._error = error
+            raise
+
+    def _step(self) -> None:
+        """Applies pending cancels, runs the next plan, commits it, then calls back."""
+        with self._stepping:
+            with self._lock:
+                cancelled = [self._scheduler.cancel(i) for i in self._cancels]
+                cancelled = [f for f in cancelled if f is not None]
+                self._cancels.clear()
+                plan = self._scheduler.schedule()
+                batch = self._batch(plan)
+            sampled = np.full(self._scheduler.slots, -1, np.int32)
+            if plan.work:
+                sampled, self._cache = run_step(
+                    self._params, self._cache, batch, self.config, self.backend
+                )
+                sampled = np.asarray(sampled)
+            with self._lock:
+                tokens = [(w.request_id, int(sampled[w.slot])) for w in plan.work if w.sample]
+                finished = cancelled + self._scheduler.commit(plan, dict(tokens))
+                calls = [(self._live[i].on_token, t) for i, t in tokens]
+                for request_id, _ in tokens:
+                    self._live[request_id].generated += 1
+                calls += [(self._live.pop(f.request_id).on_finish, f) for f in finished]
+                # the slots of requests that ended wait for the next plan: free them now if none
+                freed = self._scheduler.schedule().released if self._scheduler.idle else ()
+            freed = (*freed, *(() if plan.work else plan.released))  # a step frees its own
+            if freed:
+                self._release(np.isin(np.arange(self._scheduler.slots), freed))
+        for call, argument in calls:
+            call(argument)
+
+    def _release(self, mask: np.ndarray) -> None:
+        """Frees the pages of the ``mask [slots]`` slots outside a step."""
+        pages, lengths = release_slots(self._cache.pages, self._cache.lengths, mask)
+        self._cache = dataclasses.replace(self._cache, pages=pages, lengths=lengths)
+
+    def _batch(self, plan: StepPlan) -> StepBatch:
+        """``plan`` as the step's inputs (`engine_step.StepBatch`)."""
+        batch = StepBatch.empty(self._scheduler.slots, self._scheduler.token_budget)
+        batch.released[list(plan.released)] = True
+        work = {w.slot: w for w in plan.work}
+        start = 0
+        for slot in range(self._scheduler.slots):
+            batch.query_starts[slot] = start
+            if slot in work:
+                item, live = work[slot], self._live[work[slot].request_id]
+                count = len(item.tokens)
+                batch.tokens[start : start + count] = item.tokens
+                batch.kv_lengths[slot] = item.start + count
+                start += count
+                if item.sample:
+                    batch.sample_rows[slot] = start - 1
+                sampling = live.request.sampling
+                batch.temperature[slot] = sampling.temperature
+                batch.top_k[slot] = sampling.top_k or self.config.vocab
+                batch.top_p[slot] = 1.0 if sampling.top_p is None else sampling.top_p
+                batch.seeds[slot], batch.counts[slot] = live.request.seed, live.generated
+        batch.query_starts[-1] = start
+        return batch

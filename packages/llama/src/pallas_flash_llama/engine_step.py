@@ -1,0 +1,126 @@
+"""The serving engine's device step: one jitted call runs a continuous-batching step (a
+`scheduler.StepPlan`) through the model against the paged cache and samples each slot's next
+token.
+
+A step's new tokens are one flat batch padded to the token budget (`StepBatch`), laid out as
+`pallas_flash.ragged_batch` says: slot ``s`` (a row of the page table) owns tokens
+``query_starts[s]`` to ``query_starts[s + 1] - 1`` at its positions up to ``kv_lengths[s] -
+1``; an idle slot has none. The step first frees the pages of the slots the plan released
+(`pallas_flash.page_allocator.release`) and gives every slot the pages its new length takes
+(``ceil(kv_lengths / page_size)``, keeping those it holds: page ``j`` of slot ``b`` from shard
+``(j + b) % shards``, which the scheduler has counted). The model then runs the batch as one
+row ``[1, token_budget]``: each layer's `attention.ragged_cached_attention` writes the tokens'
+K/V into its pool and attends through ``pf.ragged_attention``. Each sampling slot's logits
+come from its last token's hidden state; it samples with its own parameters and a key folded
+from its request's seed and the index of the token in the request, so a request's tokens do
+not depend on what else is batched. The step is jitted once per cache, config and token
+budget (`generation.jit_step`), the cache donated: no step copies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash import page_allocator
+from pallas_flash.ragged_batch import new_tokens, token_places
+from pallas_flash_llama.attention import ragged_cached_attention
+from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.generation import jit_step
+from pallas_flash_llama.kv_cache import KVCache
+from pallas_flash_llama.layers import decoder_layer
+from pallas_flash_llama.model import Params, embed, unembed
+from pallas_flash_llama.sampling import sample_rows
+
+
+class StepBatch(NamedTuple):
+    """One step's inputs (module doc); ``slots`` is the cache's batch.
+
+    Attributes:
+      tokens: ``[token_budget]`` int32 new tokens, slot by slot, then padding.
+      query_starts: ``[slots + 1]`` int32.
+      kv_lengths: ``[slots]`` int32 positions of each slot once its tokens are cached (0 for
+        an idle slot).
+      released: ``[slots]`` bool, slots whose pages are freed before the step.
+      sample_rows: ``[slots]`` int32, the token whose logits the slot samples from (its
+        last), or -1: the slot samples nothing.
+      temperature: ``[slots]`` float32, 0 for greedy.
+      top_k: ``[slots]`` int32 (the vocabulary: no limit).
+      top_p: ``[slots]`` float32 (1: no limit).
+      seeds: ``[slots]`` uint32, the request's seed.
+      counts: ``[slots]`` int32, the index in its request of the token the slot samples.
+    """
+
+    tokens: jax.Array
+    query_starts: jax.Array
+    kv_lengths: jax.Array
+    released: jax.Array
+    sample_rows: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    counts: jax.Array
+
+    @classmethod
+    def empty(cls, slots: int, token_budget: int) -> StepBatch:
+        """A batch of numpy arrays with no token and no slot released, to fill on the host."""
+        zeros = functools.partial(np.zeros, slots)
+        return cls(np.zeros(token_budget, np.int32), np.zeros(slots + 1, np.int32),
+                   zeros(np.int32), zeros(bool), np.full(slots, -1, np.int32),
+                   zeros(np.float32), zeros(np.int32), np.ones(slots, np.float32),
+                   zeros(np.uint32), zeros(np.int32))  # fmt: skip
+
+
+def run_step(
+    params: Params, cache: KVCache, batch: StepBatch, config: LlamaConfig, backend: str | None
+) -> tuple[jax.Array, KVCache]:
+    """Runs one step (module doc).
+
+    Args:
+      params: `generation.inference_params`.
+      cache: a paged cache on one device (`kv_cache.init_cache`, donated).
+      batch: the step's inputs.
+
+    Returns:
+      ``[slots]`` int32, each sampling slot's next token (-1 for the others), and the cache
+      with the tokens' K/V written, their slots' lengths ``kv_lengths``.
+    """
+    return jit_step(_step, cache, config, backend)(params, cache, batch)
+
+
+def _step(params, cache, batch, config, backend, mesh):
+    del mesh  # one device: `jit_step` passes None
+    pages, lengths = release_slots(cache.pages, cache.lengths, batch.released)
+    pages, _ = page_allocator.allocate_prompts(pages, batch.kv_lengths, cache.page_size)
+    lengths = jnp.where(new_tokens(batch.query_starts) > 0, batch.kv_lengths, lengths)
+    cache = dataclasses.replace(cache, pages=pages)
+    places = token_places(batch.query_starts, batch.kv_lengths, batch.tokens.shape[0])
+    x = embed(params, batch.tokens[None], config)
+    layers = []
+    for i, layer in enumerate(params["layers"]):
+        attend = functools.partial(ragged_cached_attention, cache=cache.layer(i),
+                                   query_starts=batch.query_starts,
+                                   kv_lengths=batch.kv_lengths, backend=backend)  # fmt: skip
+        x, layer_cache = decoder_layer(x, layer, places.position[None], attend, config)
+        layers.append(layer_cache)
+    logits = unembed(params, x[0, jnp.maximum(batch.sample_rows, 0)], config)
+    keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
+        batch.seeds, batch.counts
+    )
+    tokens = sample_rows(logits, keys, batch.temperature, batch.top_k, batch.top_p)
+    return jnp.where(batch.sample_rows >= 0, tokens, -1), cache.with_layers(layers, lengths)
+
+
+@jax.jit
+def release_slots(
+    pages: page_allocator.PageAllocator, lengths: jax.Array, released: jax.Array
+) -> tuple[page_allocator.PageAllocator, jax.Array]:
+    """The allocator and ``lengths [slots]`` with the ``released [slots]`` slots' pages freed
+    and their lengths 0."""
+    return page_allocator.release(pages, released), jnp.where(released, 0, lengths)

@@ -1,0 +1,185 @@
+"""The serving engine (`engine`): a request's tokens are the same served alone, among others
+arriving while it runs, and under preemption, and greedy ones are `generate`'s; sampled
+requests follow their own seeds; cancelled and ended requests leave no page held."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_flash as pf
+from pallas_flash_llama import generation
+from pallas_flash_llama.config import get_config
+from pallas_flash_llama.engine import Engine
+from pallas_flash_llama.model import init_params
+from pallas_flash_llama.sampling import Sampling
+from pallas_flash_llama.scheduler import GREEDY, Finished, Request
+
+SIZES = {"slots": 3, "token_budget": 8, "page_size": 4, "pages_per_sequence": 8}
+"""One step: 8 tokens over 3 slots, so longer prompts are prefilled in chunks; 32 positions
+per sequence."""
+PAGES, FEW_PAGES = 24, 8
+"""Enough pages for every slot's longest sequence, and one sequence's (preemption)."""
+SAMPLED = Sampling(temperature=1.0, top_k=100, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = get_config("tiny").replace(dtype="float32")
+    return config, init_params(config, jax.random.key(0))
+
+
+def _engine(tiny, num_pages: int) -> Engine:
+    config, params = tiny
+    return Engine(params, config, num_pages=num_pages, backend="xla", **SIZES)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny) -> Engine:
+    return _engine(tiny, PAGES)
+
+
+def _requests(count: int, seed: int, sampling: Sampling = GREEDY) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(f"r{i}", tuple(rng.randrange(3, 512) for _ in range(rng.randint(3, 14))),
+                    max_tokens=rng.randint(4, 10), sampling=sampling, seed=i)
+            for i in range(count)]  # fmt: skip
+
+
+def _tokens(done: dict[str, Finished]) -> dict[str, tuple[int, ...]]:
+    return {i: f.tokens for i, f in done.items()}
+
+
+def _alone(engine: Engine, requests: list[Request]) -> dict[str, tuple[int, ...]]:
+    return {r.id: engine.run_all([r])[r.id].tokens for r in requests}
+
+
+def _generated(tiny, requests: list[Request]) -> dict[str, tuple[int, ...]]:
+    """`generation.generate`'s greedy tokens for each request's prompt."""
+    config, params = tiny
+    longest = max(r.max_tokens for r in requests)
+    out = generation.generate_all(params, config, [r.prompt for r in requests],
+                                  max_new_tokens=longest, stop_tokens=[], backend="xla",
+                                  decode_backend="xla")  # fmt: skip
+    return {r.id: tuple(t[: r.max_tokens]) for r, t in zip(requests, out, strict=True)}
+
+
+def _arriving(engine: Engine, requests: list[Request], seed: int) -> dict[str, Finished]:
+    """Serves ``requests`` on the engine's thread, two at first, the others submitted from
+    its callbacks at random tokens (and when one ends)."""
+    pending, rng = list(requests), random.Random(seed)
+    done: dict[str, Finished] = {}
+    all_done = threading.Event()
+
+    def submit_next() -> None:
+        if pending:
+            engine.submit(pending.pop(0), on_token, on_finish)
+
+    def on_token(token: int) -> None:
+        if rng.random() < 0.3:
+            submit_next()
+
+    def on_finish(result: Finished) -> None:
+        done[result.request_id] = result
+        submit_next()
+        if len(done) == len(requests):
+            all_done.set()
+
+    engine.start()
+    try:
+        submit_next()
+        submit_next()
+        assert all_done.wait(120), "every request ends"
+    finally:
+        engine.stop()
+    return done
+
+
+def test_greedy_tokens_are_the_same_alone_among_arrivals_and_as_generate(tiny, engine) -> None:
+    requests = _requests(6, seed=1)
+    alone = _alone(engine, requests)
+    assert alone == _generated(tiny, requests)
+    done = _arriving(engine, requests, seed=2)
+    assert _tokens(done) == alone
+    assert {f.reason for f in done.values()} == {"length"}
+    assert engine.free_pages == PAGES, "no page leaked"
+
+
+def test_preempted_requests_get_the_same_tokens(tiny, engine) -> None:
+    requests = _requests(5, seed=3)
+    few = _engine(tiny, FEW_PAGES)
+    done = few.run_all(requests)
+    assert few.preemptions > 0
+    assert _tokens(done) == _alone(engine, requests)
+    assert few.free_pages == FEW_PAGES, "no page leaked"
+
+
+def test_an_int8_cache_serves_the_same_tokens_alone_and_batched(tiny) -> None:
+    config, params = tiny
+    int8 = Engine(params, config, num_pages=PAGES, backend="xla", cache_dtype=jnp.int8, **SIZES)
+    requests = _requests(4, seed=6)
+    assert _tokens(int8.run_all(requests)) == _alone(int8, requests)
+    assert int8.free_pages == PAGES
+
+
+def test_sampled_requests_follow_their_own_seeds(engine) -> None:
+    sampled = _requests(3, seed=4, sampling=SAMPLED)
+    alone = _alone(engine, sampled)
+    mixed = engine.run_all([*sampled, *_requests(6, seed=5)[3:]])
+    assert {r.id: mixed[r.id].tokens for r in sampled} == alone
+    reseeded = Request("r0", sampled[0].prompt, sampled[0].max_tokens, sampling=SAMPLED, seed=99)
+    assert engine.run_all([reseeded])["r0"].tokens != alone["r0"]
+    assert engine.free_pages == PAGES
+
+
+def test_cancel_ends_a_request_and_frees_its_pages(engine) -> None:
+    request = Request("long", tuple(range(3, 15)), max_tokens=16)
+    full = engine.run_all([request])["long"].tokens
+    results: list[Finished] = []
+    finished = threading.Event()
+
+    def on_finish(result: Finished) -> None:
+        results.append(result)
+        finished.set()
+
+    def cancel_running(token: int) -> None:
+        engine.cancel("long")  # after its first token: it ends before the next step
+
+    engine.start()
+    try:
+        engine.submit(request, cancel_running, on_finish)
+        assert finished.wait(60)
+    finally:
+        engine.stop()
+    assert results == [Finished("long", full[:1], "cancelled")]
+    assert engine.free_pages == PAGES
+
+    finished.clear()
+    engine.submit(request, print, on_finish)  # queued, cancelled before any step
+    engine.cancel("long")
+    engine.cancel("unknown")  # ignored
+    engine.start()
+    try:
+        assert finished.wait(60)
+    finally:
+        engine.stop()
+    assert results[1:] == [Finished("long", (), "cancelled")]
+    assert engine.free_pages == PAGES
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (Request("a", (), 4), "prompt: expected at least one token"),
+        (Request("a", (1, 512), 4), r"prompt: expected token ids in \[0, 512\)"),
+        (Request("a", (1,), 40), "exceed the 32 positions"),
+        (Request("a", (1,), 4, seed=-1), "seed: expected"),
+    ],
+)
+def test_bad_requests_are_refused_when_submitted(engine, request_, message) -> None:
+    with pytest.raises(pf.InvalidInputError, match=message):
+        engine.submit(request_, print, print)
