@@ -16,8 +16,10 @@ import pathlib
 import shutil
 import socket
 import statistics
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -26,11 +28,12 @@ import pytest
 import uvicorn
 
 import pallas_flash as pf
-from pallas_flash_llama import tiny
+from pallas_flash_llama import cli, tiny
 from pallas_flash_llama.config import LlamaConfig, get_config
 from pallas_flash_llama.scheduler import Finished, Request
 from pallas_flash_llama.server import TextStream, make_app
 from pallas_flash_llama.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_tokenizer
+from pallas_flash_llama.weights import load_params
 
 MODEL = "tiny-chat"
 TEMPLATE = (
@@ -419,3 +422,113 @@ def test_load(
             f"{pct(gaps, 0.5)}/{pct(gaps, 0.9)}/{pct(gaps, 0.99)} (mean "
             f"{1000 * statistics.mean(gaps):.1f})"
         )
+
+
+def test_serve_command(model_dir: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pallas-flash-llama serve`` builds the engine from its flags, starts it, serves the app
+    with uvicorn and stops the engine after (the engine faked, uvicorn.run served here)."""
+    made: list[FakeEngine] = []
+
+    class Engine(FakeEngine):
+        def __init__(self, params: object, config: LlamaConfig, **options: object) -> None:
+            super().__init__(options["page_size"] * options["pages_per_sequence"])
+            self.options = options
+            made.append(self)
+
+    module = types.ModuleType("pallas_flash_llama.engine")
+    module.Engine = Engine
+    monkeypatch.setitem(sys.modules, "pallas_flash_llama.engine", module)
+    served: list[dict] = []
+
+    def run(app: object, host: str, port: int) -> None:
+        assert (host, port) == ("127.0.0.1", 8123)
+        with serving(app) as address:
+            served.append(httpx.get(f"{address}/v1/models").json())
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    argv = [
+        "--compilation-cache",
+        "off",
+        "serve",
+        "--model",
+        str(model_dir[0]),
+        "--port",
+        "8123",
+        "--slots",
+        "2",
+        "--served-model-name",
+        "m",
+    ]
+    assert cli.main(argv) == 0
+    assert served[0]["data"][0]["id"] == "m"
+    (engine,) = made
+    assert engine.options == {
+        "slots": 2,
+        "token_budget": 256,
+        "page_size": 16,
+        "num_pages": 32,
+        "pages_per_sequence": 16,
+        "backend": None,
+        "cache_dtype": None,
+    }
+    assert engine._stop.is_set()  # stopped once uvicorn returned
+
+
+def test_real_engine_tiny_model(model_dir: tuple) -> None:
+    """The same flow against the real engine (`pallas_flash_llama.engine`) on the tiny model."""
+    engine_module = pytest.importorskip(
+        "pallas_flash_llama.engine",
+        reason="pallas_flash_llama.engine cannot be imported (the real engine is not built yet)",
+    )
+    directory, _ = model_dir
+    config, params = load_params(directory)
+    engine = engine_module.Engine(
+        params,
+        config,
+        slots=4,
+        token_budget=64,
+        page_size=16,
+        num_pages=64,
+        pages_per_sequence=16,
+        backend="xla",
+    )
+    engine.start()
+    try:
+        with serving(make_app(engine, directory, config, model_name=MODEL)) as address:
+            client = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
+            greedy = {
+                "model": MODEL,
+                "prompt": "The quick brown",
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+            plain = client.completions.create(**greedy)
+            assert plain.choices[0].finish_reason in ("length", "stop")
+            assert 1 <= plain.usage.completion_tokens <= 8
+            streamed = client.completions.create(**greedy, stream=True)
+            assert "".join(chunk.choices[0].text for chunk in streamed) == plain.choices[0].text
+            chat = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Once upon"}], max_tokens=8
+            )
+            assert chat.choices[0].finish_reason in ("length", "stop")
+            with pytest.raises(openai.BadRequestError, match="maximum context length"):
+                client.completions.create(model=MODEL, prompt=[5] * 300)
+
+            async def many() -> list:
+                batch = openai.AsyncOpenAI(base_url=f"{address}/v1", api_key="none")
+                try:
+                    return await asyncio.gather(
+                        *(
+                            batch.completions.create(
+                                model=MODEL, prompt=f"{i} The quick", max_tokens=6, seed=i
+                            )
+                            for i in range(12)
+                        )
+                    )
+                finally:
+                    await batch.close()
+
+            replies = asyncio.run(many())  # more requests than slots: queued, none lost
+            assert all(1 <= reply.usage.completion_tokens <= 6 for reply in replies)
+    finally:
+        engine.stop()
