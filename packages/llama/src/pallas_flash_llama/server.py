@@ -214,12 +214,14 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
     async def _input(_: fastapi.Request, error: Exception) -> fastapi.responses.JSONResponse:
         return await _api_error(_, ApiError(400, str(error)))
 
+    def served(name: str | None) -> None:
+        """Raises the 404 of a model name other than the served model's."""
+        if name is not None and name != model.name:
+            raise ApiError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
     def start(body: CompletionRequest | ChatCompletionRequest, prompt: list[int],
               max_tokens: int | None, prefix: str, field: str) -> _Generation:  # fmt: skip
-        """Checks the request against the model and the context, and submits it."""
-        if body.model is not None and body.model != model.name:
-            raise ApiError(404, f"The model `{body.model}` does not exist.", "model",
-                           "model_not_found")  # fmt: skip
+        """Checks the request against the context, and submits it."""
         if any(not 0 <= token < model.vocab for token in prompt):
             raise ApiError(400, f"{field}: token ids must be in [0, {model.vocab})", field)
         room = engine.max_len - len(prompt)
@@ -305,6 +307,7 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: fastapi.Request) -> Any:
+        served(body.model)
         if isinstance(body.prompt, str):
             prompt = encode(model.tokenizer, body.prompt, model.special)
         else:
@@ -314,6 +317,7 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request) -> Any:
+        served(body.model)
         if model.chat_template is None:
             raise ApiError(400, f"The model `{model.name}` has no chat template (no "
                            "chat_template in its tokenizer_config.json): use /v1/completions",
