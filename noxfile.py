@@ -134,7 +134,9 @@ def tests(session: nox.Session, stack: str) -> None:
         CONFORMANCE,
         ESTIMATE,
         BENCH,
-        f"{LLAMA}[flax]",
+        f"{LLAMA}[flax,serve]",
+        "openai",
+        "httpx",
         *BACKENDS.values(),
         stack=stack,
     )

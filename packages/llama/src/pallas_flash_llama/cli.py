@@ -5,6 +5,7 @@
     pallas-flash-llama generate ... --kv-cache paged --kv-dtype int8   (a paged int8 cache)
     pallas-flash-llama train --model DIR --data FILE --steps 100 --save OUT
     pallas-flash-llama train ... --checkpoint-dir CKPT   (run again to resume)
+    pallas-flash-llama serve --model DIR --port 8000   (an OpenAI-compatible server)
 
 Compiled programs are kept in a persistent compilation cache (`DEFAULT_CACHE_DIR`, or
 ``$PALLAS_FLASH_LLAMA_CACHE``; ``--compilation-cache off`` disables it), so a second run
@@ -125,6 +126,39 @@ def _generate(args: argparse.Namespace) -> None:
         for text, ids in zip(args.prompt, generated, strict=True):
             print(f"{text!r} -> {tokenizer.decode(ids)!r}")
     print(f"[{count} tokens in {elapsed:.1f} s, compiles included]", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    try:  # the serve extra, and the engine
+        import uvicorn
+
+        from pallas_flash_llama.engine import Engine
+        from pallas_flash_llama.server import make_app
+    except ModuleNotFoundError as error:
+        raise pf.UnsupportedFeatureError(
+            f"serve: {error} (pip install 'pallas-flash-llama[serve]')"
+        ) from None
+    config, params = load_params(args.model)
+    if args.dtype:
+        config = config.replace(dtype=args.dtype)
+    pages_per_sequence = -(-(args.max_len or config.max_len) // args.page_size)
+    engine = Engine(
+        params,
+        config,
+        slots=args.slots,
+        token_budget=args.token_budget,
+        page_size=args.page_size,
+        num_pages=args.num_pages or args.slots * pages_per_sequence,
+        pages_per_sequence=pages_per_sequence,
+        backend=args.backend,
+        cache_dtype=args.kv_dtype,
+    )
+    app = make_app(engine, args.model, config, args.served_model_name)
+    engine.start()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port)
+    finally:
+        engine.stop()
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -294,6 +328,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common(gen)
     gen.set_defaults(run=_generate)
+
+    srv = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching)"
+    )
+    srv.add_argument("--model", required=True, help="a Hugging Face LLaMa directory")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--served-model-name", help="the model's name in the API (default: --model's path)"
+    )
+    srv.add_argument("--slots", type=int, default=8, help="sequences generated at once")
+    srv.add_argument("--token-budget", type=int, default=256, help="most new tokens per step")
+    srv.add_argument("--page-size", type=int, default=16, help="positions per cache page")
+    srv.add_argument("--max-len", type=int, help="longest sequence (default: the config's)")
+    srv.add_argument(
+        "--num-pages", type=int, help="pages in the cache (default: --slots full sequences)"
+    )
+    srv.add_argument("--kv-dtype", help="KV cache dtype: int8 (quantized); default: compute dtype")
+    srv.add_argument("--backend", help="pf.attention backend (default: the registry's)")
+    srv.add_argument("--dtype", help="compute dtype (default: the config's, bfloat16)")
+    srv.set_defaults(run=_serve)
 
     tr = commands.add_parser("train", help="train on a text or jsonl file")
     source = tr.add_mutually_exclusive_group(required=True)
