@@ -2,8 +2,8 @@
 
 uvicorn serves the app on 127.0.0.1 in a background thread. The engine is `FakeEngine`, which
 echoes each prompt's token ids back (cyclically) from its own thread, so these tests check the
-server alone; `test_real_engine_tiny_model` runs the same flow against the real engine with the
-tiny model once ``pallas_flash_llama.engine`` exists.
+server alone; `test_real_engine_tiny_model` and `test_real_engine_load` run the flow and the
+load test against the real engine with the tiny model.
 """
 
 from __future__ import annotations
@@ -370,6 +370,50 @@ def test_text_stream_holds_back_partial_text(model_dir: tuple) -> None:
     assert text.flush() == ""
 
 
+async def _stream_all(url: str, prompts: list[str], tokens: int) -> tuple[list, float]:
+    """Streams every prompt at once through the async openai client; returns per request its
+    text, finish reason, time to first token and the gaps between its chunks, and the whole
+    run's seconds. The client's first request (imports, a connection) runs before, untimed."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    async def one(prompt: str) -> tuple[str, str | None, float, list[float]]:
+        start = time.perf_counter()
+        stamps, pieces, reason = [], [], None
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0, stream=True
+        )
+        async for chunk in stream:
+            stamps.append(time.perf_counter())
+            pieces.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason
+        gaps = list(map(float.__sub__, stamps[1:], stamps[:-1]))
+        return "".join(pieces), reason, stamps[0] - start, gaps
+
+    try:
+        await one(prompts[0])
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(prompt) for prompt in prompts))
+        return results, time.perf_counter() - start
+    finally:
+        await client.close()
+
+
+def _latencies(results: list, elapsed: float, tokens: int, what: str) -> str:
+    """One line: the run's time and its percentiles of time to first token and per token."""
+    first = sorted(r[2] for r in results)
+    gaps = sorted(gap for r in results for gap in r[3])
+
+    def pct(values: list[float]) -> str:
+        at = (values[min(len(values) - 1, int(q * len(values)))] for q in (0.5, 0.9, 0.99))
+        return "/".join(f"{1000 * value:.1f}" for value in at)
+
+    return (
+        f"\n[load] {len(results)} streams x {tokens} tokens in {elapsed:.2f} s ({what}); time to "
+        f"first token ms p50/p90/p99 {pct(first)}; per-token ms p50/p90/p99 {pct(gaps)} (mean "
+        f"{1000 * statistics.mean(gaps):.1f})"
+    )
+
+
 def test_load(
     url: str, fake: FakeEngine, model_dir: tuple, ids: Callable, capsys: pytest.CaptureFixture
 ) -> None:
@@ -377,55 +421,16 @@ def test_load(
 
     The figures include the openai client's own work, in this process beside the server (one
     interpreter, shared cores): a bound on the server's, not its measure."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     tokens = 32
-
-    async def one(i: int) -> tuple[str, str | None, float, list[float]]:
-        start = time.perf_counter()
-        stamps, pieces, reason = [], [], None
-        stream = await client.completions.create(
-            model=MODEL, prompt=f"request {i}: The quick", max_tokens=tokens, stream=True
-        )
-        async for chunk in stream:
-            stamps.append(time.perf_counter())
-            pieces.append(chunk.choices[0].text)
-            reason = chunk.choices[0].finish_reason
-        return (
-            "".join(pieces),
-            reason,
-            stamps[0] - start,
-            list(map(float.__sub__, stamps[1:], stamps[:-1])),
-        )
-
-    async def all_of_them() -> tuple[list, float]:
-        try:
-            await one(0)  # the client's first request (imports, a connection) is not timed
-            start = time.perf_counter()
-            results = await asyncio.gather(*(one(i) for i in range(64)))
-            return results, time.perf_counter() - start
-        finally:
-            await client.close()
-
-    results, elapsed = asyncio.run(all_of_them())
+    prompts = [f"request {i}: The quick" for i in range(64)]
+    results, elapsed = asyncio.run(_stream_all(url, prompts, tokens))
     tokenizer = load_tokenizer(model_dir[0])
-    for i, (text, reason, _, _) in enumerate(results):
-        prompt = ids(f"request {i}: The quick")  # echoed in a cycle
-        assert text == tokenizer.decode([prompt[j % len(prompt)] for j in range(tokens)])
+    for prompt, (text, reason, _, _) in zip(prompts, results, strict=True):
+        echoed = ids(prompt)  # echoed in a cycle
+        assert text == tokenizer.decode([echoed[j % len(echoed)] for j in range(tokens)])
         assert reason == "length"
-    first = sorted(r[2] for r in results)
-    gaps = sorted(gap for r in results for gap in r[3])
-
-    def pct(values: list[float], q: float) -> str:
-        return f"{1000 * values[min(len(values) - 1, int(q * len(values)))]:.1f}"
-
     with capsys.disabled():
-        print(
-            f"\n[load] 64 streams x {tokens} tokens in {elapsed:.2f} s; fake engine step "
-            f"{1000 * fake.step_s:.0f} ms; time to first token ms p50/p90/p99 "
-            f"{pct(first, 0.5)}/{pct(first, 0.9)}/{pct(first, 0.99)}; per-token ms p50/p90/p99 "
-            f"{pct(gaps, 0.5)}/{pct(gaps, 0.9)}/{pct(gaps, 0.99)} (mean "
-            f"{1000 * statistics.mean(gaps):.1f})"
-        )
+        print(_latencies(results, elapsed, tokens, f"fake engine, {1000 * fake.step_s:.0f} ms"))
 
 
 def test_serve_command(model_dir: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -480,13 +485,11 @@ def test_serve_command(model_dir: tuple, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_real_engine_tiny_model(model_dir: tuple) -> None:
     """The same flow against the real engine (`pallas_flash_llama.engine`) on the tiny model."""
-    engine_module = pytest.importorskip(
-        "pallas_flash_llama.engine",
-        reason="pallas_flash_llama.engine cannot be imported (the real engine is not built yet)",
-    )
+    from pallas_flash_llama.engine import Engine
+
     directory, _ = model_dir
     config, params = load_params(directory)
-    engine = engine_module.Engine(
+    engine = Engine(
         params,
         config,
         slots=4,
@@ -534,5 +537,44 @@ def test_real_engine_tiny_model(model_dir: tuple) -> None:
 
             replies = asyncio.run(many())  # more requests than slots: queued, none lost
             assert all(1 <= reply.usage.completion_tokens <= 6 for reply in replies)
+            assert _wait_for(lambda: engine.free_pages == engine.num_pages)
+            cancelled, cancel = [], engine.cancel
+            engine.cancel = lambda request_id: (cancelled.append(request_id), cancel(request_id))
+            long = {"model": MODEL, "prompt": "Once", "max_tokens": 200, "stream": True}
+            with httpx.stream("POST", f"{address}/v1/completions", json=long) as reply:
+                first = json.loads(next(reply.iter_lines()).removeprefix("data: "))
+            if first["choices"][0]["finish_reason"] is None:  # not ended by its first token
+                assert _wait_for(lambda: cancelled == [first["id"]])  # the client left
+            assert _wait_for(lambda: engine.free_pages == engine.num_pages)  # its pages freed
     finally:
         engine.stop()
+
+
+def test_real_engine_load(model_dir: tuple, capsys: pytest.CaptureFixture) -> None:
+    """64 concurrent streamed greedy requests on the real engine (tiny model, 8 slots): none
+    lost, each stream's text the one its request gets served alone, every page free after;
+    prints the latencies (CPU, the openai client in this process)."""
+    from pallas_flash_llama.engine import Engine
+
+    directory, _ = model_dir
+    config, params = load_params(directory)
+    engine = Engine(params, config, slots=8, token_budget=64, page_size=16, num_pages=64,
+                    pages_per_sequence=8, backend="xla")  # fmt: skip
+    tokens, prompts = 8, [f"{i}: The quick brown" for i in range(64)]
+    engine.start()
+    try:
+        with serving(make_app(engine, directory, config, model_name=MODEL)) as address:
+            alone = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
+            greedy = {"model": MODEL, "max_tokens": tokens, "temperature": 0}
+            expected = [
+                alone.completions.create(prompt=prompt, **greedy).choices[0].text
+                for prompt in prompts[:4]
+            ]
+            results, elapsed = asyncio.run(_stream_all(address, prompts, tokens))
+    finally:
+        engine.stop()
+    assert [text for text, *_ in results[:4]] == expected
+    assert all(reason in ("length", "stop") for _, reason, _, _ in results)
+    assert engine.free_pages == engine.num_pages
+    with capsys.disabled():
+        print(_latencies(results, elapsed, tokens, "tiny model on the real engine, CPU"))
