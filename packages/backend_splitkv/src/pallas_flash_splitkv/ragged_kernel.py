@@ -1,0 +1,272 @@
+"""The ragged paged attention kernel: a flat batch of new tokens (decode tokens and prefill
+chunks mixed) against their sequences' paged cache, float or int8.
+
+Layouts: the query per work item ``[items, kv_heads, group x block_q, head_dim]`` (row ``g x
+block_q + t``: token ``t`` of the item, query head ``g`` of the kv head; `ragged_blocks`), the
+output likewise in q's dtype; pages ``[num_pages, kv_heads, page_size, head_dim]`` (int8 with
+float32 scales ``[num_pages, kv_heads, page_size]``) and the flat page table, scalar-prefetched
+with ``kv_lengths``, ``query_starts`` and the schedule.
+
+Grid ``(kv_heads, items)``. Step ``(h, w)`` takes item ``w``'s ``count`` tokens of sequence
+``s`` at positions ``p0 .. p0 + count - 1`` and folds, by online softmax in float32, the kv
+blocks (``pages_per_block`` pages of kv head ``h``) that hold a position some row sees:
+from ``p0 - window`` (0 without a window) to ``p0 + count - 1``, no further than the
+sequence's length; blocks wholly before or after that range are never copied. The blocks are
+copied by manual DMA, one per page (table entries clipped into ``[0, num_pages)``), into a
+double-buffered VMEM block: block ``i + 1``'s copies start before block ``i`` is folded. All
+``group`` query heads of the kv head share one ``[rows, block] @ [block, head_dim]`` matmul
+(GQA reads each page once per item). A row sees the positions up to its own, inside the window;
+positions outside ``[p0 - window, p0 + count - 1]`` (stale pages, unwritten slots) are masked
+and their V rows (int8: V scales) zeroed, since a stale NaN would poison ``p @ v``. An int8
+block is converted to q's dtype and its scales applied to the scores (K) and to the
+probabilities (V). Sinks join each row's denominator at the end. Unused items and rows that see
+no position give zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_flash import interpret
+from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.masking import apply_softcap
+from pallas_flash.specs import RaggedSpec
+from pallas_flash_splitkv import ragged_blocks
+from pallas_flash_splitkv.blocks import LANES
+from pallas_flash_splitkv.ragged_blocks import RaggedBlocks
+
+_F32 = jnp.float32
+
+KERNEL_NAME = "pallas_flash_ragged_paged_attention"
+
+
+def _kernel(
+    lengths_ref: jax.Ref,
+    starts_ref: jax.Ref,
+    table_ref: jax.Ref,
+    sequence_ref: jax.Ref,
+    first_ref: jax.Ref,
+    count_ref: jax.Ref,
+    q_ref: jax.Ref,
+    *refs: jax.Ref,
+    spec: RaggedSpec,
+    block_q: int,
+    pages_per_block: int,
+    pages_per_sequence: int,
+    num_pages: int,
+    quantized: bool,
+    has_sinks: bool,
+) -> None:
+    """One grid step ``(h, w)`` (module doc). Refs after q: sinks ``[rows, 128]`` when given;
+    the cache's arrays in HBM (k, v and, when quantized, their scales); the output; scratch:
+    running max and sum ``[rows, 128]``, accumulator ``[rows, head_dim]``, one
+    double-buffered block per cache array and DMA semaphores ``[2, arrays]``."""
+    sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    arrays = 4 if quantized else 2
+    cache, (o_ref, m_ref, l_ref, acc_ref) = refs[:arrays], refs[arrays : arrays + 4]
+    buffers, sems = refs[arrays + 4 : 2 * arrays + 4], refs[2 * arrays + 4]
+    page_size = buffers[0].shape[1] // pages_per_block
+    block_kv = pages_per_block * page_size
+    max_len = pages_per_sequence * page_size
+    h, w = pl.program_id(0), pl.program_id(1)
+    count = count_ref[w]
+
+    @pl.when(count == 0)
+    def _unused() -> None:
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(count > 0)
+    def _item() -> None:
+        seq = sequence_ref[w]
+        length = jnp.clip(lengths_ref[seq], 0, max_len)
+        p0 = length - starts_ref[seq + 1] + first_ref[w]  # the first token's position
+        hi = jnp.minimum(p0 + count - 1, length - 1)  # the last position any row sees
+        lo = 0 if spec.window is None else jnp.maximum(p0 - spec.window, 0)
+        first_block = lo // block_kv
+        blocks = jnp.where(hi >= lo, jnp.maximum(hi, 0) // block_kv - first_block + 1, 0)
+
+        def copies(block: jax.Array, slot: jax.Array, act) -> None:
+            """``act`` on the copies of block ``block``'s pages that hold a position in
+            ``[lo, hi]``."""
+            for k in range(pages_per_block):
+                j = block * pages_per_block + k
+
+                @pl.when((j * page_size <= hi) & ((j + 1) * page_size > lo))
+                def _page(k: int = k, j: jax.Array = j) -> None:
+                    column = jnp.minimum(j, pages_per_sequence - 1)
+                    page = jnp.clip(table_ref[seq * pages_per_sequence + column], 0, num_pages - 1)
+                    rows = pl.ds(k * page_size, page_size)
+                    for a, (src, dst) in enumerate(zip(cache, buffers, strict=True)):
+                        act(pltpu.make_async_copy(src.at[page, h], dst.at[slot, rows],
+                                                  sems.at[slot, a]))  # fmt: skip
+
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+        l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+
+        @pl.when(blocks > 0)
+        def _start_first() -> None:
+            copies(first_block, 0, lambda c: c.start())
+
+        rows = q_ref.shape[0]
+        q_pos = p0 + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
+
+        def body(i: jax.Array, carry: None) -> None:
+            block, slot = first_block + i, i % 2
+            copies(block, slot, lambda c: c.wait())
+
+            @pl.when(i + 1 < blocks)
+            def _start_next() -> None:
+                copies(block + 1, 1 - slot, lambda c: c.start())
+
+            first = block * block_kv
+            views = [buffer.at[slot] for buffer in buffers]
+            _fold(q_ref, views, m_ref, l_ref, acc_ref, q_pos, first, lo, hi, spec)
+            return carry
+
+        lax.fori_loop(0, blocks, body, None)
+        _finish(sinks_ref, m_ref, l_ref, acc_ref, o_ref)
+
+
+def _fold(q_ref, views, m_ref, l_ref, acc_ref, q_pos, first, lo, hi, spec: RaggedSpec) -> None:
+    """Folds one kv block (``views``: k, v ``[block_kv, head_dim]`` and, for int8, their
+    scales ``[block_kv]``) at position ``first`` into the running max, sum and accumulator.
+    ``q_pos [rows, 1]``: each row's position; ``[lo, hi]``: the positions any row sees."""
+    q = q_ref[...]
+    dtype = q.dtype
+    precision = lax.Precision.HIGHEST if dtype == _F32 else None
+    k_view, v_view = views[0], views[1]
+    block_kv = k_view.shape[0]
+    k = k_view[...].astype(dtype)
+    scores = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32, precision=precision
+    )  # [rows, block_kv]
+    kv_pos = first + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    seen = (kv_pos >= lo) & (kv_pos <= hi)  # [1, block_kv]: held by a copied page
+    if len(views) == 4:
+        scores = scores * views[2][...].reshape(1, block_kv)
+    scores = apply_softcap(scores * spec.sm_scale, spec.softcap)
+    visible = seen & (kv_pos <= q_pos)
+    if spec.window is not None:
+        visible = visible & (kv_pos >= q_pos - spec.window)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
+    p = jnp.exp(scores - m_safe[:, :1])
+    alpha = jnp.exp(m_prev - m_safe)
+    m_ref[...] = m_next
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    if len(views) == 4:
+        v_scales = views[3][...].reshape(1, block_kv)
+        p = p * jnp.where(seen, v_scales, 0.0)
+        v = v_view[...].astype(dtype)
+    else:
+        seen_rows = (first + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0) >= lo) & (
+            first + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0) <= hi
+        )
+        v = jnp.where(seen_rows, v_view[...], jnp.zeros((), v_view.dtype)).astype(dtype)
+    pv = lax.dot_general(
+        p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32,
+        precision=precision,
+    )  # fmt: skip
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+
+def _finish(sinks_ref, m_ref, l_ref, acc_ref, o_ref) -> None:
+    """Writes the normalised output, each row's sink (if any) in its denominator; a row that
+    saw nothing gives zeros."""
+    m, total, acc = m_ref[...][:, :1], l_ref[...][:, :1], acc_ref[...]
+    if sinks_ref is not None:
+        sink = sinks_ref[...][:, :1]
+        m_final = jnp.maximum(m, sink)
+        rescale = jnp.exp(m - m_final)
+        total = total * rescale + jnp.exp(sink - m_final)
+        acc = acc * rescale
+    inverse = jnp.where(total > 0.0, 1.0 / jnp.where(total > 0.0, total, 1.0), 0.0)
+    o_ref[...] = (acc * inverse).astype(o_ref.dtype)
+
+
+def _ragged_kernel(
+    q: jax.Array,
+    cache: DecodeCache,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    sinks: jax.Array | None,
+    *,
+    spec: RaggedSpec,
+    blocks: RaggedBlocks,
+    interpret: pltpu.InterpretParams | bool | None,
+) -> jax.Array:
+    """`ragged_attention` with the interpreter's settings, or None for Mosaic."""
+    tokens, q_heads, head_dim = q.shape
+    num_pages, kv_heads, page_size, _ = cache.k.shape
+    seqs, pages_per_sequence = cache.page_table.shape
+    group, block_q = q_heads // kv_heads, blocks.block_q
+    rows = group * block_q
+    per_block = blocks.pages_for(page_size, pages_per_sequence)
+    items = blocks.items_for(tokens, seqs)
+    plan = ragged_blocks.schedule(query_starts, block_q, items)
+    q_items = ragged_blocks.gather_queries(q, plan, kv_heads, block_q)
+    quantized = cache.quantized
+    arrays = [cache.k, cache.v] + ([cache.k_scales, cache.v_scales] if quantized else [])
+    prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan]
+    inputs, in_specs = [q_items], [pl.BlockSpec((None, None, rows, head_dim),
+                                                lambda h, w, *refs: (w, h, 0, 0))]  # fmt: skip
+    if sinks is not None:
+        per_row = jnp.repeat(sinks.astype(_F32).reshape(kv_heads, group), block_q, axis=1)
+        inputs.append(jnp.broadcast_to(per_row[..., None], (kv_heads, rows, LANES)))
+        in_specs.append(pl.BlockSpec((None, rows, LANES), lambda h, w, *refs: (h, 0, 0)))
+    block_kv = per_block * page_size
+    scratch = [
+        pltpu.VMEM((rows, LANES), _F32),
+        pltpu.VMEM((rows, LANES), _F32),
+        pltpu.VMEM((rows, head_dim), _F32),
+        *(pltpu.VMEM((2, block_kv, *x.shape[3:]), x.dtype) for x in arrays),
+        pltpu.SemaphoreType.DMA((2, len(arrays))),
+    ]
+    body = functools.partial(
+        _kernel, spec=spec, block_q=block_q, pages_per_block=per_block,
+        pages_per_sequence=pages_per_sequence, num_pages=num_pages, quantized=quantized,
+        has_sinks=sinks is not None,
+    )  # fmt: skip
+    out = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(kv_heads, items),
+            in_specs=[*in_specs, *[pl.BlockSpec(memory_space=pl.ANY)] * len(arrays)],
+            out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *refs: (w, h, 0, 0)),
+            scratch_shapes=scratch,
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=False if interpret is None else interpret,
+        name=KERNEL_NAME,
+    )(*prefetch, *inputs, *arrays)
+    return ragged_blocks.outputs_per_token(out, query_starts, kv_lengths, tokens, block_q)
+
+
+_jitted = interpret.jit_kernel(_ragged_kernel, ("spec", "blocks"), fold_vmap=False)
+
+
+def ragged_attention(
+    q: jax.Array,
+    cache: DecodeCache,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    spec: RaggedSpec,
+    blocks: RaggedBlocks,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """``pf.Backend.ragged_attention`` of validated inputs: ``[tokens, q_heads, head_dim]`` in
+    q's dtype, zeros for padding rows. Runs as Mosaic or interpreted, as
+    `pallas_flash.interpret` decides."""
+    return _jitted(q, cache, query_starts, kv_lengths, sinks, spec=spec, blocks=blocks)
