@@ -4,15 +4,17 @@ chunks mixed) against their sequences' paged cache, float or int8.
 Layouts: the query per work item ``[items, kv_heads, group x block_q, head_dim]`` (row ``g x
 block_q + t``: token ``t`` of the item, query head ``g`` of the kv head; `ragged_blocks`), the
 output likewise in q's dtype; pages ``[num_pages, kv_heads, page_size, head_dim]`` (int8 with
-float32 scales ``[num_pages, kv_heads, page_size]``) and the flat page table, scalar-prefetched
-with ``kv_lengths``, ``query_starts`` and the schedule.
+float32 scales, gathered per sequence before the kernel: ``[seqs, kv_heads, positions]``,
+`_scales_by_sequence`) and the flat page table, scalar-prefetched with ``kv_lengths``,
+``query_starts`` and the schedule.
 
 Grid ``(kv_heads, items)``. Step ``(h, w)`` takes item ``w``'s ``count`` tokens of sequence
 ``s`` at positions ``p0 .. p0 + count - 1`` and folds, by online softmax in float32, the kv
 blocks (``pages_per_block`` pages of kv head ``h``) that hold a position some row sees:
 from ``p0 - window`` (0 without a window) to ``p0 + count - 1``, no further than the
 sequence's length; blocks wholly before or after that range are never copied. The blocks are
-copied by manual DMA, one per page (table entries clipped into ``[0, num_pages)``), into a
+copied by manual DMA, one per page that holds a position of that range (table entries clipped
+into ``[0, num_pages)``; int8 scales one copy per block), into a
 double-buffered VMEM block: block ``i + 1``'s copies start before block ``i`` is folded. All
 ``group`` query heads of the kv head share one ``[rows, block] @ [block, head_dim]`` matmul
 (GQA reads each page once per item). A row sees the positions up to its own, inside the window;
@@ -88,8 +90,11 @@ def _kernel(
         p0 = length - starts_ref[seq + 1] + first_ref[w]  # the first token's position
         hi = jnp.minimum(p0 + count - 1, length - 1)  # the last position any row sees
         lo = 0 if spec.window is None else jnp.maximum(p0 - spec.window, 0)
-        first_block = lo // block_kv
-        blocks = jnp.where(hi >= lo, jnp.maximum(hi, 0) // block_kv - first_block + 1, 0)
+        # lax.div, not //: Mosaic lowers a signed // or % through `sign`, which asks the
+        # default device for the TPU's generation (an AOT compile on a CPU host has none)
+        first_block = lax.div(lo, jnp.int32(block_kv)) if spec.window is not None else 0
+        last_block = lax.div(jnp.maximum(hi, 0), jnp.int32(block_kv))
+        blocks = jnp.where(hi >= lo, last_block - first_block + 1, 0)
 
         def copies(block: jax.Array, slot: jax.Array, act) -> None:
             """``act`` on the copies of block ``block``'s pages that hold a position in
@@ -102,9 +107,15 @@ def _kernel(
                     column = jnp.minimum(j, pages_per_sequence - 1)
                     page = jnp.clip(table_ref[seq * pages_per_sequence + column], 0, num_pages - 1)
                     rows = pl.ds(k * page_size, page_size)
-                    for a, (src, dst) in enumerate(zip(cache, buffers, strict=True)):
+                    for a, (src, dst) in enumerate(zip(cache[:2], buffers[:2], strict=True)):
                         act(pltpu.make_async_copy(src.at[page, h], dst.at[slot, rows],
                                                   sems.at[slot, a]))  # fmt: skip
+
+            # int8 scales: the block's positions of the sequence's gathered scales at once
+            start = pl.multiple_of(block * block_kv, block_kv)
+            for a in range(2, arrays):
+                src = cache[a].at[seq, h, pl.ds(start, block_kv)]
+                act(pltpu.make_async_copy(src, buffers[a].at[slot], sems.at[slot, a]))
 
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
@@ -118,7 +129,7 @@ def _kernel(
         q_pos = p0 + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
 
         def body(i: jax.Array, carry: None) -> None:
-            block, slot = first_block + i, i % 2
+            block, slot = first_block + i, i & 1
             copies(block, slot, lambda c: c.wait())
 
             @pl.when(i + 1 < blocks)
@@ -193,6 +204,21 @@ def _finish(sinks_ref, m_ref, l_ref, acc_ref, o_ref) -> None:
     o_ref[...] = (acc * inverse).astype(o_ref.dtype)
 
 
+def _scales_by_sequence(scales: jax.Array, page_table: jax.Array, columns: int) -> jax.Array:
+    """Scales ``[num_pages, kv_heads, page_size]`` per sequence: ``[seqs, kv_heads, columns x
+    page_size]`` through the page table (entries clipped into the pool), padded with page 0
+    to ``columns`` pages. A page's scales of one kv head (64 bytes at 16 positions) are too
+    short for a DMA (Mosaic wants 512-byte runs), a kv block's of one sequence are not; this
+    gather reads ``seqs x pages_per_sequence`` pages' scales, 1/32 of their int8 K or V at
+    head_dim 128."""
+    num_pages, kv_heads, page_size = scales.shape
+    seqs, pages_per_sequence = page_table.shape
+    table = jnp.clip(page_table, 0, num_pages - 1)
+    table = jnp.pad(table, ((0, 0), (0, columns - pages_per_sequence)))
+    by_sequence = scales[table]  # [seqs, columns, kv_heads, page_size]
+    return by_sequence.transpose(0, 2, 1, 3).reshape(seqs, kv_heads, columns * page_size)
+
+
 def _ragged_kernel(
     q: jax.Array,
     cache: DecodeCache,
@@ -215,7 +241,11 @@ def _ragged_kernel(
     plan = ragged_blocks.schedule(query_starts, block_q, items)
     q_items = ragged_blocks.gather_queries(q, plan, kv_heads, block_q)
     quantized = cache.quantized
-    arrays = [cache.k, cache.v] + ([cache.k_scales, cache.v_scales] if quantized else [])
+    arrays = [cache.k, cache.v]
+    if quantized:
+        columns = -(-pages_per_sequence // per_block) * per_block
+        arrays += [_scales_by_sequence(x, cache.page_table, columns)
+                   for x in (cache.k_scales, cache.v_scales)]  # fmt: skip
     prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan]
     inputs, in_specs = [q_items], [pl.BlockSpec((None, None, rows, head_dim),
                                                 lambda h, w, *refs: (w, h, 0, 0))]  # fmt: skip
@@ -228,7 +258,8 @@ def _ragged_kernel(
         pltpu.VMEM((rows, LANES), _F32),
         pltpu.VMEM((rows, LANES), _F32),
         pltpu.VMEM((rows, head_dim), _F32),
-        *(pltpu.VMEM((2, block_kv, *x.shape[3:]), x.dtype) for x in arrays),
+        *(pltpu.VMEM((2, block_kv, head_dim), x.dtype) for x in arrays[:2]),
+        *(pltpu.VMEM((2, block_kv), _F32) for _ in arrays[2:]),
         pltpu.SemaphoreType.DMA((2, len(arrays))),
     ]
     body = functools.partial(
