@@ -15,7 +15,10 @@ from ``p0 - window`` (0 without a window) to ``p0 + count - 1``, no further than
 sequence's length; blocks wholly before or after that range are never copied. The blocks are
 copied by manual DMA, one per page that holds a position of that range (table entries clipped
 into ``[0, num_pages)``; int8 scales one copy per block), into a
-double-buffered VMEM block: block ``i + 1``'s copies start before block ``i`` is folded. All
+double-buffered VMEM block: block ``i + 1``'s copies start before block ``i`` is folded, and
+an item's last block starts the copies of the next step's first block (the next item of the
+head, else item 0 of the next head: the grid runs in order, an SMEM count of folded blocks
+carrying the buffer parity), so no step waits for its first block but the grid's first. All
 ``group`` query heads of the kv head share one ``[rows, block] @ [block, head_dim]`` matmul
 (GQA reads each page once per item). A row sees the positions up to its own, inside the window;
 positions outside ``[p0 - window, p0 + count - 1]`` (stale pages, unwritten slots) are masked
@@ -28,6 +31,7 @@ no position give zeros.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,12 +76,58 @@ def _kernel(
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     arrays = 4 if quantized else 2
     cache, (o_ref, m_ref, l_ref, acc_ref) = refs[:arrays], refs[arrays : arrays + 4]
-    buffers, sems = refs[arrays + 4 : 2 * arrays + 4], refs[2 * arrays + 4]
+    buffers, (sems, folded) = refs[arrays + 4 : 2 * arrays + 4], refs[2 * arrays + 4 :]
     page_size = buffers[0].shape[1] // pages_per_block
     block_kv = pages_per_block * page_size
     max_len = pages_per_sequence * page_size
     h, w = pl.program_id(0), pl.program_id(1)
+    items, kv_heads = pl.num_programs(1), pl.num_programs(0)
     count = count_ref[w]
+
+    def item_range(item: jax.Array) -> _Range:
+        """The positions work item ``item`` reads (module doc)."""
+        seq = sequence_ref[item]
+        length = jnp.clip(lengths_ref[seq], 0, max_len)
+        p0 = length - starts_ref[seq + 1] + first_ref[item]  # the first token's position
+        hi = jnp.minimum(p0 + count_ref[item] - 1, length - 1)  # the last position any row sees
+        lo = jnp.int32(0) if spec.window is None else jnp.maximum(p0 - spec.window, 0)
+        # lax.div, not //: Mosaic lowers a signed // or % through `sign`, which asks the
+        # default device for the TPU's generation (an AOT compile on a CPU host has none)
+        first_block = lax.div(lo, jnp.int32(block_kv)) if spec.window is not None else 0
+        last_block = lax.div(jnp.maximum(hi, 0), jnp.int32(block_kv))
+        # at least one block, all masked where hi < lo (lengths below the new tokens, traced)
+        blocks = jnp.maximum(last_block - first_block + 1, 1)
+        return _Range(seq, p0, lo, hi, first_block + jnp.int32(0), blocks)
+
+    def copies(r: _Range, head: jax.Array, block: jax.Array, slot: jax.Array, act) -> None:
+        """``act`` on the copies of kv head ``head``'s block ``block`` of item range ``r``:
+        its pages that hold a position in ``[r.lo, r.hi]`` (and int8 scales: the block)."""
+        for k in range(pages_per_block):
+            j = block * pages_per_block + k
+
+            @pl.when((j * page_size <= r.hi) & ((j + 1) * page_size > r.lo))
+            def _page(k: int = k, j: jax.Array = j) -> None:
+                column = jnp.minimum(j, pages_per_sequence - 1)
+                page = jnp.clip(table_ref[r.seq * pages_per_sequence + column], 0, num_pages - 1)
+                rows = pl.ds(k * page_size, page_size)
+                for a, (src, dst) in enumerate(zip(cache[:2], buffers[:2], strict=True)):
+                    act(pltpu.make_async_copy(src.at[page, head], dst.at[slot, rows],
+                                              sems.at[slot, a]))  # fmt: skip
+
+        # int8 scales: the block's positions of the sequence's gathered scales at once
+        start = pl.multiple_of(block * block_kv, block_kv)
+        for a in range(2, arrays):
+            src = cache[a].at[r.seq, head, pl.ds(start, block_kv)]
+            act(pltpu.make_async_copy(src, buffers[a].at[slot], sems.at[slot, a]))
+
+    @pl.when((h == 0) & (w == 0))
+    def _first_step() -> None:  # the used items come first: item 0 is used if any is
+        folded[0] = 0
+
+        @pl.when(count > 0)
+        def _start_first() -> None:
+            r = item_range(0)
+            copies(r, 0, r.first_block, 0, lambda c: c.start())
 
     @pl.when(count == 0)
     def _unused() -> None:
@@ -85,64 +135,52 @@ def _kernel(
 
     @pl.when(count > 0)
     def _item() -> None:
-        seq = sequence_ref[w]
-        length = jnp.clip(lengths_ref[seq], 0, max_len)
-        p0 = length - starts_ref[seq + 1] + first_ref[w]  # the first token's position
-        hi = jnp.minimum(p0 + count - 1, length - 1)  # the last position any row sees
-        lo = 0 if spec.window is None else jnp.maximum(p0 - spec.window, 0)
-        # lax.div, not //: Mosaic lowers a signed // or % through `sign`, which asks the
-        # default device for the TPU's generation (an AOT compile on a CPU host has none)
-        first_block = lax.div(lo, jnp.int32(block_kv)) if spec.window is not None else 0
-        last_block = lax.div(jnp.maximum(hi, 0), jnp.int32(block_kv))
-        blocks = jnp.where(hi >= lo, last_block - first_block + 1, 0)
-
-        def copies(block: jax.Array, slot: jax.Array, act) -> None:
-            """``act`` on the copies of block ``block``'s pages that hold a position in
-            ``[lo, hi]``."""
-            for k in range(pages_per_block):
-                j = block * pages_per_block + k
-
-                @pl.when((j * page_size <= hi) & ((j + 1) * page_size > lo))
-                def _page(k: int = k, j: jax.Array = j) -> None:
-                    column = jnp.minimum(j, pages_per_sequence - 1)
-                    page = jnp.clip(table_ref[seq * pages_per_sequence + column], 0, num_pages - 1)
-                    rows = pl.ds(k * page_size, page_size)
-                    for a, (src, dst) in enumerate(zip(cache[:2], buffers[:2], strict=True)):
-                        act(pltpu.make_async_copy(src.at[page, h], dst.at[slot, rows],
-                                                  sems.at[slot, a]))  # fmt: skip
-
-            # int8 scales: the block's positions of the sequence's gathered scales at once
-            start = pl.multiple_of(block * block_kv, block_kv)
-            for a in range(2, arrays):
-                src = cache[a].at[seq, h, pl.ds(start, block_kv)]
-                act(pltpu.make_async_copy(src, buffers[a].at[slot], sems.at[slot, a]))
-
+        r = item_range(w)
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
-
-        @pl.when(blocks > 0)
-        def _start_first() -> None:
-            copies(first_block, 0, lambda c: c.start())
-
         rows = q_ref.shape[0]
-        q_pos = p0 + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
+        q_pos = r.p0 + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
+        base = folded[0]
+        # the next step that reads the cache: the next item of this head, else item 0 of the
+        # next head (unused items are the last of each head's sweep)
+        same_head = (w + 1 < items) & (count_ref[jnp.minimum(w + 1, items - 1)] > 0)
+        next_head = jnp.where(same_head, h, h + 1)
+        next_item = jnp.where(same_head, w + 1, 0)
 
         def body(i: jax.Array, carry: None) -> None:
-            block, slot = first_block + i, i & 1
-            copies(block, slot, lambda c: c.wait())
+            block, slot = r.first_block + i, (base + i) & 1
+            copies(r, h, block, slot, lambda c: c.wait())
 
-            @pl.when(i + 1 < blocks)
+            @pl.when(i + 1 < r.blocks)
             def _start_next() -> None:
-                copies(block + 1, 1 - slot, lambda c: c.start())
+                copies(r, h, block + 1, 1 - slot, lambda c: c.start())
+
+            @pl.when((i + 1 == r.blocks) & (next_head < kv_heads))
+            def _start_next_item() -> None:
+                after = item_range(next_item)
+                copies(after, next_head, after.first_block, 1 - slot, lambda c: c.start())
 
             first = block * block_kv
             views = [buffer.at[slot] for buffer in buffers]
-            _fold(q_ref, views, m_ref, l_ref, acc_ref, q_pos, first, lo, hi, spec)
+            _fold(q_ref, views, m_ref, l_ref, acc_ref, q_pos, first, r.lo, r.hi, spec)
             return carry
 
-        lax.fori_loop(0, blocks, body, None)
+        lax.fori_loop(0, r.blocks, body, None)
+        folded[0] = base + r.blocks
         _finish(sinks_ref, m_ref, l_ref, acc_ref, o_ref)
+
+
+class _Range(NamedTuple):
+    """The positions one work item reads: its sequence, its first token's position ``p0``,
+    the positions ``[lo, hi]`` some row sees, and the kv blocks that hold them (at least 1)."""
+
+    seq: jax.Array
+    p0: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    first_block: jax.Array
+    blocks: jax.Array
 
 
 def _fold(q_ref, views, m_ref, l_ref, acc_ref, q_pos, first, lo, hi, spec: RaggedSpec) -> None:
@@ -261,6 +299,7 @@ def _ragged_kernel(
         *(pltpu.VMEM((2, block_kv, head_dim), x.dtype) for x in arrays[:2]),
         *(pltpu.VMEM((2, block_kv), _F32) for _ in arrays[2:]),
         pltpu.SemaphoreType.DMA((2, len(arrays))),
+        pltpu.SMEM((1,), jnp.int32),
     ]
     body = functools.partial(
         _kernel, spec=spec, block_q=block_q, pages_per_block=per_block,
@@ -277,7 +316,7 @@ def _ragged_kernel(
             out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *refs: (w, h, 0, 0)),
             scratch_shapes=scratch,
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=False if interpret is None else interpret,
         name=KERNEL_NAME,
     )(*prefetch, *inputs, *arrays)
