@@ -31,12 +31,14 @@ def _call(
     int8: bool = False,
     sinks: bool = False,
     stale_nan: bool = False,
+    unused_pages: int | None = None,
     backend: SplitKvBackend | None = SMALL,
     **options: object,
 ) -> tuple[jax.Array, jax.Array, int]:
     """(kernel output, reference output, valid rows) of one batch: sequence ``s`` has
     ``new[s]`` new tokens and ``lengths[s]`` positions; its pages are spread over the pool.
-    ``backend=None``: through ``pf.ragged_attention(backend="splitkv")``."""
+    ``backend=None``: through ``pf.ragged_attention(backend="splitkv")``; ``unused_pages``:
+    the table's entries past each sequence's length (which may hold anything)."""
     seqs, valid = len(new), sum(new)
     tokens = valid if tokens is None else tokens
     num_pages = seqs * PAGES_PER_SEQUENCE + 3
@@ -46,6 +48,10 @@ def _call(
     v_cache = jax.random.normal(keys[1], pool, jnp.float32)
     table = jax.random.permutation(keys[2], num_pages)[: seqs * PAGES_PER_SEQUENCE]
     table = table.reshape(seqs, PAGES_PER_SEQUENCE).astype(jnp.int32)
+    if unused_pages is not None:
+        column = jnp.arange(PAGES_PER_SEQUENCE)[None, :]
+        used = column < -(-jnp.asarray(lengths)[:, None] // PAGE_SIZE)
+        table = jnp.where(used, table, unused_pages)
     if stale_nan:  # every slot past a sequence's length (and unused pages) holds NaN
         position = np.arange(PAGES_PER_SEQUENCE * PAGE_SIZE)
         stale = np.ones(pool[0] * PAGE_SIZE, bool)
@@ -113,6 +119,11 @@ def test_empty_sequences_and_padding_rows_give_zeros() -> None:
 
 def test_stale_nan_slots_are_never_seen() -> None:
     _check(*_call([1, 6, 2], [13, 19, 40], stale_nan=True), F32)
+
+
+@pytest.mark.parametrize("unused", [-1, 10**6])
+def test_table_entries_past_the_lengths_are_never_read(unused: int) -> None:
+    _check(*_call([2, 1], [9, 17], unused_pages=unused, int8=True), 1e-4)
 
 
 @pytest.mark.parametrize(
