@@ -152,6 +152,11 @@ def test_bfloat16_with_window_and_softcap() -> None:
     _check(actual, expected, valid, FORWARD_TOLERANCE["bfloat16"])
 
 
+def test_bfloat16_queries_against_an_int8_cache() -> None:
+    actual, expected, valid = _call([1, 11], [21, 30], dtype=jnp.bfloat16, int8=True, sinks=True)
+    _check(actual, expected, valid, FORWARD_TOLERANCE["bfloat16"])
+
+
 def test_default_tiling_through_the_api() -> None:
     """``pf.ragged_attention(backend="splitkv")``: the default blocks (one kv block per
     sequence here), int8, GQA, the new tokens written by core."""
