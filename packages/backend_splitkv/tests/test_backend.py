@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_flash as pf
-from pallas_flash_splitkv import DecodeBlocks, SplitKvBackend, split_kv_decode
+from pallas_flash_splitkv import DecodeBlocks, RaggedBlocks, SplitKvBackend, split_kv_decode
 
 
 def test_registered_as_the_tpu_decode_backend() -> None:
@@ -19,8 +19,10 @@ def test_registered_as_the_tpu_decode_backend() -> None:
     assert importlib.metadata.version(info.distribution)
     assert info.platforms == {"tpu"} and info.priority == 100
     expected = {"decode", "gqa", "softcap", "paged_cache", "int8_cache", "multi_device"}
+    expected |= {"ragged", "sliding_window", "sinks"}  # sliding_window and sinks: ragged only
     assert info.capabilities == expected
     assert SplitKvBackend().blocks == DecodeBlocks()
+    assert SplitKvBackend().ragged_blocks == RaggedBlocks()
 
 
 @pytest.mark.parametrize(

@@ -7,40 +7,58 @@ import jax
 import pallas_flash as pf
 from pallas_flash_splitkv.blocks import DecodeBlocks
 from pallas_flash_splitkv.decode import split_kv_decode
+from pallas_flash_splitkv.ragged_blocks import RaggedBlocks
+from pallas_flash_splitkv.ragged_kernel import ragged_attention
 
 
 class SplitKvBackend(pf.Backend):
-    """Decoding (one query token per sequence) with a Pallas Split-KV kernel.
+    """Decoding (one query token per sequence) with a Pallas Split-KV kernel, and ragged
+    attention (decode tokens and prefill chunks of many sequences in one flat batch) against a
+    paged cache with `ragged_kernel`.
 
     With ``mesh=None`` the cache is decoded where it is: on its one device, or over the mesh
     of a ``NamedSharding`` that splits only its sequence axis (`placement.follow`); pass a
     mesh to split the sequence axis over its devices.
 
     Args:
-      blocks: the kernel's tiling; default `DecodeBlocks()`.
+      blocks: the decode kernel's tiling; default `DecodeBlocks()`.
       name: the name to select this instance by.
+      ragged_blocks: the ragged kernel's tiling; default `RaggedBlocks()`.
     """
 
     name = "splitkv"
     capabilities = frozenset(
         {
             pf.Capability.DECODE,
+            pf.Capability.RAGGED,
             pf.Capability.GQA,
             pf.Capability.SOFTCAP,
             pf.Capability.PAGED_CACHE,
             pf.Capability.INT8_CACHE,
             pf.Capability.MULTI_DEVICE,
+            pf.Capability.SLIDING_WINDOW,
+            pf.Capability.SINKS,
         }
     )
     platforms = frozenset({"tpu"})
     priority = 100
 
-    def __init__(self, blocks: DecodeBlocks | None = None, *, name: str = "splitkv") -> None:
+    def __init__(
+        self,
+        blocks: DecodeBlocks | None = None,
+        *,
+        name: str = "splitkv",
+        ragged_blocks: RaggedBlocks | None = None,
+    ) -> None:
         self.blocks = DecodeBlocks() if blocks is None else blocks
+        self.ragged_blocks = RaggedBlocks() if ragged_blocks is None else ragged_blocks
         self.name = name
 
     def __repr__(self) -> str:
-        return f"SplitKvBackend({self.blocks!r}, name={self.name!r})"
+        return (
+            f"SplitKvBackend({self.blocks!r}, name={self.name!r}, "
+            f"ragged_blocks={self.ragged_blocks!r})"
+        )
 
     def decode(
         self,
@@ -52,3 +70,17 @@ class SplitKvBackend(pf.Backend):
         mesh: jax.sharding.Mesh | None = None,
     ) -> jax.Array:
         return split_kv_decode(q, cache, lengths, spec=spec, blocks=self.blocks, mesh=mesh)
+
+    def ragged_attention(
+        self,
+        q: jax.Array,
+        cache: pf.DecodeCache,
+        query_starts: jax.Array,
+        kv_lengths: jax.Array,
+        spec: pf.RaggedSpec,
+        *,
+        sinks: jax.Array | None = None,
+    ) -> jax.Array:
+        return ragged_attention(
+            q, cache, query_starts, kv_lengths, spec=spec, blocks=self.ragged_blocks, sinks=sinks
+        )

@@ -105,7 +105,9 @@ def fold_vmap_into_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
     return folded
 
 
-def jit_kernel(fn: Callable[..., Any], static_argnames: Sequence[str]) -> Callable[..., Any]:
+def jit_kernel(
+    fn: Callable[..., Any], static_argnames: Sequence[str], *, fold_vmap: bool = True
+) -> Callable[..., Any]:
     """``jax.jit`` of ``fn(*arrays, interpret=..., **static)``, a function that builds a
     ``pallas_call`` whose array arguments and results all lead with the batch axis, with
     ``interpret`` filled in by `interpret_params` at each call.
@@ -114,12 +116,14 @@ def jit_kernel(fn: Callable[..., Any], static_argnames: Sequence[str]) -> Callab
     kernel at once (inside ``shard_map``). A call at the top level (no traced argument) of an
     interpreted kernel compiles with `INTERPRET_COMPILER_OPTIONS`; compiler options are not
     allowed inside another trace. Under ``jax.vmap`` the mapped axis is folded into the batch
-    axis (`fold_vmap_into_batch`), on TPU and in the interpreter alike.
+    axis (`fold_vmap_into_batch`), on TPU and in the interpreter alike; with ``fold_vmap=False``
+    (a kernel whose arguments do not all lead with one batch axis) jax's own batching applies.
     """
     names = (*static_argnames, "interpret")
 
     def kernel(*args: Any, **static: Any) -> Any:
-        return fold_vmap_into_batch(functools.partial(fn, **static))(*args)
+        bound = functools.partial(fn, **static)
+        return fold_vmap_into_batch(bound)(*args) if fold_vmap else bound(*args)
 
     compiled = jax.jit(kernel, static_argnames=names)
     interpreted = jax.jit(

@@ -1,0 +1,134 @@
+"""How the ragged attention kernel tiles a flat batch: its block sizes, and the schedule of
+query blocks (which sequence and which token rows each grid step takes).
+
+A ragged batch packs the new tokens of many sequences into one axis
+(`pallas_flash.ragged_batch`). The kernel's grid walks *work items*: item ``w`` is up to
+``block_q`` consecutive tokens of one sequence (a sequence of ``n`` new tokens gives
+``ceil(n / block_q)`` items, an empty one none), so every step masks one sequence's causal
+range and streams only that sequence's pages. The number of items is data-dependent; the grid
+has the static bound ``ceil(tokens / block_q) + seqs`` (each sequence adds at most one partly
+filled item) and the steps past the last item do nothing.
+
+The schedule is computed in jax before the kernel (a few ``[items]`` int32 arrays, prefetched
+into SMEM), and so are the gathers that lay the query out per item and the output back per
+token: both touch only q-sized data, never the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.ragged_batch import new_tokens, token_places
+
+KV_BLOCK_POSITIONS = 512
+"""Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic:
+with head_dim 128 in bfloat16, 128 KiB of K and 128 KiB of V, double-buffered in VMEM."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedBlocks:
+    """The ragged kernel's tiling.
+
+    Attributes:
+      block_q: tokens of one sequence per work item (a power of two, at least 8): the
+        kernel's rows are ``block_q x group`` (the query heads of one kv head folded in).
+        Small blocks waste fewer rows on decode tokens; large ones read each page for more
+        tokens of a prefill chunk.
+      pages_per_block: pages per kv block (one inner-loop step, copied by manual DMA, double
+        buffered). None: `KV_BLOCK_POSITIONS` positions' worth (at least 1), at most a
+        sequence's pages.
+    """
+
+    block_q: int = 16
+    pages_per_block: int | None = None
+
+    def __post_init__(self) -> None:
+        q = self.block_q
+        if isinstance(q, bool) or not isinstance(q, int) or q < 8 or q & (q - 1):
+            raise ValueError(f"RaggedBlocks.block_q must be a power of two >= 8, got {q!r}")
+        p = self.pages_per_block
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
+            raise ValueError(f"RaggedBlocks.pages_per_block must be a positive int, got {p!r}")
+
+    def pages_for(self, page_size: int, pages_per_sequence: int) -> int:
+        """Pages per kv block for pages of ``page_size`` positions."""
+        per_block = self.pages_per_block
+        if per_block is None:
+            per_block = max(1, KV_BLOCK_POSITIONS // page_size)
+        return min(per_block, pages_per_sequence)
+
+    def items_for(self, tokens: int, seqs: int) -> int:
+        """The static bound on work items of a batch of ``tokens`` rows and ``seqs``
+        sequences (module doc)."""
+        return -(-tokens // self.block_q) + seqs
+
+
+class Schedule(NamedTuple):
+    """The work items of one batch, ``[items]`` int32 each (module doc).
+
+    Attributes:
+      sequence: the item's sequence (0 for the unused items past the last).
+      first: its first token row in the flat batch.
+      count: its number of tokens, 1 to ``block_q`` (0 for unused items).
+    """
+
+    sequence: jax.Array
+    first: jax.Array
+    count: jax.Array
+
+
+def _items_per_sequence(query_starts: jax.Array, block_q: int) -> jax.Array:
+    """``[seqs]`` int32: each sequence's work items (0 for an empty one)."""
+    n = jnp.maximum(new_tokens(query_starts), 0)
+    return (n + block_q - 1) // block_q
+
+
+def schedule(query_starts: jax.Array, block_q: int, items: int) -> Schedule:
+    """The work items of the batch with ``query_starts [seqs + 1]``, padded to ``items``."""
+    per_sequence = _items_per_sequence(query_starts, block_q)
+    ends = jnp.cumsum(per_sequence)
+    w = jnp.arange(items, dtype=jnp.int32)
+    seqs = per_sequence.shape[0]
+    sequence = jnp.clip(jnp.searchsorted(ends, w, side="right"), 0, seqs - 1).astype(jnp.int32)
+    used = w < ends[-1]
+    within = w - (ends[sequence] - per_sequence[sequence])
+    first = query_starts[sequence] + within * block_q
+    count = jnp.clip(query_starts[sequence + 1] - first, 0, block_q)
+    return Schedule(
+        jnp.where(used, sequence, 0),
+        jnp.where(used, first, 0).astype(jnp.int32),
+        jnp.where(used, count, 0).astype(jnp.int32),
+    )
+
+
+def gather_queries(q: jax.Array, plan: Schedule, kv_heads: int, block_q: int) -> jax.Array:
+    """q ``[tokens, q_heads, head_dim]`` per work item: ``[items, kv_heads, group x block_q,
+    head_dim]``, row ``g x block_q + t`` the ``t``-th token's query head ``g`` of the kv head
+    (rows past an item's tokens repeat a valid token; their output is dropped)."""
+    tokens, q_heads, head_dim = q.shape
+    group = q_heads // kv_heads
+    rows = jnp.clip(plan.first[:, None] + jnp.arange(block_q), 0, tokens - 1)
+    items = q[rows].reshape(-1, block_q, kv_heads, group, head_dim)
+    return items.transpose(0, 2, 3, 1, 4).reshape(-1, kv_heads, group * block_q, head_dim)
+
+
+def outputs_per_token(
+    out: jax.Array, query_starts: jax.Array, kv_lengths: jax.Array, tokens: int, block_q: int
+) -> jax.Array:
+    """The kernel's output ``[items, kv_heads, group x block_q, head_dim]`` back per token:
+    ``[tokens, q_heads, head_dim]``, zeros for padding rows (`gather_queries`' inverse)."""
+    _, kv_heads, rows, head_dim = out.shape
+    group = rows // block_q
+    places = token_places(query_starts, kv_lengths, tokens)
+    per_sequence = _items_per_sequence(query_starts, block_q)
+    item_starts = jnp.cumsum(per_sequence) - per_sequence
+    within = jnp.arange(tokens, dtype=jnp.int32) - query_starts[places.sequence]
+    item = item_starts[places.sequence] + within // block_q
+    item = jnp.clip(item, 0, out.shape[0] - 1)
+    by_token = out.reshape(-1, kv_heads, group, block_q, head_dim)[item, :, :, within % block_q]
+    by_token = by_token.reshape(tokens, kv_heads * group, head_dim)
+    return jnp.where(places.valid[:, None, None], by_token, jnp.zeros_like(by_token))

@@ -1,0 +1,177 @@
+"""The ragged paged attention kernel (`ragged_kernel`), in TPU interpret mode, against the xla
+backend's dense reference on the same written cache: decode tokens, prefill chunks and both
+mixed, empty sequences, padding rows, chunks crossing pages and kv blocks, GQA, softcap,
+sliding window, sinks, int8 and bfloat16."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
+from pallas_flash_splitkv import RaggedBlocks, SplitKvBackend
+from pallas_flash_splitkv.ragged_blocks import schedule
+
+HEAD_DIM, PAGE_SIZE, PAGES_PER_SEQUENCE = 128, 8, 6
+SMALL = SplitKvBackend(ragged_blocks=RaggedBlocks(block_q=8, pages_per_block=2))
+"""Blocks of 16 positions (2 pages) and 8 tokens: a short sequence spans several of each."""
+
+
+def _call(
+    new: list[int],
+    lengths: list[int],
+    *,
+    tokens: int | None = None,
+    q_heads: int = 4,
+    kv_heads: int = 2,
+    dtype: jnp.dtype = jnp.float32,
+    int8: bool = False,
+    sinks: bool = False,
+    stale_nan: bool = False,
+    unused_pages: int | None = None,
+    backend: SplitKvBackend | None = SMALL,
+    **options: object,
+) -> tuple[jax.Array, jax.Array, int]:
+    """(kernel output, reference output, valid rows) of one batch: sequence ``s`` has
+    ``new[s]`` new tokens and ``lengths[s]`` positions; its pages are spread over the pool.
+    ``backend=None``: through ``pf.ragged_attention(backend="splitkv")``; ``unused_pages``:
+    the table's entries past each sequence's length (which may hold anything)."""
+    seqs, valid = len(new), sum(new)
+    tokens = valid if tokens is None else tokens
+    num_pages = seqs * PAGES_PER_SEQUENCE + 3
+    keys = jax.random.split(jax.random.key(sum(new) + 7 * sum(lengths)), 8)
+    pool = (num_pages, kv_heads, PAGE_SIZE, HEAD_DIM)
+    k_cache = jax.random.normal(keys[0], pool, jnp.float32)
+    v_cache = jax.random.normal(keys[1], pool, jnp.float32)
+    table = jax.random.permutation(keys[2], num_pages)[: seqs * PAGES_PER_SEQUENCE]
+    table = table.reshape(seqs, PAGES_PER_SEQUENCE).astype(jnp.int32)
+    if unused_pages is not None:
+        column = jnp.arange(PAGES_PER_SEQUENCE)[None, :]
+        used = column < -(-jnp.asarray(lengths)[:, None] // PAGE_SIZE)
+        table = jnp.where(used, table, unused_pages)
+    if stale_nan:  # every slot past a sequence's length (and unused pages) holds NaN
+        position = np.arange(PAGES_PER_SEQUENCE * PAGE_SIZE)
+        stale = np.ones(pool[0] * PAGE_SIZE, bool)
+        flat = np.asarray(table)[:, position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
+        stale[flat[position[None] < np.asarray(lengths)[:, None]]] = False
+        mask = jnp.asarray(stale.reshape(pool[0], 1, PAGE_SIZE, 1))
+        k_cache, v_cache = (jnp.where(mask, jnp.nan, x) for x in (k_cache, v_cache))
+    scales = {}
+    if int8:
+        (k_cache, k_scales), (v_cache, v_scales) = map(pf.quantize_int8, (k_cache, v_cache))
+        scales = {"k_scales": k_scales, "v_scales": v_scales}
+    else:
+        k_cache, v_cache = k_cache.astype(dtype), v_cache.astype(dtype)
+    q = jax.random.normal(keys[3], (tokens, q_heads, HEAD_DIM), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[4], (tokens, kv_heads, HEAD_DIM), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[5], (tokens, kv_heads, HEAD_DIM), jnp.float32).astype(dtype)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    kv_lengths = jnp.asarray(lengths, jnp.int32)
+    if sinks:
+        options["sinks"] = jax.random.normal(keys[6], (q_heads,), jnp.float32)
+    args = (q, k, v, k_cache, v_cache, table, starts, kv_lengths)
+    expected, cache = pf.ragged_attention(*args, backend="xla", **scales, **options)
+    if backend is None:
+        actual, written = pf.ragged_attention(*args, backend="splitkv", **scales, **options)
+        for mine, theirs in zip(written, cache, strict=True):
+            assert mine is None or (mine == theirs).all()
+        return actual, expected, valid
+    spec = pf.RaggedSpec(
+        sm_scale=HEAD_DIM**-0.5,
+        softcap=options.get("softcap"),
+        window=options.get("sliding_window"),
+    )
+    actual = backend.ragged_attention(
+        q, cache, starts, kv_lengths, spec, sinks=options.get("sinks")
+    )
+    return actual, expected, valid
+
+
+def _check(actual, expected, valid: int, tolerance: float) -> None:
+    assert actual.dtype == expected.dtype
+    assert_close(actual[:valid], np.asarray(expected[:valid], np.float64), tolerance)
+    assert not np.asarray(actual[valid:], np.float32).any(), "padding rows must be zeros"
+
+
+F32 = FORWARD_TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize(
+    ("new", "lengths"),
+    [
+        ([1, 1, 1, 1], [1, 9, 17, 48]),  # all decode: first position, page and block edges
+        ([5, 12, 20], [5, 30, 47]),  # all prefill: chunks across pages, blocks, query blocks
+        ([1, 7, 1, 16], [33, 7, 16, 40]),  # mixed decode and prefill
+    ],
+    ids=["decode", "prefill", "mixed"],
+)
+def test_matches_the_dense_reference(new: list[int], lengths: list[int]) -> None:
+    _check(*_call(new, lengths), F32)
+
+
+def test_empty_sequences_and_padding_rows_give_zeros() -> None:
+    actual, expected, valid = _call([0, 3, 0, 1, 0], [4, 11, 0, 25, 9], tokens=12)
+    _check(actual, expected, valid, F32)
+
+
+def test_stale_nan_slots_are_never_seen() -> None:
+    _check(*_call([1, 6, 2], [13, 19, 40], stale_nan=True), F32)
+
+
+@pytest.mark.parametrize("unused", [-1, 10**6])
+def test_table_entries_past_the_lengths_are_never_read(unused: int) -> None:
+    _check(*_call([2, 1], [9, 17], unused_pages=unused, int8=True), 1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"softcap": 2.0}, {"sliding_window": 5}, {"sliding_window": 20}, {"sinks": True}],
+    ids=["softcap", "window5", "window20", "sinks"],
+)
+def test_features(options: dict) -> None:
+    _check(*_call([1, 9, 3], [30, 26, 45], q_heads=8, kv_heads=2, **options), F32)
+
+
+def test_multi_query_and_multi_head() -> None:
+    _check(*_call([2, 1], [10, 20], q_heads=4, kv_heads=1), F32)
+    _check(*_call([2, 1], [10, 20], q_heads=2, kv_heads=2), F32)
+
+
+def test_int8_cache() -> None:
+    actual, expected, valid = _call([1, 10, 4], [17, 25, 44], int8=True, sinks=True)
+    _check(actual, expected, valid, 1e-4)
+
+
+def test_bfloat16_with_window_and_softcap() -> None:
+    actual, expected, valid = _call(
+        [1, 13, 2], [40, 13, 20], dtype=jnp.bfloat16, sliding_window=9, softcap=5.0
+    )
+    _check(actual, expected, valid, FORWARD_TOLERANCE["bfloat16"])
+
+
+def test_bfloat16_queries_against_an_int8_cache() -> None:
+    actual, expected, valid = _call([1, 11], [21, 30], dtype=jnp.bfloat16, int8=True, sinks=True)
+    _check(actual, expected, valid, FORWARD_TOLERANCE["bfloat16"])
+
+
+def test_default_tiling_through_the_api() -> None:
+    """``pf.ragged_attention(backend="splitkv")``: the default blocks (one kv block per
+    sequence here), int8, GQA, the new tokens written by core."""
+    actual, expected, valid = _call([3, 1, 0], [20, 44, 0], tokens=6, int8=True, backend=None)
+    _check(actual, expected, valid, 1e-4)
+
+
+def test_schedule_gives_each_sequence_its_query_blocks() -> None:
+    plan = schedule(jnp.array([0, 1, 1, 19, 21], jnp.int32), block_q=8, items=7)
+    assert plan.sequence.tolist() == [0, 2, 2, 2, 3, 0, 0]
+    assert plan.first.tolist() == [0, 1, 9, 17, 19, 0, 0]
+    assert plan.count.tolist() == [1, 8, 8, 2, 2, 0, 0]
+
+
+@pytest.mark.parametrize("bad", [0, 4, 12, True])
+def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
+    with pytest.raises(ValueError, match="block_q"):
+        RaggedBlocks(block_q=bad)

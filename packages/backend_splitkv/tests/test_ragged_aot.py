@@ -1,0 +1,105 @@
+"""Ahead-of-time compilation of ``pf.ragged_attention`` on the ``splitkv`` backend for one TPU
+v5e chip by the real compiler (libtpu; no TPU needed, skipped without it): a serving step of
+256 new tokens from 16 sequences against a pool of 2,048 pages, with the cache donated. Mosaic
+compiles the kernel within VMEM; the pool is written in place and never copied."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_flash as pf
+from pallas_flash.interpret import INTERPRET_ENV_VAR
+from pallas_flash_estimate.read import hlo_ops
+from pallas_flash_splitkv.ragged_kernel import KERNEL_NAME
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
+)
+
+TOKENS, SEQS, PAGES_PER_SEQUENCE, Q_HEADS = 256, 16, 128, 8
+
+
+@pytest.fixture(scope="module")
+def v5e_chip() -> jax.Device:
+    """One chip of a v5e 2x2 topology (no hardware needed)."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name="v5e:2x2",
+        chip_config_name="default",
+        chips_per_host_bounds=(2, 2, 1),
+        num_slices=1,
+    )
+    return topology.devices[0]
+
+
+@pytest.fixture(autouse=True)
+def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INTERPRET_ENV_VAR, "0")
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "head_dim", "page_size", "dtype", "window"),
+    [
+        (2, 128, 16, jnp.bfloat16, None),
+        (1, 128, 64, jnp.bfloat16, 256),
+        (2, 64, 32, jnp.bfloat16, None),
+        (2, 128, 16, jnp.int8, 100),
+    ],
+    ids=["bf16-kv2-page16", "bf16-kv1-page64-window", "bf16-d64-page32", "int8-page16-window"],
+)
+def test_a_serving_step_compiles_with_the_pool_in_place(
+    v5e_chip: jax.Device, kv_heads: int, head_dim: int, page_size: int, dtype, window
+) -> None:
+    device = jax.sharding.SingleDeviceSharding(v5e_chip)
+
+    def struct(shape, dtype, kept: bool = False):  # kept: the pool, in `pf.cache_format`
+        placed = pf.cache_format(device, len(shape)) if kept else device
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+
+    num_pages = SEQS * PAGES_PER_SEQUENCE
+    pool = (num_pages, kv_heads, page_size, head_dim)
+    new = struct((TOKENS, kv_heads, head_dim), jnp.bfloat16)
+    args = [
+        struct((TOKENS, Q_HEADS, head_dim), jnp.bfloat16), new, new,
+        struct(pool, dtype, True), struct(pool, dtype, True),
+        struct((SEQS, PAGES_PER_SEQUENCE), jnp.int32),
+        struct((SEQS + 1,), jnp.int32), struct((SEQS,), jnp.int32),
+    ]  # fmt: skip
+    quantized = dtype == jnp.int8
+    if quantized:
+        args += [struct(pool[:3], jnp.float32, True)] * 2
+
+    def step(q, k, v, k_cache, v_cache, table, starts, lengths, *scales):
+        extra = {"k_scales": scales[0], "v_scales": scales[1]} if scales else {}
+        out, cache = pf.ragged_attention(
+            q, k, v, k_cache, v_cache, table, starts, lengths, backend="splitkv",
+            softcap=30.0, sliding_window=window, sinks=jnp.zeros((Q_HEADS,)), **extra,
+        )  # fmt: skip
+        return out, cache._replace(page_table=None)
+
+    donated = (3, 4, 8, 9) if quantized else (3, 4)
+    kept, kept_scales = pf.cache_format(device, 4), pf.cache_format(device, 3)
+    scales_out = kept_scales if quantized else None
+    out_cache = pf.DecodeCache(kept, kept, None, scales_out, scales_out)
+    jitted = jax.jit(step, donate_argnums=donated, out_shardings=(None, out_cache))
+    compiled = jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile()
+    text = compiled.as_text()
+    assert [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)] == [KERNEL_NAME]
+    pool_bytes = math.prod(pool) * jnp.dtype(dtype).itemsize
+    # core's write of the new tokens is a scatter into the donated pool (its fusion holds
+    # transposes of the tokens); the kernel's side copies only q-sized data (q and output laid
+    # out per work item, int8 scales gathered per sequence), never the pool
+    q_bytes = TOKENS * Q_HEADS * head_dim * 2
+    copies = [(op.name, op.bytes, op.relayout) for op in hlo_ops.find_copy_trap(text)]
+    large = [c for c in copies if c[1] > 4 * q_bytes and c[2] is not False]
+    assert [c[0] for c in large if not c[0].startswith("scatter")] == [], copies
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= 2 * pool_bytes
+    assert memory.temp_size_in_bytes < pool_bytes // 2  # q-sized: no copy of the pool
