@@ -1,7 +1,8 @@
 """The ragged paged attention kernel (`ragged_kernel`), in TPU interpret mode, against the xla
 backend's dense reference on the same written cache: decode tokens, prefill chunks and both
 mixed, empty sequences, padding rows, chunks crossing pages and kv blocks, GQA, softcap,
-sliding window, sinks, int8 and bfloat16."""
+sliding window, sinks, int8 and bfloat16, with blocks small enough that a sequence spans
+several query and kv blocks (the conformance suite runs the default blocks, MQA and MHA)."""
 
 from __future__ import annotations
 
@@ -128,16 +129,11 @@ def test_table_entries_past_the_lengths_are_never_read(unused: int) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"softcap": 2.0}, {"sliding_window": 5}, {"sliding_window": 20}, {"sinks": True}],
-    ids=["softcap", "window5", "window20", "sinks"],
+    [{"softcap": 2.0}, {"sliding_window": 5}, {"sinks": True}],
+    ids=["softcap", "window5", "sinks"],
 )
 def test_features(options: dict) -> None:
     _check(*_call([1, 9, 3], [30, 26, 45], q_heads=8, kv_heads=2, **options), F32)
-
-
-def test_multi_query_and_multi_head() -> None:
-    _check(*_call([2, 1], [10, 20], q_heads=4, kv_heads=1), F32)
-    _check(*_call([2, 1], [10, 20], q_heads=2, kv_heads=2), F32)
 
 
 def test_int8_cache() -> None:

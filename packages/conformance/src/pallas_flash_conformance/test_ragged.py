@@ -105,8 +105,10 @@ def _assert_written(cache: pf.DecodeCache, case: Case) -> None:
     np.testing.assert_array_equal(np.asarray(cache.page_table), case.table)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize(
+    ("mix", "dtype"),
+    [(mix, "bfloat16") for mix in MIXES] + [("mixed-with-empty", "float32")],
+)
 def test_ragged_mixes(backend, mix: str, dtype: str) -> None:
     case = _case(mix, dtype)
     out, cache = case.call(backend.name)
@@ -117,8 +119,7 @@ def test_ragged_mixes(backend, mix: str, dtype: str) -> None:
 
 
 @pytest.mark.requires("gqa")
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa4", "mqa"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(2, 128), (1, 64)], ids=["gqa4", "mqa-d64"])
 def test_ragged_grouped_heads(backend, kv_heads: int, head_dim: int) -> None:
     case = _case("mixed-with-empty", "bfloat16", q_heads=8, kv_heads=kv_heads, head_dim=head_dim)
     out, cache = case.call(backend.name)
