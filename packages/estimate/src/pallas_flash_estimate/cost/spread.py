@@ -113,7 +113,7 @@ def kernel_entry(
     over all grid steps (at most) and ``pushes`` in the grid loop body.
 
     ``trips``: for a kernel with loops whose trip counts read memory, how often each runs over
-    the whole kernel for this call (the bench's ``Subject.loop_trips``), outermost first;
+    the whole kernel for this call (the bench's ``Subject.loop_trips``), in program order;
     see `_entry_with_trips`."""
     if trips is not None and schedule.executed_bundles_min is None:
         assert schedule.listing is not None, "the schedule was built without its listing"

@@ -12,8 +12,10 @@ executions,
   a predicated region of that loop decided by the loop's evaluation
   (`Region.executed_iterations`) that many iterations (scaled likewise); undecided: 0 (min)
   or every iteration (max);
-- in a loop without one: the executions the subject gave it (the dynamic loops in order of
-  nesting, outermost first), a predicated region of that loop 0 (min) or every iteration (max).
+- in a loop without one: the executions the subject gave it (the dynamic loops in program
+  order: outermost first when they nest, and loops side by side in one loop, as RPA v3's cache
+  writes beside its compute chunks, in the order they start), a predicated region of that
+  loop 0 (min) or every iteration (max).
 
 Any per-bundle figure (executed bundles, each MXU's ``vmatmul`` cycles, the critical path) is
 then the sum of its weights times these counts (`weigh`). No JAX import: this module only reads
@@ -40,15 +42,13 @@ def _innermost(loops: Sequence[Loop], index: int) -> Loop | None:
 
 def bundle_counts(listing: BundleListing, trips: Sequence[int]) -> BundleCounts | str:
     """Executions of every bundle (module doc), the loops without a trip count running
-    ``trips`` times over the whole kernel, outermost first; or why they cannot be counted:
-    not as many such loops as ``trips``, or they are not nested one in the other."""
+    ``trips`` times over the whole kernel, in program order (outermost first); or why they
+    cannot be counted: not as many such loops as ``trips``."""
     loops = listing.loops
-    dynamic = sorted((lp for lp in loops if lp.trip_count is None), key=lambda lp: lp.depth)
+    dynamic = sorted((lp for lp in loops if lp.trip_count is None),
+                     key=lambda lp: (lp.start, lp.depth))  # fmt: skip
     if len(dynamic) != len(trips):
         return f"{len(dynamic)} loops without a trip count, {len(trips)} trip counts given"
-    for outer, inner in itertools.pairwise(dynamic):
-        if not (outer.start <= inner.start and inner.end <= outer.end):
-            return f"the loop at bundle {inner.start} is not nested in the one at {outer.start}"
     given = {lp.start: n for lp, n in zip(dynamic, trips, strict=True)}
     runs: dict[int, int] = {}  # loop start -> executions of its body over the kernel
     for lp in sorted(loops, key=lambda lp: lp.depth):
