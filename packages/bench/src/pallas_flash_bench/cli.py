@@ -12,7 +12,13 @@ import pathlib
 import sys
 
 import pallas_flash as pf
-from pallas_flash_bench.kernels.workloads import Workload, default_sweep, quick_sweep, serving_sweep
+from pallas_flash_bench.kernels.workloads import (
+    Workload,
+    default_sweep,
+    quick_sweep,
+    ragged_sweep,
+    serving_sweep,
+)
 from pallas_flash_bench.runs.cache import ResultCache, default_dir
 from pallas_flash_estimate.targets import DEFAULT_TARGET, TARGETS
 
@@ -53,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
     bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")
-    bench.add_argument("--ops", help="comma-separated subset of forward,forward_backward,decode")
+    bench.add_argument(
+        "--ops", help="comma-separated subset of forward,forward_backward,decode,ragged"
+    )
     bench.add_argument("--seq-lens", help="comma-separated sequence lengths (replaces the sweep's)")
     bench.add_argument("--dtype", default=None, help="input dtype (default bfloat16)")
     bench.add_argument(
@@ -201,7 +209,8 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
         sweep = [w for w in sweep if w.op in ops]
     if args.seq_lens:  # each kind of workload (all but its length) at each length, once
         lengths = [int(n) for n in args.seq_lens.split(",")]
-        serving = set(serving_sweep(chips))  # their lengths are part of what they measure
+        # their lengths are part of what they measure
+        serving = set(serving_sweep(chips)) | set(ragged_sweep())
         kinds = [w for w in sweep if w not in serving]
         sweep = list(
             dict.fromkeys(dataclasses.replace(w, seq_len=n) for w in kinds for n in lengths)

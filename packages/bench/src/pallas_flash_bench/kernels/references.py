@@ -48,7 +48,8 @@ def _on_one_chip(
 def _attention(
     workload: Workload, blocks: tuple[int, ...] = (), *, bias: bool = False, grouped: bool = False
 ) -> bool:
-    """Whether a reference attention kernel takes the workload: attention (not decode), with
+    """Whether a reference attention kernel takes the workload: attention (not decode nor a
+    ragged step), with
     as many kv heads as query heads unless the kernel takes groups (``grouped``: splash),
     v's head_dim q's and a multiple of 64 (jax's kernels compile 64 and multiples of 128 for
     v5e; MLA's 192/128 they do not take), a sequence every block divides (as splash
@@ -58,7 +59,7 @@ def _attention(
     w = workload
     same_dims = w.v_head_dim is None and w.head_dim % 64 == 0
     return (
-        w.op != "decode"
+        w.op in ("forward", "forward_backward")
         and (grouped or w.q_heads == w.kv_heads)
         and same_dims
         and all(w.seq_len % b == 0 for b in blocks)
@@ -362,7 +363,7 @@ def reference_subjects(sweep: str) -> list[Subject]:
             "tpu-inference-rpa-v3", f"{rpa}+donated",
             rpa_reference.build, rpa_reference.BLOCKS[sweep], lambda blocks: blocks.label,
             rpa_reference.arguments, rpa_reference.loop_trips, notes=rpa_reference.notes,
-            donate=rpa_reference.DONATE,
+            donate=rpa_reference.donate,
         )  # fmt: skip
     return subjects
 

@@ -183,7 +183,7 @@ def build(blocks: DecodeBlocks, workload: Workload) -> Callable[..., object] | N
     vLLM's own choice), the most ours request. ``update_kv_cache=False``: the workload's cache
     already holds the new token, as every subject's does, so it reads all from the cache. It
     returns the output and the cache, which its kernels update in place (an input aliased to
-    an output): the cache is donated (`DONATE`), as vLLM donates it, or XLA copies it first."""
+    an output): the cache is donated (`donate`), as vLLM donates it, or XLA copies it first."""
     from pallas_flash.tpu import current_generation
 
     w = workload
@@ -224,8 +224,10 @@ def build(blocks: DecodeBlocks, workload: Workload) -> Callable[..., object] | N
     return decode
 
 
-DONATE = (3,)
-"""The argument its program may overwrite, donated (`Subject.donate`): the cache."""
+def donate(workload: Workload) -> tuple[int, ...]:
+    """The argument its program may overwrite, donated (`Subject.donate`): the cache."""
+    return (3,)
+
 
 DECODE_KERNEL = "RPAd-"
 """How its decode kernel's name begins (``RPAd-p_128-bq_1_1-bkv_2048_512``)."""

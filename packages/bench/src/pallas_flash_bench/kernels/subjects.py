@@ -30,8 +30,10 @@ def array_specs(workload: Workload) -> list[ArraySpec]:
     caches split along
     their sequence axis, a paged pool along its pages, when the call runs on several chips),
     then for a paged cache its ``page_table`` and for an int8 one its ``k_scales, v_scales``
-    (`decode_options`)."""
+    (`decode_options`); or a ragged step's (`ragged_specs`)."""
     w = workload
+    if w.op == "ragged":
+        return ragged_specs(w)
     if w.op == "decode":
         split = (0 if w.cache == "paged" else 2) if w.chips > 1 else None
         if w.cache == "paged":
@@ -56,6 +58,41 @@ def array_specs(workload: Workload) -> list[ArraySpec]:
     if w.bias:
         specs.append(ArraySpec((1, w.q_heads, w.seq_len, w.seq_len), w.dtype))
     return specs
+
+
+def ragged_specs(workload: Workload) -> list[ArraySpec]:
+    """``pf.ragged_attention``'s arguments: ``q [tokens, q_heads, head_dim]``, ``k, v [tokens,
+    kv_heads, head_dim]``, ``k_cache, v_cache [num_pages, kv_heads, page_size, head_dim]``,
+    ``page_table [seqs, seq_len / page_size]``, ``query_starts [seqs + 1]`` and ``kv_lengths
+    [seqs]``."""
+    w = workload
+    seqs, new = len(w.sequence_lengths), ArraySpec((w.tokens, w.kv_heads, w.head_dim), w.dtype)
+    cache = ArraySpec((w.num_pages, w.kv_heads, w.page_size, w.head_dim), w.dtype)
+    return [
+        ArraySpec((w.tokens, w.q_heads, w.head_dim), w.dtype),
+        new,
+        new,
+        cache,
+        cache,
+        ArraySpec((seqs, w.seq_len // w.page_size), "int32"),
+        ArraySpec((seqs + 1,), "int32"),
+        ArraySpec((seqs,), "int32"),
+    ]
+
+
+RAGGED_CACHE = (3, 4)
+"""``k_cache, v_cache`` in `ragged_specs`: donated, as a serving engine donates them, so that
+the write of the new tokens is in place."""
+
+
+def no_donation(workload: Workload) -> tuple[int, ...]:
+    """Nothing donated."""
+    return ()
+
+
+def backend_donation(workload: Workload) -> tuple[int, ...]:
+    """A backend's donated arguments: a ragged step's cache (`RAGGED_CACHE`), nothing else."""
+    return RAGGED_CACHE if workload.op == "ragged" else ()
 
 
 def decode_options(workload: Workload, extra: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
@@ -95,15 +132,15 @@ class Subject:
         another layout takes its own, so that no copy into ours is charged to it.
       loop_trips: ``(workload, kernel name) -> runs``: for a Pallas kernel whose loops read
         their trip counts from memory, how often each of those loops runs over the whole
-        kernel on the workload, outermost first
+        kernel on the workload, in program order (outermost first)
         (`pallas_flash_estimate.evaluate.loop_trips`); None for a kernel it does not know.
         Without it such loops count once.
       min_hbm_bytes: the least the subject must move on a workload (default
         `Workload.min_hbm_bytes`), for a reference that reads less (no int8 scale arrays).
       notes: ``workload -> notes`` for its rows (what its figures rest on).
-      donate: the arguments (indices) its program may overwrite, donated as their owner would
-        donate them: a kernel that updates a cache in place (an input aliased to an output)
-        otherwise makes XLA copy the whole cache first.
+      donate: ``workload -> the arguments (indices)`` its program may overwrite, donated as
+        their owner would donate them: a kernel that updates a cache in place (an input
+        aliased to an output) otherwise makes XLA copy the whole cache first.
     """
 
     name: str
@@ -116,7 +153,7 @@ class Subject:
     loop_trips: Callable[[Workload, str], tuple[int, ...] | None] | None = None
     min_hbm_bytes: Callable[[Workload], float] | None = None
     notes: Callable[[Workload], list[str]] | None = None
-    donate: tuple[int, ...] = ()
+    donate: Callable[[Workload], tuple[int, ...]] = no_donation
 
     @property
     def id(self) -> str:
@@ -126,7 +163,7 @@ class Subject:
 def _backend_build(
     info: pf.BackendInfo, workload: Workload, mesh: Mesh | None
 ) -> Callable[..., object] | None:
-    needed = {"decode"} if workload.op == "decode" else {"attention"}
+    needed = {"attention"} if workload.op in ("forward", "forward_backward") else {workload.op}
     if mesh is not None:
         needed.add("multi_device")
     if workload.op == "forward_backward":
@@ -139,12 +176,19 @@ def _backend_build(
         needed.add("value_head_dim")
     if workload.bias:
         needed.add("bias")
-    if workload.cache == "paged":
+    if workload.cache == "paged" and workload.op == "decode":
         needed.add("paged_cache")
     if workload.cache_dtype == "int8":
         needed.add("int8_cache")
     if not needed <= info.capabilities:
         return None
+    if workload.op == "ragged":
+
+        def ragged(q, k, v, k_cache, v_cache, page_table, query_starts, kv_lengths):
+            return pf.ragged_attention(q, k, v, k_cache, v_cache, page_table, query_starts,
+                                       kv_lengths, backend=info.name)  # fmt: skip
+
+        return ragged
     if workload.op == "decode":
 
         def decode(q, k_cache, v_cache, lengths, *extra):
@@ -209,6 +253,7 @@ def backend_subjects(names: list[str] | None = None) -> list[Subject]:
             config="",
             version=_backend_version(info.distribution),
             build=functools.partial(_backend_build, info),
+            donate=backend_donation,
         )
         for info in infos
     ]

@@ -11,7 +11,9 @@ from typing import Literal
 
 import numpy as np
 
-Op = Literal["forward", "forward_backward", "decode"]
+from pallas_flash_bench.kernels import ragged_step
+
+Op = Literal["forward", "forward_backward", "decode", "ragged"]
 
 LENGTHS_SEED = 0
 """Seed of the ragged lengths a serving workload draws (`Workload.sequence_lengths`)."""
@@ -42,6 +44,11 @@ class Workload:
     allocates them; ``cache_dtype="int8"`` stores it in int8 with a float32 scale per token
     and kv head.
 
+    Ragged (``op="ragged"``, one step of ``pf.ragged_attention``: `ragged_step`): ``batch``
+    decoding sequences of ``lengths`` as above and ``prefill = (chunks, chunk)`` sequences
+    prefilling ``chunk`` tokens each after ``prefill_context`` cached ones, all in a paged
+    cache (``cache="paged"``) of ``seq_len`` positions per sequence, on one chip.
+
     Attention only: ``v_head_dim`` gives v (and the output) a head_dim of their own, as MLA's
     128 beside q and k's 192 (None: ``head_dim``); ``bias`` adds a ``[1, q_heads, seq_len,
     seq_len]`` bias in the inputs' dtype (a relative-position bias: one per head, shared by
@@ -64,24 +71,41 @@ class Workload:
     cache_dtype: str | None = None
     v_head_dim: int | None = None
     bias: bool = False
+    prefill: tuple[int, int] | None = None
+    prefill_context: int = 0
 
     def __post_init__(self) -> None:
         if self.chips < 1 or (self.chips > 1 and self.op != "decode"):
             raise ValueError(f"chips: expected 1, or more for decode only; got {self.chips}")
-        if self.lengths is not None:
-            object.__setattr__(self, "lengths", tuple(self.lengths))  # from JSON: a list
+        for name in ("lengths", "prefill"):
+            if getattr(self, name) is not None:  # from JSON: a list
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         serving = (self.lengths, self.cache_dtype, self.cache != "contiguous")
-        if self.op != "decode" and any(serving):
+        if self.op not in ("decode", "ragged") and any(serving):
             raise ValueError("lengths, cache and cache_dtype: expected for decode only")
-        if self.op == "decode" and (self.v_head_dim is not None or self.bias):
+        if self.op == "ragged":
+            self._check_ragged()
+        elif self.prefill is not None or self.prefill_context:
+            raise ValueError("prefill and prefill_context: expected for ragged only")
+        if self.op in ("decode", "ragged") and (self.v_head_dim is not None or self.bias):
             raise ValueError("v_head_dim and bias: expected for attention only")
         if self.lengths is not None and not 0 <= self.lengths[0] <= self.lengths[1] <= self.seq_len:
             raise ValueError(f"lengths: expected 0 <= lo <= hi <= seq_len, got {self.lengths}")
         if self.cache == "paged" and self.seq_len % self.page_size:
             raise ValueError("cache='paged': expected seq_len a multiple of page_size")
 
+    def _check_ragged(self) -> None:
+        if self.cache != "paged" or self.chips != 1 or self.cache_dtype is not None:
+            raise ValueError("ragged: expected a paged floating-point cache on one chip")
+        if self.prefill is None and not self.batch:
+            raise ValueError("ragged: expected decoding sequences or prefill chunks")
+        if self.prefill is not None and self.prefill_context + self.prefill[1] > self.seq_len:
+            raise ValueError("ragged: a prefilled sequence exceeds seq_len")
+
     @property
     def label(self) -> str:
+        if self.op == "ragged":
+            return ragged_step.label(self)
         heads = "" if self.q_heads == 16 == self.kv_heads else f" H{self.q_heads}/{self.kv_heads}"
         if self.op == "decode":
             chips = f" on {self.chips} chips" if self.chips > 1 else ""
@@ -102,7 +126,16 @@ class Workload:
 
     @property
     def sequence_lengths(self) -> np.ndarray:
-        """Decode: ``[batch]`` cached tokens per sequence (all ``seq_len`` unless ragged)."""
+        """Decode: ``[batch]`` cached tokens per sequence (all ``seq_len`` unless ragged);
+        ragged: ``[seqs]`` positions of every sequence once its new tokens are cached
+        (`ragged_step.kv_lengths`)."""
+        if self.op == "ragged":
+            return ragged_step.kv_lengths(self)
+        return self.drawn_lengths()
+
+    def drawn_lengths(self) -> np.ndarray:
+        """``[batch]`` lengths of the decoding sequences: ``seq_len`` each, or drawn from
+        ``lengths`` (class doc)."""
         if self.lengths is None:
             return np.full(self.batch, self.seq_len, np.int64)
         lo, hi = self.lengths
@@ -242,6 +275,8 @@ class Workload:
         """Flops of the matmuls over the scores that are not masked (causal counts half): the
         forward's two (``q k^T`` over head_dim, ``p v`` over v's), the backward's five (three
         over head_dim, two over v's: 2.5x the forward's when they are equal)."""
+        if self.op == "ragged":
+            return ragged_step.useful_flops(self)
         if self.op == "decode":
             return 4.0 * self.q_heads * self.head_dim * float(self.sequence_lengths.sum())
         pairs = self.batch * self.q_heads * self.seq_len**2 / (2 if self.causal else 1)
@@ -252,6 +287,8 @@ class Workload:
     @property
     def min_hbm_bytes(self) -> float:
         """Bytes every implementation must move at least: its inputs and outputs, once."""
+        if self.op == "ragged":
+            return ragged_step.min_hbm_bytes(self)
         q_sized = self.batch * self.q_heads * self.head_dim * self.itemsize
         if self.op == "decode":
             return 2 * q_sized + self.cache_bytes_per_token * float(self.sequence_lengths.sum())
@@ -265,7 +302,10 @@ class Workload:
 
     @property
     def tokens(self) -> int:
-        """Tokens one call processes: queries for attention, one per sequence for decode."""
+        """Tokens one call processes: queries for attention, one per sequence for decode, the
+        new tokens of a ragged step."""
+        if self.op == "ragged":
+            return ragged_step.tokens(self)
         return self.batch * (1 if self.op == "decode" else self.seq_len)
 
     def to_json(self) -> dict[str, object]:
@@ -294,7 +334,8 @@ def default_sweep(chips: int = 1) -> list[Workload]:
     bias at 4k, causal and not,
     forward and forward+backward; decode 1k..128k cached
     tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
-    over all of them; and the serving decode workloads (`serving_sweep`)."""
+    over all of them; the serving decode workloads (`serving_sweep`) and the mixed serving
+    steps (`ragged_sweep`)."""
     attention = [
         Workload(op, n, causal)
         for op in ("forward", "forward_backward")
@@ -324,7 +365,8 @@ def default_sweep(chips: int = 1) -> list[Workload]:
             for n in (8192, 32768, 131072)
             for q, kv in ((16, 16), (32, 8))
         ]
-    return attention + decode + [w for w in serving_sweep(chips) if w not in decode]
+    serving = [w for w in serving_sweep(chips) if w not in decode]
+    return attention + decode + serving + ragged_sweep()
 
 
 SERVING_LENGTHS = (512, 8192)
@@ -367,10 +409,43 @@ def serving_sweep(chips: int = 1) -> list[Workload]:
     return rows
 
 
+VLLM_PAGE_SIZE = 16
+"""vLLM's pages on TPU for a model longer than 8192 tokens (tpu-inference's
+``PallasAttentionBackend.get_page_size``; up to 8192, ``next_power_of_2(max_model_len) / 16``
+within ``[16, 256]``); the mixed steps' others have pages of 128, as the serving batches'."""
+
+RAGGED_MIXES: dict[str, dict[str, object]] = {
+    "vllm-512": dict(batch=64, prefill=(1, 448), prefill_context=1024),
+    "vllm-2048": dict(batch=128, prefill=(3, 640)),
+    "jetstream": dict(batch=96, prefill=(1, 512)),
+}
+"""The mixed steps: vLLM's default token budgets on TPU, 512 (one chunk of 448 of a longer
+prompt, 1024 tokens already cached, beside 64 decodes) and 2048 (three prompts' first chunks
+beside 128 decodes); JetStream-like, a decode batch of 96 beside one prompt of 512. The
+decoding sequences' lengths are `SERVING_LENGTHS`."""
+
+
+def serving_step(mix: str, q_heads: int = 32, kv_heads: int = 8, page_size: int = 128) -> Workload:
+    """One mixed serving step (`RAGGED_MIXES`), bfloat16, its decoding sequences of
+    `SERVING_LENGTHS`, every sequence's capacity the longest of them."""
+    return Workload("ragged", SERVING_LENGTHS[1], q_heads=q_heads, kv_heads=kv_heads,
+                    lengths=SERVING_LENGTHS, cache="paged", page_size=page_size,
+                    **RAGGED_MIXES[mix])  # fmt: skip
+
+
+def ragged_sweep() -> list[Workload]:
+    """The mixed serving steps of ``pf.ragged_attention`` (`serving_step`): every mix at 32
+    query heads over 8 kv heads (Llama-3-8B) and over 32 (Llama-2-7B), pages of 128; and
+    vLLM's 512-token step with its own pages (`VLLM_PAGE_SIZE`) at 32/8."""
+    steps = [serving_step(mix, 32, kv) for kv in (8, 32) for mix in RAGGED_MIXES]
+    return [*steps, serving_step("vllm-512", page_size=VLLM_PAGE_SIZE)]
+
+
 def quick_sweep(chips: int = 1) -> list[Workload]:
     """A few points of the default sweep (about 20 minutes on a 2-core CPU): a serving batch
-    of 32 ragged sequences, paged, in bfloat16 and int8; given a slice of ``chips`` > 1,
-    decoding 128k tokens on one chip and on all of them."""
+    of 32 ragged sequences, paged, in bfloat16 and int8; vLLM's 512-token mixed step at
+    32/8 heads; given a slice of ``chips`` > 1, decoding 128k tokens on one chip and on all
+    of them."""
     serving = dict(batch=32, q_heads=32, kv_heads=8, lengths=SERVING_LENGTHS, cache="paged")
     quick = [
         Workload("forward", 1024),
@@ -381,6 +456,7 @@ def quick_sweep(chips: int = 1) -> list[Workload]:
         Workload("decode", 8192),
         Workload("decode", SERVING_LENGTHS[1], **serving),
         Workload("decode", SERVING_LENGTHS[1], cache_dtype="int8", **serving),
+        serving_step("vllm-512"),
     ]
     if chips > 1:
         quick += [Workload("decode", 131072, q_heads=32, kv_heads=8, chips=n) for n in (1, chips)]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash_bench.kernels import ragged_step
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.program_ref import ArraySpec
 
@@ -37,6 +38,10 @@ def random_arrays(specs: list[ArraySpec], workload: Workload) -> list[jax.Array]
         else jnp.zeros(spec.shape, spec.dtype)
         for spec in specs
     ]
+    if workload.op == "ragged":  # page_table, query_starts, kv_lengths (`ragged_specs`)
+        tables = (ragged_step.page_table(workload, rng), ragged_step.query_starts(workload),
+                  workload.sequence_lengths)  # fmt: skip
+        arrays[5:] = [jnp.asarray(t, jnp.int32) for t in tables]
     if workload.op == "decode":
         lengths = workload.sequence_lengths
         arrays[3] = jnp.asarray(lengths, jnp.int32)

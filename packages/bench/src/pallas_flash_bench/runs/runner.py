@@ -59,7 +59,7 @@ class BenchOptions:
     """What the run left out and why (a package not installed), for the report's notes."""
 
 
-ROW_FORMAT = 13
+ROW_FORMAT = 14
 """The version of a kernel row as the bench's worker records it (`worker.analyse_row`): bump
 it when that changes, and cached rows are recompiled. (How rows are costed is the
 estimator's: its version is `pallas_flash_estimate.ANALYSIS_VERSION`.)"""
@@ -121,6 +121,9 @@ def _measure(row: dict, subject: Subject, workload: Workload) -> dict | None:
     if subject.kind != "backend" or info is None or platform not in info.platforms:
         return None
     w = workload
+    if platform == "cpu" and w.op == "ragged":
+        row["notes"].append("not timed on CPU: a dense ragged step gathers each token's cache")
+        return None
     if platform == "cpu":
         heads_rows = w.batch * w.q_heads * (1 if w.op == "decode" else w.seq_len)
         factor = 3 if w.op == "forward_backward" else 1

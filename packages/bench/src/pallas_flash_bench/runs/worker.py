@@ -70,7 +70,7 @@ def analyse_row(
             target,
             mesh,
             aot.whole_vmem_options(target) if subject.whole_vmem else None,
-            subject.donate,
+            subject.donate(workload),
         )
     except Exception as exc:  # noqa: BLE001 - a compiler error is a result, not a crash
         row["error"] = _error_text(exc)

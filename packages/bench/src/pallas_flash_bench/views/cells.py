@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 MISSING = "—"
-OPS = ("forward", "forward_backward", "decode")
+OPS = ("forward", "forward_backward", "decode", "ragged")
 ERROR_EXCERPT_CHARS = 60
 
 

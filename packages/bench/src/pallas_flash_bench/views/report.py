@@ -43,6 +43,7 @@ OP_TITLES = {
     "forward": "Forward",
     "forward_backward": "Forward + backward",
     "decode": "Decode",
+    "ragged": "Mixed serving steps (ragged attention)",
 }
 
 HOW_TO_READ = (

@@ -19,9 +19,9 @@ from matplotlib.lines import Line2D
 
 from pallas_flash_bench.views.cells import finite_number
 
-OP_MARKERS = {"forward": "o", "forward_backward": "s", "decode": "^"}
+OP_MARKERS = {"forward": "o", "forward_backward": "s", "decode": "^", "ragged": "v"}
 OTHER_OP_MARKER = "D"
-OP_ORDER = ("forward", "forward_backward", "decode")
+OP_ORDER = ("forward", "forward_backward", "decode", "ragged")
 ESTIMATED_DEFAULT = "static/model"
 SOURCE_ORDER = ("static", "model", "compiler", "measured-cpu", "measured-tpu")
 

@@ -1,0 +1,106 @@
+"""A mixed serving step (`ragged_step`): its tokens, sequences, pages, useful flops and least
+HBM bytes; the sweep of them; and our backends' build for it (``pf.ragged_attention``, the
+cache donated)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pallas_flash_bench.kernels import ragged_step, subjects
+from pallas_flash_bench.kernels.workloads import (
+    SERVING_LENGTHS,
+    Workload,
+    default_sweep,
+    quick_sweep,
+    ragged_sweep,
+    serving_step,
+)
+
+# 3 decodes of 5, 17 and 40 positions (the new token included) beside 2 chunks of 6 after 10
+STEP = Workload("ragged", 64, q_heads=4, kv_heads=2, head_dim=8, batch=3, lengths=(5, 40),
+                cache="paged", page_size=16, prefill=(2, 6), prefill_context=10)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _fixed_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths = {STEP: np.array([5, 17, 40])}
+    drawn = Workload.drawn_lengths
+    monkeypatch.setattr(Workload, "drawn_lengths", lambda w: lengths.get(w, drawn(w)))
+
+
+def test_a_step_is_its_decodes_then_its_chunks() -> None:
+    assert list(ragged_step.query_lengths(STEP)) == [1, 1, 1, 6, 6]
+    assert list(ragged_step.kv_lengths(STEP)) == [5, 17, 40, 16, 16]
+    assert list(STEP.sequence_lengths) == [5, 17, 40, 16, 16]
+    assert list(ragged_step.query_starts(STEP)) == [0, 1, 2, 3, 9, 15]
+    assert STEP.tokens == 15
+    assert STEP.num_pages == 1 + 2 + 3 + 1 + 1  # pages of 16
+    table = ragged_step.page_table(STEP)
+    assert table.shape == (5, 4) and sorted(table[table > 0].tolist()) == list(range(1, 8))
+    assert table[2, :3].tolist() == [3, 4, 5]  # its own pages, in order
+    shuffled = ragged_step.page_table(STEP, np.random.default_rng(0))
+    assert sorted(shuffled[[0, 1, 1, 2, 2, 2, 3, 4], [0, 0, 1, 0, 1, 2, 0, 0]]) == list(range(8))
+    assert STEP.label == "ragged T=15 H4/2 prefill 2x6 after 10 + decode 3 lengths 5..40 paged/16"
+
+
+def test_its_flops_count_the_pairs_its_causal_mask_lets_through() -> None:
+    # decodes see their whole lengths; a chunk's tokens at 10..15 see 11..16 positions
+    pairs = 5 + 17 + 40 + 2 * sum(range(11, 17))
+    assert ragged_step.visible_pairs(STEP) == pairs
+    assert STEP.useful_flops == 4.0 * 4 * 8 * pairs
+
+
+def test_it_moves_at_least_its_tokens_twice_and_the_cache_before_them_once() -> None:
+    per_token = 2 * 2 * 8 * 2  # K and V, 2 kv heads of 8, bfloat16
+    cached = 4 + 16 + 39 + 10 + 10
+    queries = 15 * 4 * 8 * 2
+    assert STEP.min_hbm_bytes == 2 * queries + per_token * (2 * 15 + cached)
+
+
+def test_it_is_a_paged_floating_point_step_on_one_chip_and_survives_json() -> None:
+    assert Workload(**json.loads(json.dumps(STEP.to_json()))) == STEP
+    for bad in (dict(cache="contiguous"), dict(cache_dtype="int8"), dict(prefill=(1, 60))):
+        with pytest.raises(ValueError, match="ragged"):
+            Workload(**{**STEP.to_json(), **bad})
+    with pytest.raises(ValueError, match="ragged only"):
+        Workload("decode", 64, prefill=(1, 8))
+
+
+def test_the_sweep_has_vllm_and_jetstream_steps_and_the_quick_one_of_them() -> None:
+    steps = ragged_sweep()
+    assert {(w.q_heads, w.kv_heads) for w in steps} == {(32, 8), (32, 32)}
+    assert {w.tokens for w in steps} == {512, 2048, 608}
+    assert {w.page_size for w in steps} == {128, 16}
+    assert all(w.lengths == SERVING_LENGTHS and w.seq_len == 8192 for w in steps)
+    assert set(steps) <= set(default_sweep()) and len(set(steps)) == len(steps)
+    quick = [w for w in quick_sweep() if w.op == "ragged"]
+    assert quick == [serving_step("vllm-512")] and quick[0] in steps
+    assert quick[0].batch == 64 and quick[0].prefill == (1, 448)
+
+
+def test_our_backends_run_it_through_ragged_attention_with_the_cache_donated() -> None:
+    specs = subjects.array_specs(STEP)
+    assert [s.shape for s in specs] == [
+        (15, 4, 8), (15, 2, 8), (15, 2, 8), (8, 2, 16, 8), (8, 2, 16, 8), (5, 4), (6,), (5,),
+    ]  # fmt: skip
+    backends = {s.name: s for s in subjects.backend_subjects()}
+    xla = backends["xla"]
+    assert xla.donate(STEP) == (3, 4) and xla.donate(Workload("decode", 64)) == ()
+    assert xla.build(STEP, None) is not None
+
+
+def test_its_measured_arrays_run_on_the_xla_backend_through_the_build() -> None:
+    import jax.numpy as jnp
+
+    import pallas_flash as pf
+    from pallas_flash_bench.runs import measure
+
+    arrays = measure.random_arrays(subjects.array_specs(STEP), STEP)
+    assert arrays[6].tolist() == [0, 1, 2, 3, 9, 15] and arrays[7].tolist() == [5, 17, 40, 16, 16]
+    out, cache = subjects.backend_subjects(["xla"])[0].build(STEP, None)(*arrays)
+    want, _ = pf.ragged_attention(*arrays, backend="xla")
+    assert out.shape == (15, 4, 8) and jnp.allclose(out, want)
+    assert cache.k.shape == arrays[3].shape
