@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_flash_bench.kernels import paged_reference, ragged_reference, rpa_reference
+from pallas_flash_bench.kernels import (
+    paged_reference,
+    ragged_reference,
+    rpa_mixed,
+    rpa_reference,
+)
 from pallas_flash_bench.kernels.subjects import (
     Subject,
     array_specs,
@@ -364,6 +369,11 @@ def reference_subjects(sweep: str) -> list[Subject]:
             rpa_reference.build, rpa_reference.BLOCKS[sweep], lambda blocks: blocks.label,
             rpa_reference.arguments, rpa_reference.loop_trips, notes=rpa_reference.notes,
             donate=rpa_reference.donate,
+        )  # fmt: skip
+        subjects += _subjects(
+            "tpu-inference-rpa-v3", f"{rpa}+donated", rpa_mixed.build, rpa_mixed.BLOCKS[sweep],
+            lambda blocks: blocks.label, rpa_mixed.arguments, rpa_mixed.loop_trips,
+            notes=rpa_mixed.notes, donate=rpa_reference.donate,
         )  # fmt: skip
     return subjects
 

@@ -18,6 +18,9 @@ chunks of ``bkv_compute`` tokens: ``while`` loops whose trip counts read ``distr
 ``kv_lens`` (`loop_trips`). The decode batch is ``distribution = (batch, batch, batch)``: RPAm
 runs no sequence.
 
+On a mixed serving step (prefill chunks beside decodes) it is built by `rpa_mixed`, which
+shares this module's layout, block heuristics and loop counts (`kernel_trips`).
+
 tpu-inference is not a dependency (its own dependencies bring vllm and torch): install it
 with ``--no-deps``; its kernel is loaded without running its top-level package
 (`load_kernel`).
@@ -35,6 +38,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from pallas_flash_bench.kernels import ragged_step
 from pallas_flash_bench.kernels.ragged_reference import num_pages, page_size
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.program_ref import ArraySpec
@@ -142,22 +146,46 @@ def arguments(workload: Workload) -> list[ArraySpec]:
     return specs
 
 
+def _aligned(tokens: int, workload: Workload) -> int:
+    """``tokens`` rounded up to whole pages."""
+    return -(-tokens // page_size(workload)) * page_size(workload)
+
+
 def mixed_blocks(workload: Workload) -> tuple[int, int, int, int]:
-    """The mixed kernel's ``(bq, bkv, bq_compute, bkv_compute)``: vLLM's v5e heuristic for the
-    batch's tokens, its query compute block cut to divide the query block (the heuristic's
-    own may not, which explicit blocks must). It runs no sequence of a decode batch."""
+    """The mixed kernel's ``(bq, bkv, bq_compute, bkv_compute)``: vLLM's v5e heuristic
+    (``get_default_block_sizes``) for the call's tokens (a decode batch's: one a sequence),
+    its query compute block cut to divide the query block (the heuristic's own may not, which
+    explicit blocks must). It runs no sequence of a decode batch."""
     w = workload
-    size = page_size(w)
     per_kv_head = 1 << (w.q_heads // w.kv_heads - 1).bit_length()
-    max_q = 1 << (w.batch - 1).bit_length()
+    max_q = 1 << (w.tokens - 1).bit_length()
     max_kv = w.seq_len
     bq = max(1, min(1024 // per_kv_head, max_q // 2))
     bq_compute = max(1, min(512 // per_kv_head, bq))
+    return bq, _aligned(min(1024, max_kv), w), bq_compute, _aligned(min(512, max_kv // 2), w)
 
-    def aligned(tokens: int) -> int:
-        return -(-tokens // size) * size
 
-    return bq, aligned(min(1024, max_kv)), bq_compute, aligned(min(512, max_kv // 2))
+def decode_blocks(workload: Workload) -> DecodeBlocks:
+    """The decode kernel's blocks by vLLM's v5e heuristic: as many tokens as reach the HBM's
+    peak (16 MiB of K and V), at most a sequence's capacity, computed whole."""
+    w = workload
+    heads_x2 = 1 << (-(-2 * w.kv_heads // packing(w)) * packing(w) - 1).bit_length()
+    to_peak = 16 * 1024 * 1024 * packing(w) // 4 // (-(-w.head_dim // 128) * 128) // heads_x2
+    kv = _aligned(min(to_peak, w.seq_len), w)
+    return DecodeBlocks(kv, kv)
+
+
+def fits_vmem(workload: Workload, queries: int, kv: int) -> bool:
+    """Whether a kernel of ``queries`` x ``kv`` token blocks fits the target core's VMEM (its
+    own ``get_vmem_estimate_bytes``)."""
+    from pallas_flash.tpu import current_generation
+
+    w = workload
+    dtype, cache_dtype = jnp.dtype(w.dtype), jnp.dtype(w.cache_dtype or w.dtype)
+    needed = load_kernel().get_vmem_estimate_bytes(
+        w.kv_heads, w.q_heads // w.kv_heads, w.head_dim, queries, kv, dtype, cache_dtype
+    )
+    return needed <= current_generation().vmem_bytes
 
 
 def applies(blocks: DecodeBlocks, workload: Workload) -> bool:
@@ -187,17 +215,10 @@ def build(blocks: DecodeBlocks, workload: Workload) -> Callable[..., object] | N
     from pallas_flash.tpu import current_generation
 
     w = workload
-    if not applies(blocks, w):
+    if not applies(blocks, w) or not fits_vmem(w, 1, blocks.kv):
         return None
     rpa = load_kernel()
     vmem = current_generation().vmem_bytes  # the target's (the worker sets its generation)
-    dtype, cache_dtype = jnp.dtype(w.dtype), jnp.dtype(w.cache_dtype or w.dtype)
-    per_kv_head = w.q_heads // w.kv_heads
-    needed = rpa.get_vmem_estimate_bytes(
-        w.kv_heads, per_kv_head, w.head_dim, 1, blocks.kv, dtype, cache_dtype
-    )
-    if needed > vmem:
-        return None
     batch, pages_per_seq = w.batch, w.seq_len // page_size(w)
 
     def decode(queries, keys, values, kv_cache, kv_lens, *table):
@@ -235,6 +256,59 @@ MIXED_KERNEL = "RPAm-"
 """How its mixed kernel's name begins."""
 
 
+class Trips(NamedTuple):
+    """Runs of a kernel's data-dependent loops over some sequences: the sequences, their
+    query blocks, kv blocks, compute chunks, and the pages its cache writes walk."""
+
+    sequences: int
+    query_blocks: int
+    kv_blocks: int
+    chunks: int
+    written_pages: int
+
+    def __add__(self, other: tuple) -> Trips:  # type: ignore[override]
+        return Trips(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def sequence_trips(
+    new: int, length: int, bq: int, bkv: int, bkv_compute: int, page: int, *, update: bool
+) -> Trips:
+    """The loops one sequence of ``new`` tokens and ``length`` positions (the new included)
+    runs, as its kernel's ``process``: per query block of ``bq`` tokens, the kv blocks up to
+    its last token's position (causal: all of them for one query), per kv block its compute
+    chunks up to that position; and, with ``update``, in the last query block, per kv block
+    holding new tokens, the pages those tokens fall in (``_update_kv_cache``'s loop)."""
+    query_blocks = max(1, math.ceil(new / bq))
+    kv_blocks = chunks = written = 0
+    for b in range(query_blocks):
+        seen = min(length, length - new + (b + 1) * bq)
+        blocks = math.ceil(seen / bkv)
+        kv_blocks += blocks
+        chunks += sum(math.ceil(min(seen - i * bkv, bkv) / bkv_compute) for i in range(blocks))
+    if update:
+        for i in range(math.ceil(length / bkv)):
+            left = length - i * bkv
+            cached = min(max(left - new, 0), bkv)
+            fresh = min(bkv - cached, left - max(left - new, 0))
+            start = i * bkv + cached
+            written += math.ceil((start + fresh) / page) - start // page if fresh > 0 else 0
+    return Trips(1, query_blocks, kv_blocks, chunks, written)
+
+
+def kernel_trips(
+    workload: Workload, sequences: slice, bq: int, bkv: int, bkv_compute: int, *, update: bool
+) -> Trips:
+    """`sequence_trips` summed over a kernel's ``sequences`` of the workload."""
+    new = ragged_step.query_lengths(workload) if workload.op == "ragged" else None
+    lengths = [max(1, int(n)) for n in workload.sequence_lengths]
+    total = Trips(0, 0, 0, 0, 0)
+    for s in range(len(lengths))[sequences]:
+        n = 1 if new is None else int(new[s])
+        page = page_size(workload)
+        total += sequence_trips(n, lengths[s], bq, bkv, bkv_compute, page, update=update)
+    return total
+
+
 def loop_trips(blocks: DecodeBlocks, workload: Workload, kernel: str) -> tuple[int, ...] | None:
     """How often its ``while`` loops run over the whole kernel (`Subject.loop_trips`),
     outermost first. RPAd: the sequences loop once per sequence, the kv-block loop
@@ -242,11 +316,9 @@ def loop_trips(blocks: DecodeBlocks, workload: Workload, kernel: str) -> tuple[i
     (per block, ``ceil(its tokens / bkv_compute)``); its query-block loop, of one trip, is no
     loop in the schedule. RPAm: its sequences, query-block, kv-block and compute loops run
     none. None for another kernel."""
-    lengths = [max(1, int(n)) for n in workload.sequence_lengths]
     if kernel.startswith(DECODE_KERNEL):
-        blocks_run = sum(math.ceil(n / blocks.kv) for n in lengths)
-        chunks = sum(math.ceil(n / blocks.kv_compute) for n in lengths)
-        return workload.batch, blocks_run, chunks
+        trips = kernel_trips(workload, slice(None), 1, blocks.kv, blocks.kv_compute, update=False)
+        return trips.sequences, trips.kv_blocks, trips.chunks
     if kernel.startswith(MIXED_KERNEL):
         return 0, 0, 0, 0
     return None

@@ -1,0 +1,105 @@
+"""tpu-inference's Ragged Paged Attention v3 on a mixed serving step (`rpa_mixed`): its
+arguments and distribution, its blocks (vLLM's heuristic and the search), the runs of its
+data-dependent loops, the cache writes' beside the compute chunks', and a compile for v5e."""
+
+from __future__ import annotations
+
+import pytest
+from tqdm import tqdm
+
+from pallas_flash_bench.kernels import references, rpa_mixed, rpa_reference
+from pallas_flash_bench.kernels.rpa_mixed import MixedBlocks, StepBlocks
+from pallas_flash_bench.kernels.rpa_reference import DecodeBlocks
+from pallas_flash_bench.kernels.workloads import Workload, serving_step
+from pallas_flash_bench.runs.workers import run_workers
+from pallas_flash_estimate.aot.devices import libtpu_version
+
+needs_rpa = pytest.mark.skipif(
+    libtpu_version() is None or references._rpa_unavailable() is not None,
+    reason="libtpu or tpu-inference is not installed",
+)
+
+# 4 decodes (lengths drawn in [100, 1000]) beside one chunk of 300 after 900 cached
+SMALL = Workload("ragged", 2048, q_heads=32, kv_heads=8, batch=4, lengths=(100, 1000),
+                 cache="paged", page_size=128, prefill=(1, 300), prefill_context=900)  # fmt: skip
+
+
+def test_it_gets_the_step_in_its_own_layout_with_its_distribution() -> None:
+    w = serving_step("vllm-512")
+    q, k, v, cache, kv_lens, pages, cu_q_lens, distribution = rpa_mixed.arguments(w)
+    assert q.shape == (512, 32, 128) and k.shape == v.shape == (512, 8, 128)
+    assert cache.shape == (w.num_pages, 128, 8, 2, 128)  # K and V interleaved, 2 a word
+    assert kv_lens.shape == (65,) and pages.shape == (65 * 64,) and cu_q_lens.shape == (66,)
+    assert distribution.shape == (3,)
+    # the 64 decodes in its decode kernel, the chunk in its mixed one
+    assert rpa_mixed.distribution(w) == (64, 64, 65)
+
+
+def test_its_blocks_are_vllms_heuristic_and_a_small_search() -> None:
+    w = serving_step("vllm-512")
+    vllm = StepBlocks(None, None)
+    # decode: 16 MiB of K and V (4096 tokens at 8 kv heads); mixed at 512 tokens and 4 query
+    # heads a kv head: 256 tokens a query block, computed 128 at a time, kv 1024 / 512
+    assert vllm.decode_of(w) == DecodeBlocks(4096, 4096)
+    assert vllm.mixed_of(w) == MixedBlocks(256, 1024, 128, 512)
+    assert rpa_reference.decode_blocks(serving_step("vllm-512", 32, 32)) == (1024, 1024)
+    assert rpa_mixed.BLOCKS["quick"] == [vllm] and vllm in rpa_mixed.BLOCKS["default"]
+    assert len(rpa_mixed.BLOCKS["default"]) >= 4
+    assert vllm.label == "step: decode vLLM's; mixed vLLM's"
+    assert all(rpa_mixed.applies(b, w) for b in rpa_mixed.BLOCKS["default"])
+    assert not rpa_mixed.applies(vllm, Workload("decode", 8192))
+    # its decode subjects do not take a step, nor its step subjects a decode batch
+    assert not rpa_reference.applies(DecodeBlocks(2048, 1024), w)
+
+
+def test_its_loops_run_as_its_kernels_walk_the_step() -> None:
+    w = serving_step("vllm-512")  # the chunk: 448 new tokens at 1024..1471
+    blocks = StepBlocks(DecodeBlocks(2048, 1024), MixedBlocks(256, 1024, 128, 512))
+    # RPAm, in program order: 1 sequence, 2 query blocks (256 + 192 tokens); the first sees
+    # 1280 positions (2 kv blocks, chunks 2 + 1), the second 1472 (2 blocks, chunks 2 + 1);
+    # the cache writes of the last query block walk the 4 pages of 128 at 1024..1471
+    assert rpa_mixed.loop_trips(blocks, w, "RPAm-p_128-bq_256_128-bkv_1024_512.1") == (
+        1, 2, 4, 4, 6,
+    )  # fmt: skip
+    # RPAd: the 64 decodes, their kv blocks and chunks, one page written each
+    lengths = [int(n) for n in w.sequence_lengths[:64]]
+    decode = rpa_mixed.loop_trips(blocks, w, "RPAd-p_128-bq_1_1-bkv_2048_1024.1")
+    assert decode == (
+        64,
+        sum(-(-n // 2048) for n in lengths),
+        64,
+        sum(-(-n // 1024) for n in lengths),
+    )
+    assert rpa_mixed.loop_trips(blocks, w, "fusion.1") is None
+
+
+def test_a_chunk_across_kv_blocks_writes_the_pages_of_each() -> None:
+    # 300 new tokens at 900..1199 over kv blocks of 1024, pages of 128: block 0 holds
+    # 900..1023 (pages 7), block 1 1024..1199 (pages 8, 9); one query block of 512
+    trips = rpa_reference.sequence_trips(300, 1200, 512, 1024, 512, 128, update=True)
+    assert trips == rpa_reference.Trips(1, 1, 2, 3, 3)
+    # without the writes (its decode rows: the cache holds the new token) none
+    assert rpa_reference.sequence_trips(1, 1200, 1, 1024, 512, 128, update=False) == (
+        1, 1, 2, 3, 0,
+    )  # fmt: skip
+
+
+@needs_rpa
+def test_it_compiles_for_v5e_and_charges_both_kernels_their_runs() -> None:
+    assert rpa_mixed.applies(StepBlocks(None, None), SMALL)
+    (subject,) = [s for s in references.reference_subjects("quick") if s.config.startswith("step")]
+    job = {"id": 0, "kind": "row", "subject": subject.id, "workload": SMALL.to_json(),
+           "sweep": "quick", "backends": [], "references": True, "target": "v5e-1"}  # fmt: skip
+    with tqdm(total=1, disable=True) as progress:
+        row = run_workers([job], 1, progress)[0]
+    assert row["compiled"], row["error"]
+    decode, mixed = row["kernels"]
+    assert decode["name"].startswith("RPAd-") and mixed["name"].startswith("RPAm-")
+    for k in (decode, mixed):  # every loop charged its runs, the writes' beside the chunks'
+        assert k["cycles_from"].startswith("loops whose trip counts read memory"), k
+    assert "(4, 4, 4, 4 runs" in decode["cycles_from"]
+    # the chunk (`test_a_chunk_across_kv_blocks_writes_the_pages_of_each`) in query blocks of
+    # 256 (vLLM's at 304 tokens), each seeing 2 kv blocks, 3 chunks
+    assert "(1, 2, 4, 3, 6 runs" in mixed["cycles_from"]
+    assert row["other_ops"]["cycles"] < decode["cycles"]  # the cache is donated, not copied
+    assert not any("LOWER bound" in n for n in row["notes"])
