@@ -62,7 +62,7 @@ class StepBlocks(NamedTuple):
 
 
 BLOCKS = {
-    "quick": [StepBlocks(None, None)],
+    "quick": [StepBlocks(DecodeBlocks(2048, 1024), None)],
     "default": [
         StepBlocks(None, None),
         StepBlocks(DecodeBlocks(2048, 1024), None),
@@ -76,7 +76,11 @@ more: 256, computed 128 at a time). Larger mixed blocks are left out for their c
 not their speed: its mixed kernel unrolls every query compute block of every kv head, and
 query blocks of 256 with kv chunks of 1024 had not finished compiling for v5e on vLLM's
 512-token step after 7 minutes, where vLLM's blocks (chunks of 512) took 6.5 to compile and
-analyse (2 cores shared with other jobs). Quick: vLLM's own."""
+analyse (2 cores shared with other jobs). On that step (v5e-4, static cycles: RPAd + RPAm +
+the other ops) vLLM's blocks took 834,252 + 135,742 + 23,838, decode blocks of 2048 with
+chunks of 1024 645,102 + 135,742 + 23,838, and with mixed query blocks of 128 645,102 +
+139,826 + 23,838; all below its HBM time (1.47 ms, 2.2M cycles). Quick: decode blocks of 2048
+with chunks of 1024, vLLM's mixed blocks."""
 
 
 def applies(blocks: StepBlocks, workload: Workload) -> bool:
