@@ -69,16 +69,21 @@ def test_it_is_a_paged_floating_point_step_on_one_chip_and_survives_json() -> No
         Workload("decode", 64, prefill=(1, 8))
 
 
-def test_the_sweep_has_vllm_and_jetstream_steps_and_the_quick_one_of_them() -> None:
+def test_the_default_sweep_has_vllm_and_jetstream_steps_and_the_quick_one_none() -> None:
     steps = ragged_sweep()
     assert {(w.q_heads, w.kv_heads) for w in steps} == {(32, 8), (32, 32)}
     assert {w.tokens for w in steps} == {512, 2048, 608}
     assert {w.page_size for w in steps} == {128, 16}
     assert all(w.lengths == SERVING_LENGTHS and w.seq_len == 8192 for w in steps)
     assert set(steps) <= set(default_sweep()) and len(set(steps)) == len(steps)
-    quick = [w for w in quick_sweep() if w.op == "ragged"]
-    assert quick == [serving_step("vllm-512")] and quick[0] in steps
-    assert quick[0].batch == 64 and quick[0].prefill == (1, 448)
+    assert not [w for w in quick_sweep() if w.op == "ragged"]
+    vllm = serving_step("vllm-512")
+    assert vllm in steps and vllm.batch == 64 and vllm.prefill == (1, 448)
+
+
+def test_the_other_workloads_record_what_they_did_before_mixed_steps() -> None:
+    assert "prefill" not in Workload("decode", 64).to_json()
+    assert "prefill_context" not in Workload("forward", 64).to_json()
 
 
 def test_our_backends_run_it_through_ragged_attention_with_the_cache_donated() -> None:

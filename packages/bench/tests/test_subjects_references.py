@@ -110,7 +110,7 @@ def test_the_quick_sweep_is_a_few_previous_bests_of_the_default_one() -> None:
     # jax-flash 2 x 4 + 2 (4096/1024), jax-splash 4 + 3 (2048/2048) + 1, jax-paged 1 + 2 (the
     # paged serving batches, bfloat16 and int8), jax-ragged-paged 1 + 2 likewise, tokamax-splash 2,
     # and tpu-inference-rpa-v3's quick blocks on the mixed serving step
-    assert compiles <= 27
+    assert compiles <= 26
     default = references.reference_subjects("default")
     assert len(default) >= 3 * len(references.reference_subjects("quick"))
 
