@@ -21,35 +21,18 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
-from pallas_flash.interpret import INTERPRET_ENV_VAR
 from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_splitkv import KVCache, paged_kernel
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason="libtpu (the TPU compiler) is not installed",
+    ),
+    pytest.mark.usefixtures("mosaic"),
+]
 
 BATCH, Q_HEADS, KV_HEADS, MAX_LEN, HEAD_DIM = 2, 32, 8, 32768, 128
-
-
-@pytest.fixture(scope="module")
-def v5e_devices() -> list[jax.Device]:
-    """The four chips of a v5e 2x2 topology (no hardware needed)."""
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name="v5e:2x2",
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-    )
-    return list(topology.devices)
-
-
-@pytest.fixture(autouse=True)
-def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(INTERPRET_ENV_VAR, "0")
 
 
 def _compile(mesh: Mesh, cache_spec: PartitionSpec, use_mesh: bool) -> jax.stages.Compiled:

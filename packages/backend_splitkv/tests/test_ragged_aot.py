@@ -13,35 +13,18 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_flash as pf
-from pallas_flash.interpret import INTERPRET_ENV_VAR
 from pallas_flash_estimate.read import hlo_ops
 from pallas_flash_splitkv.ragged_kernel import KERNEL_NAME
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) is not installed"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason="libtpu (the TPU compiler) is not installed",
+    ),
+    pytest.mark.usefixtures("mosaic"),
+]
 
 TOKENS, SEQS, PAGES_PER_SEQUENCE, Q_HEADS = 256, 16, 128, 8
-
-
-@pytest.fixture(scope="module")
-def v5e_chip() -> jax.Device:
-    """One chip of a v5e 2x2 topology (no hardware needed)."""
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name="v5e:2x2",
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-    )
-    return topology.devices[0]
-
-
-@pytest.fixture(autouse=True)
-def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(INTERPRET_ENV_VAR, "0")
 
 
 @pytest.mark.parametrize(
@@ -55,9 +38,9 @@ def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
     ids=["bf16-kv2-page16", "bf16-kv1-page64-window", "bf16-d64-page32", "int8-page16-window"],
 )
 def test_a_serving_step_compiles_with_the_pool_in_place(
-    v5e_chip: jax.Device, kv_heads: int, head_dim: int, page_size: int, dtype, window
+    v5e_devices: list[jax.Device], kv_heads: int, head_dim: int, page_size: int, dtype, window
 ) -> None:
-    device = jax.sharding.SingleDeviceSharding(v5e_chip)
+    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
 
     def struct(shape, dtype, kept: bool = False):  # kept: the pool, in `pf.cache_format`
         placed = pf.cache_format(device, len(shape)) if kept else device
