@@ -5,13 +5,11 @@ data-dependent loops, the cache writes' beside the compute chunks', and a compil
 from __future__ import annotations
 
 import pytest
-from tqdm import tqdm
 
 from pallas_flash_bench.kernels import references, rpa_mixed, rpa_reference
 from pallas_flash_bench.kernels.rpa_mixed import MixedBlocks, StepBlocks
 from pallas_flash_bench.kernels.rpa_reference import DecodeBlocks
 from pallas_flash_bench.kernels.workloads import Workload, serving_step
-from pallas_flash_bench.runs.workers import run_workers
 from pallas_flash_estimate.aot.devices import libtpu_version
 
 needs_rpa = pytest.mark.skipif(
@@ -86,13 +84,10 @@ def test_a_chunk_across_kv_blocks_writes_the_pages_of_each() -> None:
 
 
 @needs_rpa
-def test_it_compiles_for_v5e_and_charges_both_kernels_their_runs() -> None:
+def test_it_compiles_for_v5e_and_charges_both_kernels_their_runs(run_row) -> None:
     assert rpa_mixed.applies(rpa_mixed.BLOCKS["quick"][0], SMALL)
     (subject,) = [s for s in references.reference_subjects("quick") if s.config.startswith("step")]
-    job = {"id": 0, "kind": "row", "subject": subject.id, "workload": SMALL.to_json(),
-           "sweep": "quick", "backends": [], "references": True, "target": "v5e-1"}  # fmt: skip
-    with tqdm(total=1, disable=True) as progress:
-        row = run_workers([job], 1, progress)[0]
+    row = run_row(subject, SMALL)
     assert row["compiled"], row["error"]
     decode, mixed = row["kernels"]
     assert decode["name"].startswith("RPAd-") and mixed["name"].startswith("RPAm-")

@@ -7,11 +7,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from tqdm import tqdm
 
 from pallas_flash_bench.kernels import references, rpa_reference
 from pallas_flash_bench.kernels.workloads import SERVING_LENGTHS, Workload
-from pallas_flash_bench.runs.workers import run_workers
 from pallas_flash_estimate.aot.devices import libtpu_version
 
 needs_rpa = pytest.mark.skipif(
@@ -101,7 +99,7 @@ def test_its_loops_run_once_per_sequence_kv_block_and_compute_chunk() -> None:
 
 
 @needs_rpa
-def test_it_compiles_for_v5e_and_charges_its_decode_kernel_only() -> None:
+def test_it_compiles_for_v5e_and_charges_its_decode_kernel_only(run_row) -> None:
     w = Workload("decode", 2048, batch=4, **dict(SERVING, lengths=(512, 2048)))
     kernel = rpa_reference.load_kernel()
     assert rpa_reference.cache_shape(w) == kernel.get_kv_cache_shape(
@@ -112,10 +110,7 @@ def test_it_compiles_for_v5e_and_charges_its_decode_kernel_only() -> None:
         for s in references.reference_subjects("quick")
         if s.name.startswith("tpu-") and not s.config.startswith("step")
     ]
-    job = {"id": 0, "kind": "row", "subject": subject.id, "workload": w.to_json(),
-           "sweep": "quick", "backends": [], "references": True, "target": "v5e-1"}  # fmt: skip
-    with tqdm(total=1, disable=True) as progress:
-        row = run_workers([job], 1, progress)[0]
+    row = run_row(subject, w)
     assert row["compiled"], row["error"]
     decode, mixed = row["kernels"]
     assert decode["name"].startswith("RPAd-") and mixed["name"].startswith("RPAm-")
