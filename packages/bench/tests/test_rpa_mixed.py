@@ -33,6 +33,7 @@ def test_it_gets_the_step_in_its_own_layout_with_its_distribution() -> None:
     assert rpa_mixed.distribution(w) == (64, 64, 65)
 
 
+@needs_rpa  # vLLM's decode heuristic asks its kernel for its VMEM estimate
 def test_its_blocks_are_vllms_heuristic_and_a_small_search() -> None:
     w = serving_step("vllm-512")
     vllm = StepBlocks(None, None)
