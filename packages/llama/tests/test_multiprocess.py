@@ -78,24 +78,22 @@ def _losses(metrics: pathlib.Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def test_training_over_four_processes_matches_one_and_resumes_on_two_or_one(
-    model, tmp_path
-) -> None:
-    """4 processes of one device each train 2 steps and checkpoint; the job resumes on 2
-    processes of 2 devices and on 1 of 4, and every loss and the saved weights equal 1
-    process's."""
+def test_training_over_two_processes_matches_one_and_resumes_on_two_or_one(model, tmp_path) -> None:
+    """2 processes of 2 devices each train 2 steps and checkpoint; the job resumes on 2
+    processes and on 1 of 4 devices, and every loss and the saved weights equal 1 process's.
+    (4 processes of one device each: the generation test.)"""
     cache = tmp_path / "cache"
     data = ["--model", str(model), "--data", str(model / tiny.SAMPLE_FILE), *TRAIN]
     _run(["train", *data, "--steps", "4", "--metrics", str(tmp_path / "one.jsonl")], 1, cache)
     one = _losses(tmp_path / "one.jsonl")
 
-    # every process feeds one row of the global batch
+    # every process feeds two rows of the global batch
     first = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
-    outputs = _run(["train", *data, *first, "--metrics", str(tmp_path / "four.jsonl")], 4, cache)
+    outputs = _run(["train", *data, *first, "--metrics", str(tmp_path / "two.jsonl")], 2, cache)
     assert not any(outputs[1:]), "only process 0 prints"
-    four = _losses(tmp_path / "four.jsonl")
-    assert sorted(four) == [1, 2]
-    np.testing.assert_allclose([four[1], four[2]], [one[1], one[2]], rtol=1e-5)
+    two = _losses(tmp_path / "two.jsonl")
+    assert sorted(two) == [1, 2]
+    np.testing.assert_allclose([two[1], two[2]], [one[1], one[2]], rtol=1e-5)
 
     shutil.copytree(tmp_path / "ck", tmp_path / "ck-for-one")
     for processes, checkpoints in ((2, "ck"), (1, "ck-for-one")):
@@ -114,7 +112,8 @@ def test_training_over_four_processes_matches_one_and_resumes_on_two_or_one(
 
 
 def test_generation_over_four_processes_matches_one(model, tmp_path) -> None:
-    """4 hosts of one device each (2 processes of 2 devices: the training test)."""
+    """4 processes of one device each give 1 process's tokens (2 processes of 2 devices: the
+    training test)."""
     prompts = [arg for text in ("The", "Once", "A", "In") for arg in ("--prompt", text)]
     args = ["generate", "--model", str(model), *prompts, "--max-new-tokens", "6",
             "--backend", "xla", "--mesh", "1,-1,1", "--decode-backend", "splitkv",
