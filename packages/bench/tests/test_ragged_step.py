@@ -109,3 +109,28 @@ def test_its_measured_arrays_run_on_the_xla_backend_through_the_build() -> None:
     want, _ = pf.ragged_attention(*arrays, backend="xla")
     assert out.shape == (15, 4, 8) and jnp.allclose(out, want)
     assert cache.k.shape == arrays[3].shape
+
+
+def test_a_fusion_writes_a_donated_pool_in_place_only_with_no_room_for_a_copy() -> None:
+    """`row_figures.in_place_writes`: a fusion of a donated argument's shape, larger than the
+    program's temporaries, updates it in place; a plain copy of it, a fusion of another shape
+    (the pool flattened) or one the temporaries could hold are copies."""
+    from pallas_flash_bench.kernels import row_figures
+
+    pool = "bf16[2257,8,128,128]{3,2,1,0:T(8,128)(2,1)}"
+    scatter = {"name": "scatter_fusion", "opcode": "fusion", "shape": pool, "bytes": 591659008}
+    copy = dict(scatter, name="copy.22", opcode="copy")
+    flat = dict(scatter, name="scatter_fusion.1", shape="bf16[288896,8,128]{2,1,0:T(8,128)(2,1)}")
+    copies = [scatter, copy, flat]
+    donated = [(2257, 8, 128, 128), (2257, 8, 128, 128)]
+    assert row_figures.in_place_writes(copies, donated, temp_bytes=0) == [scatter]
+    assert row_figures.in_place_writes(copies, donated, temp_bytes=scatter["bytes"]) == []
+    assert row_figures.in_place_writes(copies, [], temp_bytes=0) == []
+
+
+def test_the_serving_sweep_with_ops_ragged_is_the_mixed_steps() -> None:
+    """``pallas-flash bench --serving --ops ragged``: the committed serving page's run."""
+    from pallas_flash_bench import cli
+
+    args = cli._parser().parse_args(["bench", "--serving", "--ops", "ragged", "--quick"])
+    assert cli._workloads(args) == ragged_sweep()

@@ -19,6 +19,7 @@ MAIN_RUN = DOCS / "results" / "quick-v5e-4.json"
 MODELS_RUN = DOCS / "results" / "models-v5e.json"
 CONTEXT_RUN = DOCS / "results" / "context-v5e.json"
 NEWEST_RUN = DOCS / "results" / "quick-v5e-4-newest.json"
+SERVING_RUN = DOCS / "results" / "serving-ragged-v5e-4.json"
 
 if not (ROOT / "mkdocs.yml").exists():
     pytest.skip("not run from the repository: no README to check", allow_module_level=True)
@@ -68,6 +69,16 @@ def test_the_context_page_states_the_committed_context_run() -> None:
     results = json.loads(CONTEXT_RUN.read_text())
     assert _made_by_this_analysis(results, rows=False), RERUN
     assert (DOCS / readme.CONTEXT_PAGE).read_text() == readme.render_context_page(results), RERUN
+
+
+def test_the_serving_page_states_the_committed_mixed_steps_run() -> None:
+    """The mixed serving steps against RPA v3: every row a ragged step, of this analysis."""
+    results = json.loads(SERVING_RUN.read_text())
+    assert _made_by_this_analysis(results, rows=True), RERUN
+    assert {row["workload"]["op"] for row in results["rows"]} == {"ragged"}
+    assert any(row["subject"].startswith("tpu-inference-rpa") for row in results["rows"])
+    page = (DOCS / readme.SERVING_PAGE).read_text()
+    assert page == readme.render_serving_page(results), RERUN
 
 
 def test_a_models_run_rewrites_its_page_and_leaves_the_readme_alone(tmp_path) -> None:

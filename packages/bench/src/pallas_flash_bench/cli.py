@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--serving",
         action="store_true",
-        help="only the serving decode sweep (ragged batches, paged and int8 caches)",
+        help="only the serving sweep: decode batches (ragged lengths, paged and int8 caches) "
+        "and mixed prefill+decode steps against RPA v3 (with --ops ragged, only those)",
     )
     bench.add_argument(
         "--models",
@@ -136,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         "rewrite the docs' stacks page, beside --results",
     )
     readme.add_argument(
+        "--serving",
+        type=pathlib.Path,
+        help="a `pallas-flash bench --serving --ops ragged` run's results.json: rewrite the "
+        "docs' serving page (the mixed serving steps against RPA v3)",
+    )
+    readme.add_argument(
         "--calibration",
         type=pathlib.Path,
         help="a `pallas-flash bench --calibrate` run's calibration.json: rewrite the calibration "
@@ -201,7 +208,7 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.models or args.context:
         return []
     if args.serving:
-        sweep = serving_sweep(chips)
+        sweep = serving_sweep(chips) + ragged_sweep()
     else:
         sweep = quick_sweep(chips) if args.quick else default_sweep(chips)
     if args.ops:
@@ -326,9 +333,10 @@ def _readme(args: argparse.Namespace) -> int:
     models = None if args.models is None else json.loads(args.models.read_text())
     context = None if args.context is None else json.loads(args.context.read_text())
     newest = None if args.newest is None else json.loads(args.newest.read_text())
-    readme.update(args.readme, results, models, args.docs, context, newest)
+    serving = None if args.serving is None else json.loads(args.serving.read_text())
+    readme.update(args.readme, results, models, args.docs, context, newest, serving)
     runs = ((args.results, results), (args.models, models), (args.context, context),
-            (args.newest, newest))  # fmt: skip
+            (args.newest, newest), (args.serving, serving))  # fmt: skip
     sources = [str(p) for p, used in runs if used]
     print(f"{args.readme}: rewritten from {' and '.join(sources)}")
     return 0

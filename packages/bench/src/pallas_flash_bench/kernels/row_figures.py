@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.cost.spread import ESTIMATES
 from pallas_flash_estimate.program import ici
+from pallas_flash_estimate.read import hlo
 from pallas_flash_estimate.targets import Target
 
 Figure = dict[str, object]
@@ -165,3 +166,23 @@ def derive(
         "tokens_per_second": figure(tokens_per_second, latency["source"]),
         "tokens_per_dollar": figure(tokens_per_second / dollars_per_second, latency["source"]),
     }
+
+
+def in_place_writes(
+    copies: Sequence[Mapping], donated: Sequence[tuple[int, ...]], temp_bytes: int
+) -> list[Mapping]:
+    """The copy-trap fusions of a row (``copies``, `hlo_ops.relayout_copies`) that write a
+    donated argument in place rather than copy it: a fusion whose result has a donated
+    argument's shape (``donated``) and more bytes than the program's temporaries
+    (``temp_bytes``) has no buffer to be a copy in but the donated one, so it updates that
+    array where it lies (an in-place scatter: the new tokens into their pages). Its HBM
+    traffic is its updates, not the array twice, as the copy trap charges it; where such a
+    fusion streams the whole array even so, the charge stands (the row's note gives both)."""
+    shapes = set(map(tuple, donated))
+    found = []
+    for copy in copies:
+        arrays = hlo.arrays(str(copy["shape"]))
+        dims = tuple(arrays[0][1]) if len(arrays) == 1 else None
+        if copy["opcode"] == "fusion" and dims in shapes and copy["bytes"] > temp_bytes:
+            found.append(copy)
+    return found

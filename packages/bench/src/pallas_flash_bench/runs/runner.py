@@ -9,6 +9,7 @@ import json
 import math
 import pathlib
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -335,23 +336,51 @@ def _dma_notes(row: dict, target: Target) -> list[str]:
     return notes
 
 
+def _in_place_notes(
+    row: dict, subject: Subject, workload: Workload, figures: Callable[[int], dict], copy_bytes: int
+) -> list[str]:
+    """A note where the copy trap charges fusions that write a donated argument in place
+    (`row_figures.in_place_writes`): the latency with and without that charge."""
+    temp = (row.get("hbm") or {}).get("temp")
+    donated = [subject.arguments(workload)[i].shape for i in subject.donate(workload)]
+    writes = row_figures.in_place_writes(row["copies"], donated, temp) if temp is not None else []
+    if not writes:
+        return []
+    charged = row["figures"]["latency_seconds"]["value"]
+    moved = sum(c["bytes"] for c in writes)
+    in_place = figures(copy_bytes - moved)["latency_seconds"]["value"]
+    names = ", ".join(c["name"] for c in writes)
+    return [
+        f"{names} ({moved / 1e9:.3g} GB) write a donated argument's whole shape; the program's "
+        f"temporaries ({temp} bytes) hold no copy of it, so they update it in "
+        f"place (row_figures.in_place_writes). The copy trap charges them as copies read and "
+        f"written: {charged * 1e3:.4g} ms; charged their updates only, {in_place * 1e3:.4g} ms"
+    ]
+
+
 def _with_figures(row: dict, subject: Subject, workload: Workload, options: BenchOptions) -> dict:
     row = dict(row, notes=list(row["notes"]))
     row["static_cycles"] = program_cycles(row) if row["compiled"] else None
     if row["compiled"]:
         cost = row["cost"] or {}
-        row["figures"] = row_figures.derive(
-            workload,
-            options.target,
-            options.price_per_chip_hour,
-            static_cycles=row["static_cycles"],
-            has_kernels=bool(row["kernels"]),
-            compiler_flops=cost.get("flops"),
-            compiler_bytes=cost.get("bytes"),
-            copy_bytes=sum(c["bytes"] for c in row["copies"]),
-            collectives=row["collectives"],
-            min_hbm_bytes=subject.min_hbm_bytes(workload) if subject.min_hbm_bytes else None,
-        )
+
+        def figures(copy_bytes: int) -> dict:
+            return row_figures.derive(
+                workload,
+                options.target,
+                options.price_per_chip_hour,
+                static_cycles=row["static_cycles"],
+                has_kernels=bool(row["kernels"]),
+                compiler_flops=cost.get("flops"),
+                compiler_bytes=cost.get("bytes"),
+                copy_bytes=copy_bytes,
+                collectives=row["collectives"],
+                min_hbm_bytes=subject.min_hbm_bytes(workload) if subject.min_hbm_bytes else None,
+            )
+
+        copy_bytes = sum(c["bytes"] for c in row["copies"])
+        row["figures"] = figures(copy_bytes)
+        row["notes"] += _in_place_notes(row, subject, workload, figures, copy_bytes)
         calibrated = calibrated_latency(row, workload, options.target)
         if calibrated is not None:
             row["figures"]["calibrated_latency_seconds"] = calibrated
