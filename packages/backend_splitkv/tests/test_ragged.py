@@ -13,7 +13,7 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
-from pallas_flash_splitkv import RaggedBlocks, SplitKvBackend
+from pallas_flash_splitkv import RaggedBlocks, SplitKvBackend, ragged_kernel
 from pallas_flash_splitkv.ragged_blocks import schedule
 
 HEAD_DIM, PAGE_SIZE, PAGES_PER_SEQUENCE = 128, 8, 6
@@ -171,3 +171,18 @@ def test_schedule_gives_each_sequence_its_query_blocks() -> None:
 def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
     with pytest.raises(ValueError, match="block_q"):
         RaggedBlocks(block_q=bad)
+
+
+@pytest.mark.parametrize(("window", "runs"), [(None, 2 * (3 + 2 + 3)), (20, 2 * (2 + 2 + 2))])
+def test_loop_runs_count_each_items_kv_blocks_per_kv_head(window: int | None, runs: int) -> None:
+    # blocks of 16 positions (2 pages of 8) and 8 tokens: a decode token at position 40 (3
+    # blocks; with a window of 20, from 20: 2), an empty slot (no item), 9 new tokens at 5..13
+    # (items of 8 and 1: 1 block each), 3 new tokens at 45..47 (3 blocks; from 25: 2)
+    starts = jnp.asarray([0, 1, 1, 10, 13], jnp.int32)
+    lengths = jnp.asarray([41, 7, 14, 48], jnp.int32)
+    spec = pf.RaggedSpec(sm_scale=1.0, window=window)
+    got = ragged_kernel.loop_runs(
+        starts, lengths, tokens=16, kv_heads=2, page_size=PAGE_SIZE,
+        pages_per_sequence=PAGES_PER_SEQUENCE, spec=spec, blocks=SMALL.ragged_blocks,
+    )  # fmt: skip
+    assert got == runs

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from pallas_flash_bench.kernels import ragged_step, subjects
+from pallas_flash_bench.kernels import backend_kernels, ragged_step, subjects
 from pallas_flash_bench.kernels.workloads import (
     SERVING_LENGTHS,
     Workload,
@@ -134,3 +134,19 @@ def test_the_serving_sweep_with_ops_ragged_is_the_mixed_steps() -> None:
 
     args = cli._parser().parse_args(["bench", "--serving", "--ops", "ragged", "--quick"])
     assert cli._workloads(args) == ragged_sweep()
+
+
+def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
+    # pages of 16 (bfloat16: chunks of 16): each decode token and each chunk of 6 (positions
+    # 10..15) is one item in part of its chunk; one kv block of 64 positions each, 2 kv heads
+    assert backend_kernels.loop_trips("xla", STEP, "pallas_flash_write_pages.3") == (5, 5, 5)
+    ragged = "pallas_flash_ragged_paged_attention.1"
+    assert backend_kernels.loop_trips("splitkv", STEP, ragged) == (2 * 5,)
+    assert backend_kernels.loop_trips("xla", STEP, ragged) is None
+    decode = Workload("decode", 64, batch=2, cache="paged", page_size=16)
+    assert backend_kernels.loop_trips("splitkv", decode, "pallas_flash_write_pages") is None
+    chunk = 2 * 16 * 8 * 2  # kv heads x positions x head_dim x bytes
+    moved = 2 * (2 * 5 + 5) * chunk  # K and V: every chunk written and read, its patch read
+    new_rows = STEP.tokens * STEP.cache_bytes_per_token
+    assert backend_kernels.min_hbm_bytes(STEP) == STEP.min_hbm_bytes + moved - new_rows
+    assert backend_kernels.min_hbm_bytes(decode) == decode.min_hbm_bytes

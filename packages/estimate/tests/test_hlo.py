@@ -246,3 +246,25 @@ def test_kernels_in_a_conditional_branch_are_told_apart():
     assert [op.name for op in hlo_ops.kernel_calls(CONDITIONAL_TOY)] == ["first", "rest"]
     assert hlo_ops.conditional_kernel_calls(CONDITIONAL_TOY) == {"rest"}
     assert hlo_ops.conditional_kernel_calls(TOY) == set()
+
+
+TWINS = """HloModule twins
+
+ENTRY %main (k: bf16[64,128], v: bf16[64,128]) -> (bf16[64,128], bf16[64,128], f32[8,128]) {
+  %k = bf16[64,128]{1,0} parameter(0)
+  %v = bf16[64,128]{1,0} parameter(1)
+  %write.2 = bf16[64,128]{1,0} custom-call(%k), custom_call_target="tpu_custom_call", backend_config={"body":"AAA"}, metadata={op_name="jit(step)/write" stack_frame_id=7}
+  %write.3 = bf16[64,128]{1,0} custom-call(%v), custom_call_target="tpu_custom_call", backend_config={"body":"AAA"}, metadata={op_name="jit(step)/write" stack_frame_id=9}
+  %other = bf16[64,128]{1,0} custom-call(%v), custom_call_target="tpu_custom_call", backend_config={"body":"BBB"}
+  %small = f32[8,128]{1,0} custom-call(%k), custom_call_target="tpu_custom_call", backend_config={"body":"AAA"}
+  ROOT %t = (bf16[64,128]{1,0}, bf16[64,128]{1,0}, f32[8,128]{1,0}) tuple(%write.3, %other, %small)
+}
+"""  # noqa: E501
+
+
+def test_a_kernel_call_without_a_dump_of_its_own_runs_its_identical_twins_schedule():
+    calls = hlo_ops.kernel_calls(TWINS)
+    assert [op.name for op in calls] == ["write.2", "write.3", "other", "small"]
+    # the same body on the same shape, whatever its source metadata; not another body or shape
+    assert hlo_ops.kernel_twins(calls, {"write.2"}) == {"write.3": "write.2"}
+    assert hlo_ops.kernel_twins(calls, {"write.2", "write.3", "other", "small"}) == {}

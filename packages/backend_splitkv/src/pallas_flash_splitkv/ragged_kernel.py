@@ -87,17 +87,9 @@ def _kernel(
     def item_range(item: jax.Array) -> _Range:
         """The positions work item ``item`` reads (module doc)."""
         seq = sequence_ref[item]
-        length = jnp.clip(lengths_ref[seq], 0, max_len)
-        p0 = length - starts_ref[seq + 1] + first_ref[item]  # the first token's position
-        hi = jnp.minimum(p0 + count_ref[item] - 1, length - 1)  # the last position any row sees
-        lo = jnp.int32(0) if spec.window is None else jnp.maximum(p0 - spec.window, 0)
-        # lax.div, not //: Mosaic lowers a signed // or % through `sign`, which asks the
-        # default device for the TPU's generation (an AOT compile on a CPU host has none)
-        first_block = lax.div(lo, jnp.int32(block_kv)) if spec.window is not None else 0
-        last_block = lax.div(jnp.maximum(hi, 0), jnp.int32(block_kv))
-        # at least one block, all masked where hi < lo (lengths below the new tokens, traced)
-        blocks = jnp.maximum(last_block - first_block + 1, 1)
-        return _Range(seq, p0, lo, hi, first_block + jnp.int32(0), blocks)
+        span = _span(lengths_ref[seq], starts_ref[seq + 1], first_ref[item], count_ref[item],
+                     spec.window, block_kv, max_len)  # fmt: skip
+        return _Range(seq, *span)
 
     def copies(r: _Range, head: jax.Array, block: jax.Array, slot: jax.Array, act) -> None:
         """``act`` on the copies of kv head ``head``'s block ``block`` of item range ``r``:
@@ -169,6 +161,31 @@ def _kernel(
         lax.fori_loop(0, r.blocks, body, None)
         folded[0] = base + r.blocks
         _finish(sinks_ref, m_ref, l_ref, acc_ref, o_ref)
+
+
+def _span(
+    length: jax.Array,
+    query_end: jax.Array,
+    first: jax.Array,
+    count: jax.Array,
+    window: int | None,
+    block_kv: int,
+    max_len: int,
+) -> tuple[jax.Array, ...]:
+    """``(p0, lo, hi, first_block, blocks)`` of `_Range` for a work item of ``count`` tokens
+    from row ``first`` of a sequence of ``length`` positions whose new tokens end at row
+    ``query_end``; scalars in the kernel, ``[items]`` arrays in `loop_runs`."""
+    length = jnp.clip(length, 0, max_len)
+    p0 = length - query_end + first  # the first token's position
+    hi = jnp.minimum(p0 + count - 1, length - 1)  # the last position any row sees
+    lo = jnp.zeros_like(p0) if window is None else jnp.maximum(p0 - window, 0)
+    # lax.div, not //: Mosaic lowers a signed // or % through `sign`, which asks the default
+    # device for the TPU's generation (an AOT compile on a CPU host has none)
+    first_block = lax.div(lo, jnp.int32(block_kv)) if window is not None else jnp.zeros_like(p0)
+    last_block = lax.div(jnp.maximum(hi, 0), jnp.int32(block_kv))
+    # at least one block, all masked where hi < lo (lengths below the new tokens, traced)
+    blocks = jnp.maximum(last_block - first_block + 1, 1)
+    return p0, lo, hi, first_block, blocks
 
 
 class _Range(NamedTuple):
@@ -340,3 +357,26 @@ def ragged_attention(
     q's dtype, zeros for padding rows. Runs as Mosaic or interpreted, as
     `pallas_flash.interpret` decides."""
     return _jitted(q, cache, query_starts, kv_lengths, sinks, spec=spec, blocks=blocks)
+
+
+def loop_runs(
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    tokens: int,
+    kv_heads: int,
+    page_size: int,
+    pages_per_sequence: int,
+    spec: RaggedSpec,
+    blocks: RaggedBlocks,
+) -> int:
+    """How often the kernel's loop over kv blocks runs over its whole grid on a batch: every
+    used work item's blocks, once per kv head. Its trip count is read from SMEM, so a static
+    schedule needs it given (the bench's ``Subject.loop_trips``)."""
+    per_block = blocks.pages_for(page_size, pages_per_sequence)
+    items = blocks.items_for(tokens, kv_lengths.shape[0])
+    plan = ragged_blocks.schedule(query_starts, blocks.block_q, items)
+    seq, block_kv = plan.sequence, per_block * page_size
+    span = _span(kv_lengths[seq], query_starts[seq + 1], plan.first, plan.count, spec.window,
+                 block_kv, pages_per_sequence * page_size)  # fmt: skip
+    return kv_heads * int(jnp.sum(jnp.where(plan.count > 0, span[-1], 0)))

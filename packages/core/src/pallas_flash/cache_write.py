@@ -8,7 +8,8 @@ over a mesh (a contiguous cache's sequence axis, a paged cache's pages) is writt
 ``shard_map``: each device writes a row only if it falls in its own slice, so a write moves
 no cache data between devices (left to XLA's partitioner, a dynamic index on a partitioned
 axis gathers the cache). `write_pages` writes whole pages of a paged pool (a prompt's K/V),
-`write_tokens` a ragged batch's tokens into their pages (several may share a page), and
+`write_tokens` a ragged batch's tokens into their pages (several may share a page; on TPU by
+one Pallas kernel per array, `pallas_flash.page_write_kernel`), and
 `write_kv` writes a layer's keys and values with any of these, quantized to int8 with their
 scales when the cache is int8.
 """
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from pallas_flash import interpret, row_write_kernel
+from pallas_flash import interpret, page_write_kernel, row_write_kernel
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.mesh_placement import place
 from pallas_flash.quantization import quantize_int8
@@ -202,12 +203,33 @@ def write_token(
 
 
 def write_tokens(
-    pool: jax.Array, values: jax.Array, pages: jax.Array, rows: jax.Array
+    pool: jax.Array,
+    values: jax.Array,
+    pages: jax.Array,
+    rows: jax.Array,
+    *,
+    sequences: int | None = None,
 ) -> jax.Array:
     """``pool [num_pages, kv_heads, page_size, ...]`` with each ``values[i] [kv_heads, ...]``
     written at ``[pages[i], :, rows[i]]``; a token whose page is outside ``[0, num_pages)`` is
-    written nowhere. One scatter for a ragged batch's tokens, any number of them in one page
-    (``...``: ``head_dim``, or nothing for scales); donate ``pool`` for it to be in place."""
+    written nowhere. A ragged batch's tokens, any number of them in one page, a sequence's at
+    consecutive rows and positions (``...``: ``head_dim``, or nothing for scales); donate
+    ``pool`` for the write to be in place.
+
+    On TPU one Pallas kernel writes the chunks that hold a new token
+    (`pallas_flash.page_write_kernel`, where it fits); otherwise one scatter, which XLA on TPU
+    may run on a re-laid-out copy of the pool. Both write the same values. ``sequences``: how
+    many sequences the tokens belong to, if known (it bounds the kernel's work)."""
+    mosaic = interpret.interpret_params() is None
+    if mosaic and page_write_kernel.fits(pool, values.shape[0]):
+        return page_write_kernel.write_tokens_kernel(pool, values, pages, rows, sequences=sequences)
+    return _scatter_tokens(pool, values, pages, rows)
+
+
+def _scatter_tokens(
+    pool: jax.Array, values: jax.Array, pages: jax.Array, rows: jax.Array
+) -> jax.Array:
+    """`write_tokens` as one XLA scatter."""
     outside = (pages < 0) | (pages >= pool.shape[0])
     pages = jnp.where(outside, pool.shape[0], pages)  # past the end: dropped, never wrapped
     return pool.at[pages, :, rows].set(values.astype(pool.dtype), mode="drop")

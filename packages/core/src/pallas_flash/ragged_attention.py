@@ -112,10 +112,29 @@ def write_new_tokens(
     """``cache`` with each valid row of ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` written
     at its sequence's position (`pallas_flash.ragged_batch`); padding rows and rows whose page
     is out of range are written nowhere."""
-    page_size, pages_per_sequence = cache.k.shape[2], cache.page_table.shape[1]
-    places = token_places(query_starts, kv_lengths, k.shape[0])
+    page_size = cache.k.shape[2]
+    pages, rows = token_pages(cache.page_table, page_size, query_starts, kv_lengths, k.shape[0])
+    seqs = kv_lengths.shape[0]
+
+    def write(array: jax.Array, values: jax.Array) -> jax.Array:
+        return write_tokens(array, values, pages, rows, sequences=seqs)
+
+    return write_kv(cache, k, v, write)
+
+
+def token_pages(
+    page_table: jax.Array,
+    page_size: int,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    tokens: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``pages``, ``rows`` ``[tokens]`` int32: the page and row each of a ragged batch's
+    ``tokens`` rows is written at (`ragged_attention`'s arguments); -1 for padding rows and
+    rows past a sequence's pages."""
+    pages_per_sequence = page_table.shape[1]
+    places = token_places(query_starts, kv_lengths, tokens)
     column = places.position // page_size
     inside = places.valid & (places.position >= 0) & (column < pages_per_sequence)
-    page = cache.page_table[places.sequence, jnp.clip(column, 0, pages_per_sequence - 1)]
-    pages, rows = jnp.where(inside, page, -1), places.position % page_size
-    return write_kv(cache, k, v, lambda array, values: write_tokens(array, values, pages, rows))
+    page = page_table[places.sequence, jnp.clip(column, 0, pages_per_sequence - 1)]
+    return jnp.where(inside, page, -1), places.position % page_size

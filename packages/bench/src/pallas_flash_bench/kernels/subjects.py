@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 import pallas_flash as pf
 from pallas_flash import hookspecs
+from pallas_flash_bench.kernels import backend_kernels
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.program_ref import ArraySpec
 
@@ -253,6 +254,8 @@ def backend_subjects(names: list[str] | None = None) -> list[Subject]:
             config="",
             version=_backend_version(info.distribution),
             build=functools.partial(_backend_build, info),
+            loop_trips=functools.partial(backend_kernels.loop_trips, info.name),
+            min_hbm_bytes=backend_kernels.min_hbm_bytes,
             donate=backend_donation,
         )
         for info in infos

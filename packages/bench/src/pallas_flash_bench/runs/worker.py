@@ -104,12 +104,19 @@ def analyse_row(
         return row
     calls = hlo_ops.kernel_calls(text)
     conditional = hlo_ops.conditional_kernel_calls(text)
+    twins = hlo_ops.kernel_twins(calls, schedules)
     if subject.notes is not None:
         row["notes"] += subject.notes(workload)
     for call in calls:
-        if call.name in schedules:
+        if call.name in twins:
+            row["notes"].append(
+                f"kernel {call.name} is the very kernel of {twins[call.name]} (libtpu compiled "
+                "them once, one bundle dump): charged its schedule"
+            )
+        schedule = schedules.get(call.name) or schedules.get(twins.get(call.name, ""))
+        if schedule is not None:
             trips = subject.loop_trips(workload, call.name) if subject.loop_trips else None
-            entry = spread.kernel_entry(schedules[call.name], workload, trips)
+            entry = spread.kernel_entry(schedule, workload, trips) | {"name": call.name}
             if trips is not None and not entry["cycles_from"].startswith("loops whose"):
                 row["notes"].append(
                     f"kernel {call.name}: its loops' trip counts ({trips}) could not be applied "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Collection, Sequence
 
 from pallas_flash_estimate.read import hlo
 
@@ -25,6 +26,7 @@ __all__ = [
     "kernel_body",
     "kernel_calls",
     "kernel_operand_copies",
+    "kernel_twins",
     "relayout_copies",
 ]
 
@@ -161,6 +163,25 @@ def kernel_calls(text: str) -> list[hlo.HloOp]:
     comps = hlo.parse_computations(text)
     ordered = sorted(comps.values(), key=lambda c: not c.entry)
     return [op for comp in ordered for op in comp.ops if is_kernel_call(op)]
+
+
+METADATA_RE = re.compile(r"metadata=\{[^}]*\}")
+
+
+def kernel_twins(calls: Sequence[hlo.HloOp], scheduled: Collection[str]) -> dict[str, str]:
+    """The kernel calls (`kernel_calls`) not in ``scheduled`` (those with a schedule in the
+    LLO dump) -> a call in it of the very same kernel: the same result shape and the same
+    attributes but their source metadata (the kernel's body and configuration are its
+    ``backend_config``). libtpu compiles such twins once and dumps them under one name (a
+    layer's K and V cache writes), so both run that one schedule."""
+
+    def key(op: hlo.HloOp) -> tuple[str, str]:
+        return op.shape, METADATA_RE.sub("", op.attributes)
+
+    found = {key(op): op.name for op in calls if op.name in scheduled}
+    return {
+        op.name: found[key(op)] for op in calls if op.name not in scheduled and key(op) in found
+    }
 
 
 def is_kernel_call(op: hlo.HloOp) -> bool:

@@ -1,0 +1,86 @@
+"""What a static schedule cannot read off our own kernels on a mixed serving step (op
+``ragged``), given here from the kernels' own modules on the arrays the bench compiles the step
+for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop_trips`).
+
+- Loop trips (a backend subject's ``Subject.loop_trips``): loops whose trip counts are read
+  from memory, which a static schedule counts once per grid step, a lower bound. Core's write
+  of the new tokens into their pages (`pallas_flash.page_write_kernel`) runs three loops over
+  each grid step's items; splitkv's ragged attention (`pallas_flash_splitkv.ragged_kernel`) one
+  loop over each work item's kv blocks.
+- HBM bytes (``Subject.min_hbm_bytes``): the page write moves whole chunks of the pool (the
+  rows beside a decode token's, read and written back), more than the least a step must move
+  (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+import pallas_flash as pf
+from pallas_flash import page_write_kernel
+from pallas_flash.ragged_attention import token_pages
+from pallas_flash_bench.kernels import ragged_step
+from pallas_flash_bench.kernels.workloads import Workload
+
+
+def loop_trips(backend: str, workload: Workload, kernel: str) -> tuple[int, ...] | None:
+    """The runs of ``kernel``'s loops without a trip count over the whole kernel, in program
+    order, when ``backend`` runs ``workload``; None for a kernel without such loops here."""
+    if workload.op != "ragged":
+        return None
+    stem = kernel.split(".")[0]
+    if stem == page_write_kernel.KERNEL_NAME:
+        items = int(_page_write_items(workload).count[0])
+        return (items, items, items)  # reads, patches, writes' waits
+    if backend == "splitkv" and importlib.util.find_spec("pallas_flash_splitkv") is not None:
+        from pallas_flash_splitkv import ragged_kernel
+
+        if stem == ragged_kernel.KERNEL_NAME:
+            return (_ragged_runs(ragged_kernel, workload),)
+    return None
+
+
+def min_hbm_bytes(workload: Workload) -> float:
+    """The least a backend moves on ``workload``: on a serving step, the workload's least with
+    the page write's chunks (`page_write_kernel.moved_bytes`, K and V) in place of the new rows
+    written into their pages, which the least counts."""
+    w = workload
+    if w.op != "ragged":
+        return w.min_hbm_bytes
+    moved = 2 * page_write_kernel.moved_bytes(_page_write_items(w), _pool(w))
+    new_rows = ragged_step.tokens(w) * w.cache_bytes_per_token
+    return w.min_hbm_bytes + moved - new_rows
+
+
+def _pool(w: Workload) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((w.num_pages, w.kv_heads, w.page_size, w.head_dim), w.dtype)
+
+
+def _arrays(w: Workload) -> tuple[jax.Array, jax.Array]:
+    """``query_starts``, ``kv_lengths`` of the step."""
+    starts = jnp.asarray(ragged_step.query_starts(w), jnp.int32)
+    return starts, jnp.asarray(ragged_step.kv_lengths(w), jnp.int32)
+
+
+def _page_write_items(w: Workload) -> page_write_kernel.Items:
+    """The page write's items on the step (the same for K and V)."""
+    starts, lengths = _arrays(w)
+    table = jnp.asarray(ragged_step.page_table(w))
+    pages, rows = token_pages(table, w.page_size, starts, lengths, w.tokens)
+    chunk = page_write_kernel.chunk_positions(_pool(w))
+    bound = page_write_kernel.max_items(w.tokens, lengths.shape[0], chunk)
+    return page_write_kernel.items(pages, rows, w.num_pages, chunk, bound)
+
+
+def _ragged_runs(ragged_kernel, w: Workload) -> int:
+    """`ragged_kernel.loop_runs` with the blocks the registered splitkv backend uses."""
+    starts, lengths = _arrays(w)
+    blocks = pf.get_backend("splitkv").ragged_blocks
+    spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5)
+    return ragged_kernel.loop_runs(
+        starts, lengths, tokens=w.tokens, kv_heads=w.kv_heads, page_size=w.page_size,
+        pages_per_sequence=w.seq_len // w.page_size, spec=spec, blocks=blocks,
+    )  # fmt: skip

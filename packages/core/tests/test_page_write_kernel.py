@@ -1,0 +1,120 @@
+"""`pallas_flash.page_write_kernel` in the TPU interpreter (DMAs simulated, races detected):
+the same pool as one scatter of the tokens, for bfloat16 and int8 pages and float32 scales,
+pages of one chunk and of several, runs that cross chunks and pages, chunks written whole and
+in part, tokens written nowhere (padding, no page) and more items than one grid step takes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_flash import cache_write, page_write_kernel
+
+NEW_TOKENS = (1, 37, 0, 2, 16, 1)
+"""New tokens per sequence: decoding, a prefill chunk crossing chunks and pages, an empty slot,
+two tokens, a whole chunk of bfloat16, decoding."""
+CACHED = (5, 14, 3, 31, 32, 0)
+"""Positions each sequence holds before its new tokens."""
+PADDING = 3
+
+
+def _batch(page_size: int, num_pages: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """``pages``, ``rows`` of the batch's tokens, each sequence's pages its own (shuffled, so
+    that consecutive positions are not consecutive pages) and one page missing (-1)."""
+    rng = np.random.default_rng(0)
+    free = list(rng.permutation(num_pages))
+    pages, rows = [], []
+    for s, (new, cached) in enumerate(zip(NEW_TOKENS, CACHED, strict=True)):
+        table = [free.pop() for _ in range(-(-(cached + new) // page_size))]
+        if s == 1:
+            table[-1] = -1  # the prefill chunk's last page is missing
+        for position in range(cached, cached + new):
+            pages.append(table[position // page_size])
+            rows.append(position % page_size)
+    pages += [num_pages] * PADDING  # padding: past the pool
+    rows += [0] * PADDING
+    return jnp.asarray(pages, jnp.int32), jnp.asarray(rows, jnp.int32)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "dtype", "head_dim"),
+    [
+        (16, "bfloat16", 128),
+        (64, "bfloat16", 128),
+        (16, "int8", 128),
+        (64, "int8", 64),
+        (256, "float32", None),
+    ],
+    ids=["bf16-page16", "bf16-page64", "int8-page16", "int8-page64", "scales-page256"],
+)
+def test_writes_what_one_scatter_writes(
+    monkeypatch: pytest.MonkeyPatch, page_size: int, dtype: str, head_dim: int | None
+) -> None:
+    monkeypatch.setattr(page_write_kernel, "MAX_ITEMS_PER_STEP", 4)  # several grid steps
+    num_pages, kv_heads = 24, 2
+    pages, rows = _batch(page_size, num_pages)
+    tail = () if head_dim is None else (head_dim,)
+    shape = (num_pages, kv_heads, page_size, *tail)
+    pool = (jnp.arange(np.prod(shape)) % 7 + 1).reshape(shape).astype(dtype)
+    values_shape = (pages.shape[0], kv_heads, *tail)
+    values = (jnp.arange(np.prod(values_shape)) % 97 + 10).reshape(values_shape).astype(dtype)
+    assert page_write_kernel.fits(pool, pages.shape[0])
+    interpret = pltpu.InterpretParams(detect_races=True)
+    got = page_write_kernel.write_tokens_kernel(
+        pool, values, pages, rows, sequences=len(NEW_TOKENS), interpret=interpret
+    )
+    expected = cache_write._scatter_tokens(pool, values, pages, rows)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert not np.array_equal(np.asarray(got), np.asarray(pool))
+
+
+def test_items_are_runs_of_one_chunk() -> None:
+    pages = jnp.asarray([3, 3, 3, 3, 5, -1, 7, 7, 9, 24], jnp.int32)  # 24: past a 24-page pool
+    rows = jnp.asarray([14, 15, 16, 17, 0, 1, 2, 3, 0, 0], jnp.int32)
+    plan = page_write_kernel.items(pages, rows, num_pages=24, chunk=16)
+    used = int(plan.count[0])
+    assert used == 5
+    assert plan.page.tolist()[:used] == [3, 3, 5, 7, 9]
+    assert plan.start.tolist()[:used] == [0, 16, 0, 0, 0]
+    assert plan.first_row.tolist()[:used] == [14, 0, 0, 2, 0]
+    assert plan.first_token.tolist()[:used] == [0, 2, 4, 6, 8]
+    assert plan.tokens.tolist()[:used] == [2, 2, 1, 2, 1]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_max_items_bounds_the_items_of_any_batch(chunk: int) -> None:
+    rng = np.random.default_rng(chunk)
+    count = jax.jit(lambda p, r: page_write_kernel.items(p, r, 1000, chunk).count[0])
+    for _ in range(40):
+        new = rng.integers(0, 3 * chunk + 2, size=rng.integers(1, 9))
+        cached = rng.integers(0, 4 * chunk + 2, size=new.shape)
+        pages, rows = [], []
+        for s, (n, c) in enumerate(zip(new, cached, strict=True)):
+            positions = np.arange(c, c + n)
+            pages += list(s * 100 + positions // (2 * chunk))  # pages of two chunks
+            rows += list(positions % (2 * chunk))
+        tokens = len(pages) + int(rng.integers(0, 4))  # and some padding
+        if tokens == 0:
+            continue
+        padded = 8 * 9 * chunk + 16  # one shape for every batch: one compile
+        pages += [-1] * (padded - len(pages))
+        rows += [0] * (padded - len(rows))
+        items = int(count(jnp.asarray(pages, jnp.int32), jnp.asarray(rows, jnp.int32)))
+        assert items <= page_write_kernel.max_items(tokens, len(new), chunk) <= tokens
+
+
+def test_fits_paged_pools_and_takes_items_within_the_vmem_budget() -> None:
+    assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 64, 128), jnp.bfloat16)) == 16
+    assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 16, 128), jnp.int8)) == 16
+    assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 64, 128), jnp.int8)) == 32
+    assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 256), jnp.float32)) == 128
+    assert not page_write_kernel.fits(jnp.zeros((4, 128), jnp.bfloat16), 8)
+    assert not page_write_kernel.fits(jnp.zeros((4, 1, 16), jnp.float32), 8)  # scales: lanes
+    big = jnp.zeros((1, 64, 16, 128), jnp.bfloat16)  # 256 KiB a chunk
+    assert page_write_kernel.items_per_step(big, 512) == 10
+    assert page_write_kernel.items_per_step(jnp.zeros((1, 8, 16, 128), jnp.bfloat16), 5) == 5
+    huge = jnp.zeros((1, 1024, 16, 128), jnp.bfloat16)  # 4 MiB a chunk
+    assert not page_write_kernel.fits(huge, 1)
