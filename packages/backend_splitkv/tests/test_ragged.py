@@ -14,7 +14,7 @@ import pytest
 import pallas_flash as pf
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
 from pallas_flash_splitkv import RaggedBlocks, SplitKvBackend, ragged_kernel
-from pallas_flash_splitkv.ragged_blocks import schedule
+from pallas_flash_splitkv.ragged_blocks import kernel_calls, schedule
 
 HEAD_DIM, PAGE_SIZE, PAGES_PER_SEQUENCE = 128, 8, 6
 SMALL = SplitKvBackend(ragged_blocks=RaggedBlocks(block_q=8, pages_per_block=2))
@@ -173,16 +173,39 @@ def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
         RaggedBlocks(block_q=bad)
 
 
-@pytest.mark.parametrize(("window", "runs"), [(None, 2 * (3 + 2 + 3)), (20, 2 * (2 + 2 + 2))])
-def test_loop_runs_count_each_items_kv_blocks_per_kv_head(window: int | None, runs: int) -> None:
-    # blocks of 16 positions (2 pages of 8) and 8 tokens: a decode token at position 40 (3
-    # blocks; with a window of 20, from 20: 2), an empty slot (no item), 9 new tokens at 5..13
-    # (items of 8 and 1: 1 block each), 3 new tokens at 45..47 (3 blocks; from 25: 2)
+@pytest.mark.parametrize(("window", "runs"), [(None, (3, 2 + 3)), (20, (2, 2 + 2))])
+def test_loop_runs_count_each_items_kv_blocks_per_kv_head(
+    window: int | None, runs: tuple[int, int]
+) -> None:
+    # blocks of 16 positions (2 pages of 8) and 8 tokens, 2 query heads a kv head: the decode
+    # call takes a decode token at position 40 (3 blocks; with a window of 20, from 20: 2), the
+    # other call 9 new tokens at 5..13 (items of 8 and 1: 1 block each) and 3 new tokens at
+    # 45..47 (3 blocks; from 25: 2); an empty slot makes no item
     starts = jnp.asarray([0, 1, 1, 10, 13], jnp.int32)
     lengths = jnp.asarray([41, 7, 14, 48], jnp.int32)
     spec = pf.RaggedSpec(sm_scale=1.0, window=window)
-    got = ragged_kernel.loop_runs(
-        starts, lengths, tokens=16, kv_heads=2, page_size=PAGE_SIZE,
-        pages_per_sequence=PAGES_PER_SEQUENCE, spec=spec, blocks=SMALL.ragged_blocks,
-    )  # fmt: skip
-    assert got == runs
+    shapes = dict(tokens=16, q_heads=4, kv_heads=2, page_size=PAGE_SIZE,
+                  pages_per_sequence=PAGES_PER_SEQUENCE, spec=spec)  # fmt: skip
+    got = tuple(
+        ragged_kernel.loop_runs(starts, lengths, kernel=name, blocks=SMALL.ragged_blocks, **shapes)
+        for name in (ragged_kernel.DECODE_KERNEL_NAME, ragged_kernel.KERNEL_NAME)
+    )
+    assert got == (2 * runs[0], 2 * runs[1])
+    one_call = RaggedBlocks(block_q=8, pages_per_block=2, decode_block_q=8)  # all in one call
+    whole = ragged_kernel.loop_runs(starts, lengths, kernel=ragged_kernel.KERNEL_NAME,
+                                    blocks=one_call, **shapes)  # fmt: skip
+    assert whole == 2 * sum(runs)
+
+
+def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:
+    blocks = RaggedBlocks()
+    assert [blocks.decode_rows_for(g) for g in (1, 2, 3, 4, 8, 16)] == [8, 4, 8, 2, 1, 1]
+    assert RaggedBlocks(decode_block_q=4).decode_rows_for(4) == 4
+    starts = jnp.asarray([0, 1, 7, 8], jnp.int32)
+    decode, rest = kernel_calls(starts, tokens=8, group=4, blocks=blocks)
+    assert (decode.block_q, decode.items, decode.include.tolist()) == (2, 3, [True, False, True])
+    assert (rest.block_q, rest.items, rest.include.tolist()) == (16, 1 + 3, [False, True, False])
+    (whole,) = kernel_calls(starts, tokens=8, group=1, blocks=RaggedBlocks(block_q=8))
+    assert whole.include is None
+    with pytest.raises(ValueError, match="decode_block_q must be a power of two"):
+        RaggedBlocks(decode_block_q=3)

@@ -16,7 +16,7 @@ import pytest
 import pallas_flash as pf
 from pallas_flash import page_write_kernel
 from pallas_flash_estimate.read import hlo_ops
-from pallas_flash_splitkv.ragged_kernel import KERNEL_NAME
+from pallas_flash_splitkv.ragged_kernel import DECODE_KERNEL_NAME, KERNEL_NAME
 
 pytestmark = [
     pytest.mark.skipif(
@@ -88,7 +88,7 @@ def test_a_serving_step_compiles_with_the_pool_in_place(
     writes = [page_write_kernel.KERNEL_NAME] * 2
     if quantized and page_size % 128 == 0:
         writes += [page_write_kernel.SCALES_KERNEL_NAME] * 2
-    assert sorted(calls) == sorted([KERNEL_NAME, *writes])
+    assert sorted(calls) == sorted([KERNEL_NAME, DECODE_KERNEL_NAME, *writes])
     pool_bytes = math.prod(pool) * jnp.dtype(dtype).itemsize
     # both kernels' sides copy only q-sized data (the new tokens laid out per chunk, q and
     # output per work item, int8 scales gathered per sequence), never the pool

@@ -9,6 +9,12 @@ range and streams only that sequence's pages. The number of items is data-depend
 has the static bound ``ceil(tokens / block_q) + seqs`` (each sequence adds at most one partly
 filled item) and the steps past the last item do nothing.
 
+A decoding sequence (one new token) fills one row of an item's ``block_q`` per query head, so
+the decoding sequences get a kernel call of their own with items of `decode_block_q` tokens,
+the fewest that fill whole sublane tiles (``group x decode_block_q`` rows, a multiple of 8),
+and the other sequences one with ``block_q`` (`kernel_calls`): the rows a decode token leaves
+empty are the rows every kv block's softmax works on for nothing.
+
 The schedule is computed in jax before the kernel (a few ``[items]`` int32 arrays, prefetched
 into SMEM), and so are the gathers that lay the query out per item and the output back per
 token: both touch only q-sized data, never the cache.
@@ -23,6 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash.ragged_batch import new_tokens, token_places
+
+KERNEL_NAME = "pallas_flash_ragged_paged_attention"
+DECODE_KERNEL_NAME = "pallas_flash_ragged_paged_attention_decode"
+"""The kernel's names: on the batch's prefill chunks (all its sequences when it makes one
+call), and on its decoding sequences."""
 
 KV_BLOCK_POSITIONS = 512
 """Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic:
@@ -41,10 +52,14 @@ class RaggedBlocks:
       pages_per_block: pages per kv block (one inner-loop step, copied by manual DMA, double
         buffered). None: `KV_BLOCK_POSITIONS` positions' worth (at least 1), at most a
         sequence's pages.
+      decode_block_q: tokens per work item of the decoding sequences' call (a power of two;
+        only the first row of each query head is a token). None: the least that makes whole
+        tiles of 8 rows (`decode_rows_for`); at ``block_q`` or more, one call takes them all.
     """
 
     block_q: int = 16
     pages_per_block: int | None = None
+    decode_block_q: int | None = None
 
     def __post_init__(self) -> None:
         q = self.block_q
@@ -53,6 +68,21 @@ class RaggedBlocks:
         p = self.pages_per_block
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
             raise ValueError(f"RaggedBlocks.pages_per_block must be a positive int, got {p!r}")
+        d = self.decode_block_q
+        if d is not None and (
+            isinstance(d, bool) or not isinstance(d, int) or d < 1 or d & (d - 1)
+        ):
+            raise ValueError(f"RaggedBlocks.decode_block_q must be a power of two, got {d!r}")
+
+    def decode_rows_for(self, group: int) -> int:
+        """Tokens per decode work item at ``group`` query heads per kv head: `decode_block_q`,
+        or the least power of two whose ``group x`` it is a multiple of 8."""
+        if self.decode_block_q is not None:
+            return self.decode_block_q
+        tokens = 1
+        while (group * tokens) % 8:
+            tokens *= 2
+        return tokens
 
     def pages_for(self, page_size: int, pages_per_sequence: int) -> int:
         """Pages per kv block for pages of ``page_size`` positions."""
@@ -81,15 +111,57 @@ class Schedule(NamedTuple):
     count: jax.Array
 
 
-def _items_per_sequence(query_starts: jax.Array, block_q: int) -> jax.Array:
-    """``[seqs]`` int32: each sequence's work items (0 for an empty one)."""
+class KernelCall(NamedTuple):
+    """One kernel call of a batch (module doc).
+
+    Attributes:
+      name: the kernel's name (`KERNEL_NAME` or `DECODE_KERNEL_NAME`).
+      block_q: tokens per work item.
+      items: the static bound on its work items.
+      include: ``[seqs]`` bool, the sequences it takes; None: all of them.
+    """
+
+    name: str
+    block_q: int
+    items: int
+    include: jax.Array | None
+
+
+def kernel_calls(
+    query_starts: jax.Array, tokens: int, group: int, blocks: RaggedBlocks
+) -> list[KernelCall]:
+    """The kernel calls of a batch of ``tokens`` rows (``query_starts [seqs + 1]``) at
+    ``group`` query heads per kv head: the decoding sequences' and the others', or one for all
+    where decode items would be no smaller."""
+    seqs = query_starts.shape[0] - 1
+    decode_q = blocks.decode_rows_for(group)
+    whole = KernelCall(KERNEL_NAME, blocks.block_q, blocks.items_for(tokens, seqs), None)
+    if decode_q >= blocks.block_q:
+        return [whole]
+    decoding = new_tokens(query_starts) == 1
+    return [
+        KernelCall(DECODE_KERNEL_NAME, decode_q, seqs, decoding),
+        whole._replace(include=~decoding),
+    ]
+
+
+def _items_per_sequence(
+    query_starts: jax.Array, block_q: int, include: jax.Array | None = None
+) -> jax.Array:
+    """``[seqs]`` int32: each sequence's work items (0 for an empty one, or one not in
+    ``include``)."""
     n = jnp.maximum(new_tokens(query_starts), 0)
+    if include is not None:
+        n = jnp.where(include, n, 0)
     return (n + block_q - 1) // block_q
 
 
-def schedule(query_starts: jax.Array, block_q: int, items: int) -> Schedule:
-    """The work items of the batch with ``query_starts [seqs + 1]``, padded to ``items``."""
-    per_sequence = _items_per_sequence(query_starts, block_q)
+def schedule(
+    query_starts: jax.Array, block_q: int, items: int, include: jax.Array | None = None
+) -> Schedule:
+    """The work items of the batch with ``query_starts [seqs + 1]`` (of the sequences in
+    ``include``, default all), padded to ``items``."""
+    per_sequence = _items_per_sequence(query_starts, block_q, include)
     ends = jnp.cumsum(per_sequence)
     w = jnp.arange(items, dtype=jnp.int32)
     seqs = per_sequence.shape[0]
@@ -117,18 +189,25 @@ def gather_queries(q: jax.Array, plan: Schedule, kv_heads: int, block_q: int) ->
 
 
 def outputs_per_token(
-    out: jax.Array, query_starts: jax.Array, kv_lengths: jax.Array, tokens: int, block_q: int
+    out: jax.Array,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    tokens: int,
+    block_q: int,
+    include: jax.Array | None = None,
 ) -> jax.Array:
     """The kernel's output ``[items, kv_heads, group x block_q, head_dim]`` back per token:
-    ``[tokens, q_heads, head_dim]``, zeros for padding rows (`gather_queries`' inverse)."""
+    ``[tokens, q_heads, head_dim]``, zeros for padding rows and the tokens of sequences not in
+    ``include`` (`gather_queries`' inverse)."""
     _, kv_heads, rows, head_dim = out.shape
     group = rows // block_q
     places = token_places(query_starts, kv_lengths, tokens)
-    per_sequence = _items_per_sequence(query_starts, block_q)
+    per_sequence = _items_per_sequence(query_starts, block_q, include)
     item_starts = jnp.cumsum(per_sequence) - per_sequence
     within = jnp.arange(tokens, dtype=jnp.int32) - query_starts[places.sequence]
     item = item_starts[places.sequence] + within // block_q
     item = jnp.clip(item, 0, out.shape[0] - 1)
     by_token = out.reshape(-1, kv_heads, group, block_q, head_dim)[item, :, :, within % block_q]
     by_token = by_token.reshape(tokens, kv_heads * group, head_dim)
-    return jnp.where(places.valid[:, None, None], by_token, jnp.zeros_like(by_token))
+    taken = places.valid if include is None else places.valid & include[places.sequence]
+    return jnp.where(taken[:, None, None], by_token, jnp.zeros_like(by_token))

@@ -26,6 +26,11 @@ and their V rows (int8: V scales) zeroed, since a stale NaN would poison ``p @ v
 block is converted to q's dtype and its scales applied to the scores (K) and to the
 probabilities (V). Sinks join each row's denominator at the end. Unused items and rows that see
 no position give zeros.
+
+A batch makes two calls of the kernel (`ragged_blocks.kernel_calls`): the decoding sequences',
+whose items hold one token in the fewest rows that fill whole tiles (``DECODE_KERNEL_NAME``),
+and the other sequences', with ``block_q`` tokens an item (``KERNEL_NAME``); each token's
+output comes from the call that took its sequence.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from pallas_flash_splitkv.ragged_blocks import RaggedBlocks
 
 _F32 = jnp.float32
 
-KERNEL_NAME = "pallas_flash_ragged_paged_attention"
+KERNEL_NAME, DECODE_KERNEL_NAME = ragged_blocks.KERNEL_NAME, ragged_blocks.DECODE_KERNEL_NAME
 
 
 def _kernel(
@@ -285,30 +290,55 @@ def _ragged_kernel(
     blocks: RaggedBlocks,
     interpret: pltpu.InterpretParams | bool | None,
 ) -> jax.Array:
-    """`ragged_attention` with the interpreter's settings, or None for Mosaic."""
-    tokens, q_heads, head_dim = q.shape
+    """`ragged_attention` with the interpreter's settings, or None for Mosaic: one kernel call
+    per `ragged_blocks.kernel_calls` (the decoding sequences', the others'), their outputs
+    per token merged."""
+    tokens, q_heads, _ = q.shape
     num_pages, kv_heads, page_size, _ = cache.k.shape
-    seqs, pages_per_sequence = cache.page_table.shape
-    group, block_q = q_heads // kv_heads, blocks.block_q
-    rows = group * block_q
+    pages_per_sequence = cache.page_table.shape[1]
     per_block = blocks.pages_for(page_size, pages_per_sequence)
-    items = blocks.items_for(tokens, seqs)
-    plan = ragged_blocks.schedule(query_starts, block_q, items)
-    q_items = ragged_blocks.gather_queries(q, plan, kv_heads, block_q)
-    quantized = cache.quantized
     arrays = [cache.k, cache.v]
-    if quantized:
+    if cache.quantized:
         columns = -(-pages_per_sequence // per_block) * per_block
         arrays += [_scales_by_sequence(x, cache.page_table, columns)
                    for x in (cache.k_scales, cache.v_scales)]  # fmt: skip
-    prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan]
+    out = jnp.zeros_like(q)
+    for call in ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks):
+        plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
+        prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan]
+        q_items = ragged_blocks.gather_queries(q, plan, kv_heads, call.block_q)
+        got = _call(q_items, prefetch, arrays, sinks, spec, call, per_block, pages_per_sequence,
+                    num_pages, interpret)  # fmt: skip
+        got = ragged_blocks.outputs_per_token(
+            got, query_starts, kv_lengths, tokens, call.block_q, call.include
+        )
+        out = got if call.include is None else out + got  # each token in one call, 0 elsewhere
+    return out
+
+
+def _call(
+    q_items: jax.Array,
+    prefetch: list[jax.Array],
+    arrays: list[jax.Array],
+    sinks: jax.Array | None,
+    spec: RaggedSpec,
+    call: ragged_blocks.KernelCall,
+    per_block: int,
+    pages_per_sequence: int,
+    num_pages: int,
+    interpret: pltpu.InterpretParams | bool | None,
+) -> jax.Array:
+    """One `pallas_call` of the kernel over ``q_items [items, kv_heads, rows, head_dim]``:
+    its output in the same layout."""
+    items, kv_heads, rows, head_dim = q_items.shape
+    group = rows // call.block_q
     inputs, in_specs = [q_items], [pl.BlockSpec((None, None, rows, head_dim),
                                                 lambda h, w, *refs: (w, h, 0, 0))]  # fmt: skip
     if sinks is not None:
-        per_row = jnp.repeat(sinks.astype(_F32).reshape(kv_heads, group), block_q, axis=1)
+        per_row = jnp.repeat(sinks.astype(_F32).reshape(kv_heads, group), call.block_q, axis=1)
         inputs.append(jnp.broadcast_to(per_row[..., None], (kv_heads, rows, LANES)))
         in_specs.append(pl.BlockSpec((None, rows, LANES), lambda h, w, *refs: (h, 0, 0)))
-    block_kv = per_block * page_size
+    block_kv = per_block * arrays[0].shape[2]
     scratch = [
         pltpu.VMEM((rows, LANES), _F32),
         pltpu.VMEM((rows, LANES), _F32),
@@ -319,13 +349,13 @@ def _ragged_kernel(
         pltpu.SMEM((1,), jnp.int32),
     ]
     body = functools.partial(
-        _kernel, spec=spec, block_q=block_q, pages_per_block=per_block,
-        pages_per_sequence=pages_per_sequence, num_pages=num_pages, quantized=quantized,
+        _kernel, spec=spec, block_q=call.block_q, pages_per_block=per_block,
+        pages_per_sequence=pages_per_sequence, num_pages=num_pages, quantized=len(arrays) == 4,
         has_sinks=sinks is not None,
     )  # fmt: skip
-    out = pl.pallas_call(
+    return pl.pallas_call(
         body,
-        out_shape=jax.ShapeDtypeStruct(q_items.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(kv_heads, items),
@@ -335,9 +365,8 @@ def _ragged_kernel(
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=False if interpret is None else interpret,
-        name=KERNEL_NAME,
+        name=call.name,
     )(*prefetch, *inputs, *arrays)
-    return ragged_blocks.outputs_per_token(out, query_starts, kv_lengths, tokens, block_q)
 
 
 _jitted = interpret.jit_kernel(_ragged_kernel, ("spec", "blocks"), fold_vmap=False)
@@ -363,20 +392,27 @@ def loop_runs(
     query_starts: jax.Array,
     kv_lengths: jax.Array,
     *,
+    kernel: str,
     tokens: int,
+    q_heads: int,
     kv_heads: int,
     page_size: int,
     pages_per_sequence: int,
     spec: RaggedSpec,
     blocks: RaggedBlocks,
 ) -> int:
-    """How often the kernel's loop over kv blocks runs over its whole grid on a batch: every
-    used work item's blocks, once per kv head. Its trip count is read from SMEM, so a static
-    schedule needs it given (the bench's ``Subject.loop_trips``)."""
-    per_block = blocks.pages_for(page_size, pages_per_sequence)
-    items = blocks.items_for(tokens, kv_lengths.shape[0])
-    plan = ragged_blocks.schedule(query_starts, blocks.block_q, items)
-    seq, block_kv = plan.sequence, per_block * page_size
-    span = _span(kv_lengths[seq], query_starts[seq + 1], plan.first, plan.count, spec.window,
-                 block_kv, pages_per_sequence * page_size)  # fmt: skip
-    return kv_heads * int(jnp.sum(jnp.where(plan.count > 0, span[-1], 0)))
+    """How often the loop over kv blocks of the call named ``kernel`` (`ragged_blocks.
+    KERNEL_NAME` or `ragged_blocks.DECODE_KERNEL_NAME`) runs over its whole grid on a batch:
+    every used work item's blocks, once per kv head (0 for a call the batch does not make).
+    Its trip count is read from SMEM, so a static schedule needs it given (the bench's
+    ``Subject.loop_trips``)."""
+    block_kv = blocks.pages_for(page_size, pages_per_sequence) * page_size
+    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
+    runs = 0
+    for call in (c for c in calls if c.name == kernel):
+        plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
+        seq = plan.sequence
+        span = _span(kv_lengths[seq], query_starts[seq + 1], plan.first, plan.count,
+                     spec.window, block_kv, pages_per_sequence * page_size)  # fmt: skip
+        runs += kv_heads * int(jnp.sum(jnp.where(plan.count > 0, span[-1], 0)))
+    return runs

@@ -5,8 +5,8 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
 - Loop trips (a backend subject's ``Subject.loop_trips``): loops whose trip counts are read
   from memory, which a static schedule counts once per grid step, a lower bound. Core's write
   of the new tokens into their pages (`pallas_flash.page_write_kernel`) runs three loops over
-  each grid step's items; splitkv's ragged attention (`pallas_flash_splitkv.ragged_kernel`) one
-  loop over each work item's kv blocks.
+  each grid step's items; splitkv's ragged attention (`pallas_flash_splitkv.ragged_kernel`: a
+  call for the decoding sequences, one for the others) one loop over each item's kv blocks.
 - HBM bytes (``Subject.min_hbm_bytes``): the page write moves whole chunks of the pool (the
   rows beside a decode token's, read and written back), more than the least a step must move
   (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops.
@@ -38,8 +38,8 @@ def loop_trips(backend: str, workload: Workload, kernel: str) -> tuple[int, ...]
     if backend == "splitkv" and importlib.util.find_spec("pallas_flash_splitkv") is not None:
         from pallas_flash_splitkv import ragged_kernel
 
-        if stem == ragged_kernel.KERNEL_NAME:
-            return (_ragged_runs(ragged_kernel, workload),)
+        if stem in (ragged_kernel.KERNEL_NAME, ragged_kernel.DECODE_KERNEL_NAME):
+            return (_ragged_runs(ragged_kernel, workload, stem),)
     return None
 
 
@@ -75,12 +75,14 @@ def _page_write_items(w: Workload) -> page_write_kernel.Items:
     return page_write_kernel.items(pages, rows, w.num_pages, chunk, bound)
 
 
-def _ragged_runs(ragged_kernel, w: Workload) -> int:
-    """`ragged_kernel.loop_runs` with the blocks the registered splitkv backend uses."""
+def _ragged_runs(ragged_kernel, w: Workload, kernel: str) -> int:
+    """`ragged_kernel.loop_runs` of the call named ``kernel``, with the blocks the registered
+    splitkv backend uses."""
     starts, lengths = _arrays(w)
     blocks = pf.get_backend("splitkv").ragged_blocks
     spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5)
     return ragged_kernel.loop_runs(
-        starts, lengths, tokens=w.tokens, kv_heads=w.kv_heads, page_size=w.page_size,
+        starts, lengths, kernel=kernel, tokens=w.tokens, q_heads=w.q_heads, kv_heads=w.kv_heads,
+        page_size=w.page_size,
         pages_per_sequence=w.seq_len // w.page_size, spec=spec, blocks=blocks,
     )  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pallas_flash import page_write_kernel, row_write_kernel
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.cost.spread import ESTIMATES
 from pallas_flash_estimate.program import ici
@@ -95,6 +96,21 @@ def mfu_range(mfu: float | None, estimates: dict[str, dict[str, float | None]]) 
     return {"low": min(known), "high": max(known)}
 
 
+DECLARING_KERNELS = (
+    page_write_kernel.KERNEL_NAME,
+    page_write_kernel.SCALES_KERNEL_NAME,
+    row_write_kernel.KERNEL_NAME,
+)
+"""Kernels whose declared cost is the bytes they move (at most): core's cache writes. A program
+whose only kernels are these (the xla backend's serving step) keeps the compiler's byte count,
+which holds them; any other kernel's declared bytes are its own estimate (`derive`)."""
+
+
+def has_estimated_kernels(kernels: Sequence[Mapping]) -> bool:
+    """Whether a row's kernels (``row["kernels"]``) include one not in `DECLARING_KERNELS`."""
+    return any(k["name"].split(".")[0] not in DECLARING_KERNELS for k in kernels)
+
+
 def derive(
     workload: Workload,
     target: Target,
@@ -112,9 +128,10 @@ def derive(
 
     Compute time: the program's static cycles / clock (its Pallas kernels and the XLA ops
     around them, see ``runner.program_cycles``) when known, else the compiler's flop count /
-    peak (model). HBM bytes: for programs with Pallas kernels, whose byte count is only their
-    own declared estimate, the least the workload must move plus twice the copy-trap bytes
-    (read and write) (model); else the compiler's count. Latency is the larger of compute and
+    peak (model). HBM bytes: for programs with Pallas kernels (``has_kernels``: other than
+    `DECLARING_KERNELS`), whose byte count is only their own declared estimate, the least the
+    workload must move plus twice the copy-trap bytes (read and write) (model); else the
+    compiler's count. Latency is the larger of compute and
     memory time: HBM transfers hidden under compute or the reverse. Without any overlap it
     would be their sum, ``latency_no_overlap_seconds``: the two bracket a kernel whose
     transfers and compute overlap in part, which a static schedule cannot tell.

@@ -370,7 +370,7 @@ def _with_figures(row: dict, subject: Subject, workload: Workload, options: Benc
                 options.target,
                 options.price_per_chip_hour,
                 static_cycles=row["static_cycles"],
-                has_kernels=bool(row["kernels"]),
+                has_kernels=row_figures.has_estimated_kernels(row["kernels"]),
                 compiler_flops=cost.get("flops"),
                 compiler_bytes=cost.get("bytes"),
                 copy_bytes=copy_bytes,
