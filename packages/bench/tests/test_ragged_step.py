@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from pallas_flash_bench.kernels import backend_kernels, ragged_step, subjects
+from pallas_flash_bench.kernels import backend_kernels, ragged_step, row_figures, subjects
 from pallas_flash_bench.kernels.workloads import (
     SERVING_LENGTHS,
     Workload,
@@ -115,8 +115,6 @@ def test_a_fusion_writes_a_donated_pool_in_place_only_with_no_room_for_a_copy() 
     """`row_figures.in_place_writes`: a fusion of a donated argument's shape, larger than the
     program's temporaries, updates it in place; a plain copy of it, a fusion of another shape
     (the pool flattened) or one the temporaries could hold are copies."""
-    from pallas_flash_bench.kernels import row_figures
-
     pool = "bf16[2257,8,128,128]{3,2,1,0:T(8,128)(2,1)}"
     scatter = {"name": "scatter_fusion", "opcode": "fusion", "shape": pool, "bytes": 591659008}
     copy = dict(scatter, name="copy.22", opcode="copy")
@@ -152,3 +150,10 @@ def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
     new_rows = STEP.tokens * STEP.cache_bytes_per_token
     assert backend_kernels.min_hbm_bytes(STEP) == STEP.min_hbm_bytes + moved - new_rows
     assert backend_kernels.min_hbm_bytes(decode) == decode.min_hbm_bytes
+
+
+def test_a_program_whose_only_kernels_are_cache_writes_keeps_the_compilers_bytes() -> None:
+    writes = [{"name": "pallas_flash_write_pages.2"}, {"name": "pallas_flash_write_page_scales"}]
+    assert not row_figures.has_estimated_kernels(writes)  # the xla backend's serving step
+    ragged = {"name": "pallas_flash_ragged_paged_attention.1"}
+    assert row_figures.has_estimated_kernels([*writes, ragged])
