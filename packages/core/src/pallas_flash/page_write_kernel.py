@@ -17,7 +17,8 @@ Layouts: ``pool [num_pages, kv_heads, page_size, head_dim]`` (positions on subla
 ``[num_pages, kv_heads, page_size]`` (an int8 cache's scales, positions on lanes); ``values
 [tokens, kv_heads, head_dim]`` (scales: ``[tokens, kv_heads]``); ``pages``, ``rows``
 ``[tokens]`` int32: token ``t`` goes to row ``rows[t]`` of page ``pages[t]`` (a page outside
-the pool: written nowhere). A sequence's tokens must be consecutive rows of the batch at
+the pool: written nowhere). Scales in pages shorter than a lane tile are left to the scatter
+(`fits`). A sequence's tokens must be consecutive rows of the batch at
 consecutive positions (`pallas_flash.ragged_batch`), so that the tokens of one page are
 consecutive too; a page is in the pool for all of them or for none.
 """
@@ -42,6 +43,7 @@ MAX_STEP_BYTES = 8 << 20
 """VMEM one grid step's chunks may take: the patches (double-buffered) and the chunks read."""
 
 MAX_ITEMS_PER_STEP = 32
+"""Items one grid step takes at most (their copies in flight at once)."""
 
 
 def chunk_positions(pool: jax.Array | jax.ShapeDtypeStruct) -> int:
@@ -52,9 +54,9 @@ def chunk_positions(pool: jax.Array | jax.ShapeDtypeStruct) -> int:
     return tile if page_size % tile == 0 else page_size
 
 
-def _chunk_bytes(pool: jax.Array) -> int:
-    head_dim = pool.shape[3] if pool.ndim == 4 else 1
-    return pool.shape[1] * chunk_positions(pool) * head_dim * pool.dtype.itemsize
+def _chunk_bytes(pool: jax.Array | jax.ShapeDtypeStruct) -> int:
+    head_dim = pool.shape[3] if len(pool.shape) == 4 else 1
+    return pool.shape[1] * chunk_positions(pool) * head_dim * jnp.dtype(pool.dtype).itemsize
 
 
 def kernel_name(pool: jax.Array | jax.ShapeDtypeStruct) -> str:
