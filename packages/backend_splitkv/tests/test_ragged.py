@@ -136,6 +136,16 @@ def test_features(options: dict) -> None:
     _check(*_call([1, 9, 3], [30, 26, 45], q_heads=8, kv_heads=2, **options), F32)
 
 
+def test_kv_heads_a_grid_step_in_groups() -> None:
+    """Four kv heads, one a grid step (so a head group's last item starts the next group's
+    first block) and two, int8 and sinks: the same as the dense reference."""
+    for per_step in (1, 2):
+        blocks = RaggedBlocks(block_q=8, pages_per_block=2, kv_heads_per_step=per_step)
+        got = _call([1, 9, 2], [17, 25, 40], q_heads=8, kv_heads=4, int8=True, sinks=True,
+                    backend=SplitKvBackend(ragged_blocks=blocks))  # fmt: skip
+        _check(*got, 1e-4)
+
+
 def test_int8_cache() -> None:
     actual, expected, valid = _call([1, 10, 4], [17, 25, 44], int8=True, sinks=True)
     _check(actual, expected, valid, 1e-4)
@@ -174,7 +184,7 @@ def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
 
 
 @pytest.mark.parametrize(("window", "runs"), [(None, (3, 2 + 3)), (20, (2, 2 + 2))])
-def test_loop_runs_count_each_items_kv_blocks_per_kv_head(
+def test_loop_runs_count_each_items_kv_blocks_per_group_of_kv_heads(
     window: int | None, runs: tuple[int, int]
 ) -> None:
     # blocks of 16 positions (2 pages of 8) and 8 tokens, 2 query heads a kv head: the decode
@@ -190,8 +200,9 @@ def test_loop_runs_count_each_items_kv_blocks_per_kv_head(
         ragged_kernel.loop_runs(starts, lengths, kernel=name, blocks=SMALL.ragged_blocks, **shapes)
         for name in (ragged_kernel.DECODE_KERNEL_NAME, ragged_kernel.KERNEL_NAME)
     )
-    assert got == (2 * runs[0], 2 * runs[1])
-    one_call = RaggedBlocks(block_q=8, pages_per_block=2, decode_block_q=8)  # all in one call
+    assert got == runs  # both kv heads in one grid step
+    # one call for all, one kv head a grid step: each item's blocks once per kv head
+    one_call = RaggedBlocks(block_q=8, pages_per_block=2, decode_block_q=8, kv_heads_per_step=1)
     whole = ragged_kernel.loop_runs(starts, lengths, kernel=ragged_kernel.KERNEL_NAME,
                                     blocks=one_call, **shapes)  # fmt: skip
     assert whole == 2 * sum(runs)
@@ -209,3 +220,6 @@ def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:
     assert whole.include is None
     with pytest.raises(ValueError, match="decode_block_q must be a power of two"):
         RaggedBlocks(decode_block_q=3)
+    assert [RaggedBlocks().heads_for(n) for n in (1, 2, 6, 8, 12, 32)] == [1, 2, 6, 8, 6, 8]
+    with pytest.raises(ValueError, match="kv_heads_per_step must divide the kv heads"):
+        RaggedBlocks(kv_heads_per_step=4).heads_for(6)

@@ -35,6 +35,10 @@ DECODE_KERNEL_NAME = "pallas_flash_ragged_paged_attention_decode"
 """The kernel's names: on the batch's prefill chunks (all its sequences when it makes one
 call), and on its decoding sequences."""
 
+KV_HEADS_PER_STEP = 8
+"""KV heads one grid step takes when ``kv_heads_per_step`` is automatic: each kv block's pages
+are copied for all of them at once, and the step's matmuls run per head (unrolled)."""
+
 KV_BLOCK_POSITIONS = 512
 """Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic:
 with head_dim 128 in bfloat16, 128 KiB of K and 128 KiB of V, double-buffered in VMEM."""
@@ -55,11 +59,15 @@ class RaggedBlocks:
       decode_block_q: tokens per work item of the decoding sequences' call (a power of two;
         only the first row of each query head is a token). None: the least that makes whole
         tiles of 8 rows (`decode_rows_for`); at ``block_q`` or more, one call takes them all.
+      kv_heads_per_step: kv heads one grid step takes, each page copied for all of them at
+        once (one DMA per page and array). None: the most that divides the kv heads, up to
+        `KV_HEADS_PER_STEP` (`heads_for`).
     """
 
     block_q: int = 16
     pages_per_block: int | None = None
     decode_block_q: int | None = None
+    kv_heads_per_step: int | None = None
 
     def __post_init__(self) -> None:
         q = self.block_q
@@ -68,11 +76,23 @@ class RaggedBlocks:
         p = self.pages_per_block
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
             raise ValueError(f"RaggedBlocks.pages_per_block must be a positive int, got {p!r}")
+        h = self.kv_heads_per_step
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h <= 0):
+            raise ValueError(f"RaggedBlocks.kv_heads_per_step must be a positive int, got {h!r}")
         d = self.decode_block_q
         if d is not None and (
             isinstance(d, bool) or not isinstance(d, int) or d < 1 or d & (d - 1)
         ):
             raise ValueError(f"RaggedBlocks.decode_block_q must be a power of two, got {d!r}")
+
+    def heads_for(self, kv_heads: int) -> int:
+        """KV heads a grid step takes at ``kv_heads`` kv heads (`kv_heads_per_step`)."""
+        most = KV_HEADS_PER_STEP if self.kv_heads_per_step is None else self.kv_heads_per_step
+        if self.kv_heads_per_step is not None and kv_heads % most:
+            raise ValueError(
+                f"RaggedBlocks.kv_heads_per_step must divide the kv heads ({kv_heads}), got {most}"
+            )
+        return max(h for h in range(1, min(most, kv_heads) + 1) if kv_heads % h == 0)
 
     def decode_rows_for(self, group: int) -> int:
         """Tokens per decode work item at ``group`` query heads per kv head: `decode_block_q`,

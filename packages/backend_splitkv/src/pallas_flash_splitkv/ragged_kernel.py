@@ -74,19 +74,21 @@ def _kernel(
     quantized: bool,
     has_sinks: bool,
 ) -> None:
-    """One grid step ``(h, w)`` (module doc). Refs after q: sinks ``[rows, 128]`` when given;
-    the cache's arrays in HBM (k, v and, when quantized, their scales); the output; scratch:
-    running max and sum ``[rows, 128]``, accumulator ``[rows, head_dim]``, one
-    double-buffered block per cache array and DMA semaphores ``[2, arrays]``."""
+    """One grid step ``(h, w)``: item ``w`` on kv heads ``h x H`` to ``h x H + H - 1`` (module
+    doc). Refs after q ``[H, rows, head_dim]``: sinks ``[H, rows, 128]`` when given; the cache's
+    arrays in HBM (k, v and, when quantized, their scales); the output; scratch: running max
+    and sum ``[H, rows, 128]``, accumulator ``[H, rows, head_dim]``, one double-buffered block
+    per cache array (``[2, H, block_kv, ...]``) and DMA semaphores ``[2, arrays]``."""
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     arrays = 4 if quantized else 2
     cache, (o_ref, m_ref, l_ref, acc_ref) = refs[:arrays], refs[arrays : arrays + 4]
     buffers, (sems, folded) = refs[arrays + 4 : 2 * arrays + 4], refs[2 * arrays + 4 :]
-    page_size = buffers[0].shape[1] // pages_per_block
+    heads = q_ref.shape[0]
+    page_size = buffers[0].shape[2] // pages_per_block
     block_kv = pages_per_block * page_size
     max_len = pages_per_sequence * page_size
     h, w = pl.program_id(0), pl.program_id(1)
-    items, kv_heads = pl.num_programs(1), pl.num_programs(0)
+    items, head_groups = pl.num_programs(1), pl.num_programs(0)
     count = count_ref[w]
 
     def item_range(item: jax.Array) -> _Range:
@@ -96,9 +98,11 @@ def _kernel(
                      spec.window, block_kv, max_len)  # fmt: skip
         return _Range(seq, *span)
 
-    def copies(r: _Range, head: jax.Array, block: jax.Array, slot: jax.Array, act) -> None:
-        """``act`` on the copies of kv head ``head``'s block ``block`` of item range ``r``:
-        its pages that hold a position in ``[r.lo, r.hi]`` (and int8 scales: the block)."""
+    def copies(r: _Range, group: jax.Array, block: jax.Array, slot: jax.Array, act) -> None:
+        """``act`` on the copies of kv head group ``group``'s block ``block`` of item range
+        ``r``: its pages that hold a position in ``[r.lo, r.hi]``, each one copy of all the
+        group's heads (and int8 scales: the block)."""
+        kv = pl.ds(pl.multiple_of(group * heads, heads), heads)
         for k in range(pages_per_block):
             j = block * pages_per_block + k
 
@@ -108,13 +112,13 @@ def _kernel(
                 page = jnp.clip(table_ref[r.seq * pages_per_sequence + column], 0, num_pages - 1)
                 rows = pl.ds(k * page_size, page_size)
                 for a, (src, dst) in enumerate(zip(cache[:2], buffers[:2], strict=True)):
-                    act(pltpu.make_async_copy(src.at[page, head], dst.at[slot, rows],
+                    act(pltpu.make_async_copy(src.at[page, kv], dst.at[slot, :, rows],
                                               sems.at[slot, a]))  # fmt: skip
 
         # int8 scales: the block's positions of the sequence's gathered scales at once
         start = pl.multiple_of(block * block_kv, block_kv)
         for a in range(2, arrays):
-            src = cache[a].at[r.seq, head, pl.ds(start, block_kv)]
+            src = cache[a].at[r.seq, kv, pl.ds(start, block_kv)]
             act(pltpu.make_async_copy(src, buffers[a].at[slot], sems.at[slot, a]))
 
     @pl.when((h == 0) & (w == 0))
@@ -136,14 +140,14 @@ def _kernel(
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
-        rows = q_ref.shape[0]
+        rows = q_ref.shape[1]
         q_pos = r.p0 + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
         base = folded[0]
-        # the next step that reads the cache: the next item of this head, else item 0 of the
-        # next head (unused items are the last of each head's sweep)
-        same_head = (w + 1 < items) & (count_ref[jnp.minimum(w + 1, items - 1)] > 0)
-        next_head = jnp.where(same_head, h, h + 1)
-        next_item = jnp.where(same_head, w + 1, 0)
+        # the next step that reads the cache: the next item of this head group, else item 0 of
+        # the next group (unused items are the last of each group's sweep)
+        same_group = (w + 1 < items) & (count_ref[jnp.minimum(w + 1, items - 1)] > 0)
+        next_group = jnp.where(same_group, h, h + 1)
+        next_item = jnp.where(same_group, w + 1, 0)
 
         def body(i: jax.Array, carry: None) -> None:
             block, slot = r.first_block + i, (base + i) & 1
@@ -153,19 +157,23 @@ def _kernel(
             def _start_next() -> None:
                 copies(r, h, block + 1, 1 - slot, lambda c: c.start())
 
-            @pl.when((i + 1 == r.blocks) & (next_head < kv_heads))
+            @pl.when((i + 1 == r.blocks) & (next_group < head_groups))
             def _start_next_item() -> None:
                 after = item_range(next_item)
-                copies(after, next_head, after.first_block, 1 - slot, lambda c: c.start())
+                copies(after, next_group, after.first_block, 1 - slot, lambda c: c.start())
 
             first = block * block_kv
-            views = [buffer.at[slot] for buffer in buffers]
-            _fold(q_ref, views, m_ref, l_ref, acc_ref, q_pos, first, r.lo, r.hi, spec)
+            for j in range(heads):  # each kv head of the group: its own 2-D matmuls
+                views = [buffer.at[slot, j] for buffer in buffers]
+                _fold(q_ref.at[j], views, m_ref.at[j], l_ref.at[j], acc_ref.at[j], q_pos,
+                      first, r.lo, r.hi, spec)  # fmt: skip
             return carry
 
         lax.fori_loop(0, r.blocks, body, None)
         folded[0] = base + r.blocks
-        _finish(sinks_ref, m_ref, l_ref, acc_ref, o_ref)
+        for j in range(heads):
+            sinks = None if sinks_ref is None else sinks_ref.at[j]
+            _finish(sinks, m_ref.at[j], l_ref.at[j], acc_ref.at[j], o_ref.at[j])
 
 
 def _span(
@@ -297,6 +305,7 @@ def _ragged_kernel(
     num_pages, kv_heads, page_size, _ = cache.k.shape
     pages_per_sequence = cache.page_table.shape[1]
     per_block = blocks.pages_for(page_size, pages_per_sequence)
+    heads = blocks.heads_for(kv_heads)
     arrays = [cache.k, cache.v]
     if cache.quantized:
         columns = -(-pages_per_sequence // per_block) * per_block
@@ -307,8 +316,8 @@ def _ragged_kernel(
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
         prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan]
         q_items = ragged_blocks.gather_queries(q, plan, kv_heads, call.block_q)
-        got = _call(q_items, prefetch, arrays, sinks, spec, call, per_block, pages_per_sequence,
-                    num_pages, interpret)  # fmt: skip
+        got = _call(q_items, prefetch, arrays, sinks, spec, call, per_block, heads,
+                    pages_per_sequence, num_pages, interpret)  # fmt: skip
         got = ragged_blocks.outputs_per_token(
             got, query_starts, kv_lengths, tokens, call.block_q, call.include
         )
@@ -324,27 +333,28 @@ def _call(
     spec: RaggedSpec,
     call: ragged_blocks.KernelCall,
     per_block: int,
+    heads: int,
     pages_per_sequence: int,
     num_pages: int,
     interpret: pltpu.InterpretParams | bool | None,
 ) -> jax.Array:
-    """One `pallas_call` of the kernel over ``q_items [items, kv_heads, rows, head_dim]``:
-    its output in the same layout."""
+    """One `pallas_call` of the kernel over ``q_items [items, kv_heads, rows, head_dim]``,
+    ``heads`` kv heads a grid step: its output in the same layout."""
     items, kv_heads, rows, head_dim = q_items.shape
     group = rows // call.block_q
-    inputs, in_specs = [q_items], [pl.BlockSpec((None, None, rows, head_dim),
-                                                lambda h, w, *refs: (w, h, 0, 0))]  # fmt: skip
+    block = (None, heads, rows, head_dim)
+    inputs, in_specs = [q_items], [pl.BlockSpec(block, lambda h, w, *refs: (w, h, 0, 0))]
     if sinks is not None:
         per_row = jnp.repeat(sinks.astype(_F32).reshape(kv_heads, group), call.block_q, axis=1)
         inputs.append(jnp.broadcast_to(per_row[..., None], (kv_heads, rows, LANES)))
-        in_specs.append(pl.BlockSpec((None, rows, LANES), lambda h, w, *refs: (h, 0, 0)))
+        in_specs.append(pl.BlockSpec((heads, rows, LANES), lambda h, w, *refs: (h, 0, 0)))
     block_kv = per_block * arrays[0].shape[2]
     scratch = [
-        pltpu.VMEM((rows, LANES), _F32),
-        pltpu.VMEM((rows, LANES), _F32),
-        pltpu.VMEM((rows, head_dim), _F32),
-        *(pltpu.VMEM((2, block_kv, head_dim), x.dtype) for x in arrays[:2]),
-        *(pltpu.VMEM((2, block_kv), _F32) for _ in arrays[2:]),
+        pltpu.VMEM((heads, rows, LANES), _F32),
+        pltpu.VMEM((heads, rows, LANES), _F32),
+        pltpu.VMEM((heads, rows, head_dim), _F32),
+        *(pltpu.VMEM((2, heads, block_kv, head_dim), x.dtype) for x in arrays[:2]),
+        *(pltpu.VMEM((2, heads, block_kv), _F32) for _ in arrays[2:]),
         pltpu.SemaphoreType.DMA((2, len(arrays))),
         pltpu.SMEM((1,), jnp.int32),
     ]
@@ -358,9 +368,9 @@ def _call(
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
-            grid=(kv_heads, items),
+            grid=(kv_heads // heads, items),
             in_specs=[*in_specs, *[pl.BlockSpec(memory_space=pl.ANY)] * len(arrays)],
-            out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *refs: (w, h, 0, 0)),
+            out_specs=pl.BlockSpec(block, lambda h, w, *refs: (w, h, 0, 0)),
             scratch_shapes=scratch,
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
@@ -403,10 +413,12 @@ def loop_runs(
 ) -> int:
     """How often the loop over kv blocks of the call named ``kernel`` (`ragged_blocks.
     KERNEL_NAME` or `ragged_blocks.DECODE_KERNEL_NAME`) runs over its whole grid on a batch:
-    every used work item's blocks, once per kv head (0 for a call the batch does not make).
+    every used work item's blocks, once per group of kv heads a grid step takes
+    (`RaggedBlocks.heads_for`; 0 for a call the batch does not make).
     Its trip count is read from SMEM, so a static schedule needs it given (the bench's
     ``Subject.loop_trips``)."""
     block_kv = blocks.pages_for(page_size, pages_per_sequence) * page_size
+    head_groups = kv_heads // blocks.heads_for(kv_heads)
     calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
     runs = 0
     for call in (c for c in calls if c.name == kernel):
@@ -414,5 +426,5 @@ def loop_runs(
         seq = plan.sequence
         span = _span(kv_lengths[seq], query_starts[seq + 1], plan.first, plan.count,
                      spec.window, block_kv, pages_per_sequence * page_size)  # fmt: skip
-        runs += kv_heads * int(jnp.sum(jnp.where(plan.count > 0, span[-1], 0)))
+        runs += head_groups * int(jnp.sum(jnp.where(plan.count > 0, span[-1], 0)))
     return runs
