@@ -8,24 +8,25 @@ float32 scales, gathered per sequence before the kernel: ``[seqs, kv_heads, posi
 `_scales_by_sequence`) and the flat page table, scalar-prefetched with ``kv_lengths``,
 ``query_starts`` and the schedule.
 
-Grid ``(kv_heads, items)``. Step ``(h, w)`` takes item ``w``'s ``count`` tokens of sequence
-``s`` at positions ``p0 .. p0 + count - 1`` and folds, by online softmax in float32, the kv
-blocks (``pages_per_block`` pages of kv head ``h``) that hold a position some row sees:
+Grid ``(kv_heads / H, items)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`). Step ``(h,
+w)`` takes item ``w``'s ``count`` tokens of sequence ``s`` at positions ``p0 .. p0 + count -
+1`` on kv heads ``h H`` to ``h H + H - 1`` and folds, by online softmax in float32, the kv
+blocks (``pages_per_block`` pages of those heads) that hold a position some row sees:
 from ``p0 - window`` (0 without a window) to ``p0 + count - 1``, no further than the
 sequence's length; blocks wholly before or after that range are never copied. The blocks are
-copied by manual DMA, one per page that holds a position of that range (table entries clipped
-into ``[0, num_pages)``; int8 scales one copy per block), into a
+copied by manual DMA, one per page that holds a position of that range, all ``H`` heads at
+once (table entries clipped into ``[0, num_pages)``; int8 scales one copy per block), into a
 double-buffered VMEM block: block ``i + 1``'s copies start before block ``i`` is folded, and
 an item's last block starts the copies of the next step's first block (the next item of the
-head, else item 0 of the next head: the grid runs in order, an SMEM count of folded blocks
+heads, else item 0 of the next ``H``: the grid runs in order, an SMEM count of folded blocks
 carrying the buffer parity), so no step waits for its first block but the grid's first. All
-``group`` query heads of the kv head share one ``[rows, block] @ [block, head_dim]`` matmul
-(GQA reads each page once per item). A row sees the positions up to its own, inside the window;
-positions outside ``[p0 - window, p0 + count - 1]`` (stale pages, unwritten slots) are masked
-and their V rows (int8: V scales) zeroed, since a stale NaN would poison ``p @ v``. An int8
-block is converted to q's dtype and its scales applied to the scores (K) and to the
-probabilities (V). Sinks join each row's denominator at the end. Unused items and rows that see
-no position give zeros.
+``group`` query heads of a kv head share one ``[rows, block] @ [block, head_dim]`` matmul, one
+per kv head of the step (GQA reads each page once per item). A row sees the positions up to
+its own, inside the window; positions outside ``[p0 - window, p0 + count - 1]`` (stale pages,
+unwritten slots) are masked and their V rows (int8: V scales) zeroed, since a stale NaN would
+poison ``p @ v``. An int8 block is converted to q's dtype and its scales applied to the scores
+(K) and to the probabilities (V). Sinks join each row's denominator at the end. Unused items
+and rows that see no position give zeros.
 
 A batch makes two calls of the kernel (`ragged_blocks.kernel_calls`): the decoding sequences',
 whose items hold one token in the fewest rows that fill whole tiles (``DECODE_KERNEL_NAME``),
