@@ -113,7 +113,7 @@ def analyse_row(
                 f"kernel {call.name} is the very kernel of {twins[call.name]} (libtpu compiled "
                 "them once, one bundle dump): charged its schedule"
             )
-        schedule = schedules.get(call.name) or schedules.get(twins.get(call.name, ""))
+        schedule = schedules.get(twins.get(call.name, call.name))
         if schedule is not None:
             trips = subject.loop_trips(workload, call.name) if subject.loop_trips else None
             entry = spread.kernel_entry(schedule, workload, trips) | {"name": call.name}

@@ -165,18 +165,14 @@ def kernel_calls(text: str) -> list[hlo.HloOp]:
     return [op for comp in ordered for op in comp.ops if is_kernel_call(op)]
 
 
-METADATA_RE = re.compile(r"metadata=\{[^}]*\}")
-
-
 def kernel_twins(calls: Sequence[hlo.HloOp], scheduled: Collection[str]) -> dict[str, str]:
     """The kernel calls (`kernel_calls`) not in ``scheduled`` (those with a schedule in the
     LLO dump) -> a call in it of the very same kernel: the same result shape and the same
-    attributes but their source metadata (the kernel's body and configuration are its
-    ``backend_config``). libtpu compiles such twins once and dumps them under one name (a
-    layer's K and V cache writes), so both run that one schedule."""
+    serialized kernel (`kernel_body`). libtpu compiles such twins once and dumps them under one
+    name (a layer's K and V cache writes), so both run that one schedule."""
 
-    def key(op: hlo.HloOp) -> tuple[str, str]:
-        return op.shape, METADATA_RE.sub("", op.attributes)
+    def key(op: hlo.HloOp) -> tuple[str, str | None]:
+        return op.shape, kernel_body(op)
 
     found = {key(op): op.name for op in calls if op.name in scheduled}
     return {
