@@ -10,6 +10,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash_llama import generation
@@ -18,6 +19,7 @@ from pallas_flash_llama.engine import Engine
 from pallas_flash_llama.model import init_params
 from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.scheduler import GREEDY, Finished, Request
+from pallas_flash_llama.sharding import make_mesh, param_shardings
 
 SIZES = {"slots": 3, "token_budget": 8, "page_size": 4, "pages_per_sequence": 8}
 """One step: 8 tokens over 3 slots, so longer prompts are prefilled in chunks; 32 positions
@@ -124,6 +126,29 @@ def test_an_int8_cache_serves_the_same_tokens_alone_and_batched(tiny) -> None:
     requests = _requests(4, seed=6)
     assert _tokens(int8.run_all(requests)) == _alone(int8, requests)
     assert int8.free_pages == PAGES
+
+
+@pytest.mark.parametrize("backend", ["xla", "splitkv"])
+def test_a_tensor_parallel_engine_serves_the_one_device_tokens(tiny, engine, backend) -> None:
+    """Over a (1, 1, 2) mesh of host devices, each holding one of the tiny model's two kv
+    heads of every page: the same greedy tokens as one device, batched and under
+    preemption, and no page leaked."""
+    config, params = tiny
+    mesh = make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    placed = jax.device_put(params, param_shardings(config, mesh))
+    served = Engine(placed, config, num_pages=FEW_PAGES, backend=backend, mesh=mesh, **SIZES)
+    assert served._cache.k[0].sharding.spec == PartitionSpec(None, "tensor", None, None)
+    requests = _requests(5, seed=3)
+    assert _tokens(served.run_all(requests)) == _alone(engine, requests)
+    assert served.preemptions > 0
+    assert served.free_pages == FEW_PAGES, "no page leaked"
+
+
+def test_a_mesh_that_splits_the_batch_is_refused(tiny) -> None:
+    config, params = tiny
+    mesh = make_mesh(1, 2, 2)
+    with pytest.raises(pf.InvalidInputError, match="data and fsdp axes are 1"):
+        Engine(params, config, num_pages=PAGES, backend="xla", mesh=mesh, **SIZES)
 
 
 def test_sampled_requests_follow_their_own_seeds(engine) -> None:

@@ -161,26 +161,40 @@ def test_the_paged_decode_step_updates_every_pool_in_place(tiny) -> None:
         ({"kv_dtype": "int4x"}, pf.InvalidInputError, "kv_dtype: expected"),
         ({"kv_cache": "paged", "page_size": 0}, pf.InvalidInputError, "page_size: expected"),
         ({"kv_split": "rows"}, pf.InvalidInputError, "split: expected one of"),
-        ({"kv_cache": "paged", "kv_split": "heads"}, pf.InvalidInputError, "paged cache's pages"),
+        (
+            {"kv_cache": "paged", "kv_split": "heads", "mesh": "1,2,2"},
+            pf.InvalidInputError,
+            "data and fsdp axes are 1",
+        ),
     ],
 )
 def test_bad_cache_options_are_named(tiny, kwargs, error, message) -> None:
     config, params = tiny
+    if "mesh" in kwargs:
+        kwargs["mesh"] = sharding.make_mesh(*map(int, kwargs["mesh"].split(",")))
     with pytest.raises(error, match=message):
         gen.generate_all(params, config, [[1, 2]], max_new_tokens=2, backend="xla", **kwargs)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, jnp.int8], ids=["float", "int8"])
-def test_a_paged_cache_over_a_mesh_generates_one_device_s_tokens(hf_dir, kv_dtype) -> None:
-    """Pages split over 2 devices (each sequence's pages round them, written and read where
-    they are) give the tokens of the same paged cache on one device."""
+@pytest.mark.parametrize("split", ["sequence", "heads"])
+def test_a_paged_cache_over_a_mesh_generates_one_device_s_tokens(hf_dir, kv_dtype, split) -> None:
+    """Over 2 devices, pages split (each sequence's pages round them, written and read where
+    they are) or kv heads split (each device every page of its head): the tokens of the same
+    paged cache on one device."""
     mesh = sharding.make_mesh(1, 1, 2, devices=jax.devices()[:2])
     kwargs = dict(kv_cache="paged", page_size=PAGE, kv_dtype=kv_dtype)
     config, params = load_params(hf_dir[0])
     config = config.replace(dtype="float32")
     want = _generate(params, config, "splitkv", **kwargs)
     _, sharded = load_params(hf_dir[0], config, mesh=mesh)
-    assert _generate(sharded, config, "splitkv", mesh=mesh, **kwargs) == want
-    cache = init_cache(config, len(PROMPTS), MAX_LEN, mesh, page_size=PAGE, kv_dtype=kv_dtype)
-    assert cache.pages.shards == 2
-    assert cache.k[0].sharding.shard_shape(cache.k[0].shape)[0] == cache.k[0].shape[0] // 2
+    assert _generate(sharded, config, "splitkv", mesh=mesh, kv_split=split, **kwargs) == want
+    cache = init_cache(config, len(PROMPTS), MAX_LEN, mesh, page_size=PAGE, kv_dtype=kv_dtype,
+                       split=split)  # fmt: skip
+    shard = cache.k[0].sharding.shard_shape(cache.k[0].shape)
+    if split == "sequence":
+        assert cache.pages.shards == 2
+        assert shard[:2] == (cache.k[0].shape[0] // 2, config.kv_heads)
+    else:
+        assert cache.pages.shards == 1
+        assert shard[:2] == (cache.k[0].shape[0], config.kv_heads // 2)

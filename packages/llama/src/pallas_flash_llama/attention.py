@@ -8,11 +8,13 @@ Under a mesh a Pallas kernel cannot be partitioned by XLA, so self-attention run
 (``tensor``); GQA keeps K/V unrepeated, each device holding the kv heads of its query heads.
 Decoding writes the new token into a contiguous or paged, float or int8 cache (`kv_cache`)
 and attends through ``pf.decode``; over a mesh, as the cache is split
-(`kv_cache.CacheSplit`): a cache split over batch and kv heads is written and read inside
-``shard_map``, each device on its own sequences and heads, nothing exchanged; a cache split
-along its sequence (a paged one: its pages) goes to ``pf.decode`` with the mesh, whose
-multi-device backends (``splitkv``) merge the devices' partials. The ragged step writes its
-tokens into a paged cache and attends through ``pf.ragged_attention`` (one device).
+(`kv_cache.CacheSplit`): a cache split over kv heads (a contiguous one: and batch) is written
+and read inside ``shard_map``, each device on its own heads (and sequences), nothing
+exchanged; a cache split along its sequence (a paged one: its pages) goes to ``pf.decode``
+with the mesh, whose multi-device backends (``splitkv``) merge the devices' partials. The
+ragged step writes its tokens into a paged cache and attends through
+``pf.ragged_attention``; over a mesh, on a cache split over kv heads, inside ``shard_map``,
+each device on its own heads.
 """
 
 from __future__ import annotations
@@ -91,21 +93,33 @@ def cached_attention(
         return _write_and_decode(*args, backend=backend, mesh=mesh)
 
     def on_device(q, k, v, cache, blocks, positions, lengths):
-        first = jax.lax.axis_index(BATCH_AXES) * q.shape[0]  # the device's first sequence
+        # a contiguous cache's blocks are the sequences: from the device's first one
+        first = 0 if cache.paged else jax.lax.axis_index(BATCH_AXES) * q.shape[0]
         return _write_and_decode(q, k, v, cache, blocks - first, positions, lengths,
                                  backend=backend, mesh=None)  # fmt: skip
 
     heads = PartitionSpec(BATCH_AXES, "tensor", None, None)
     rows = PartitionSpec(BATCH_AXES)
-    scales = None if cache.k_scales is None else PartitionSpec(BATCH_AXES, "tensor", None)
-    layer = pf.DecodeCache(heads, heads, None, scales, scales)
     return jax.shard_map(
         on_device,
         mesh=mesh,
-        in_specs=(heads, heads, heads, layer, rows, rows, rows),
-        out_specs=(heads, layer),
+        in_specs=(heads, heads, heads, _heads_layer(cache), rows, rows, rows),
+        out_specs=(heads, _heads_layer(cache)),
         check_vma=False,
     )(*args)
+
+
+def _heads_layer(cache: pf.DecodeCache) -> pf.DecodeCache:
+    """The partition specs of a layer split over kv heads (`kv_cache.CacheSplit`): a
+    contiguous one's batch over the batch axes too; a paged one's every page on every device
+    (its heads only), its page table whole on each."""
+    if not cache.paged:
+        heads = PartitionSpec(BATCH_AXES, "tensor", None, None)
+        scales = None if cache.k_scales is None else PartitionSpec(BATCH_AXES, "tensor", None)
+        return pf.DecodeCache(heads, heads, None, scales, scales)
+    pool = PartitionSpec(None, "tensor", None, None)
+    scales = None if cache.k_scales is None else PartitionSpec(None, "tensor", None)
+    return pf.DecodeCache(pool, pool, PartitionSpec(), scales, scales)
 
 
 def _write_and_decode(q, k, v, cache, blocks, positions, lengths, *, backend, mesh):
@@ -136,6 +150,7 @@ def ragged_cached_attention(
     kv_lengths: jax.Array,
     *,
     backend: str | None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, pf.DecodeCache]:
     """One layer of a continuous-batching step: a flat batch of new tokens from many
     sequences, held as one row (``pf.ragged_attention``, which writes their K/V into the
@@ -144,16 +159,32 @@ def ragged_cached_attention(
     Args:
       q: ``[1, q_heads, tokens, head_dim]``.
       k, v: ``[1, kv_heads, tokens, head_dim]``.
-      cache: the layer's paged cache (donated by the caller).
+      cache: the layer's paged cache (donated by the caller); with ``mesh``, its kv heads
+        split over ``tensor`` (`kv_cache.pool_sharding`, ``"heads"``).
       query_starts: ``[seqs + 1]`` int32, sequence ``s``'s tokens from ``query_starts[s]``.
       kv_lengths: ``[seqs]`` int32 positions of each sequence once its tokens are cached.
+      mesh: each device attends with its own heads (its batch axes of size 1).
 
     Returns:
       The output ``[1, q_heads, tokens, head_dim]`` and the updated cache.
     """
-    flat = lambda x: x[0].swapaxes(0, 1)  # noqa: E731  [tokens, heads, head_dim]
-    out, cache = pf.ragged_attention(
-        flat(q), flat(k), flat(v), cache.k, cache.v, cache.page_table, query_starts,
-        kv_lengths, k_scales=cache.k_scales, v_scales=cache.v_scales, backend=backend,
-    )  # fmt: skip
-    return out.swapaxes(0, 1)[None], cache
+
+    def on_device(q, k, v, cache, query_starts, kv_lengths):
+        flat = lambda x: x[0].swapaxes(0, 1)  # noqa: E731  [tokens, heads, head_dim]
+        out, cache = pf.ragged_attention(
+            flat(q), flat(k), flat(v), cache.k, cache.v, cache.page_table, query_starts,
+            kv_lengths, k_scales=cache.k_scales, v_scales=cache.v_scales, backend=backend,
+        )  # fmt: skip
+        return out.swapaxes(0, 1)[None], cache
+
+    args = (q, k, v, cache, query_starts, kv_lengths)
+    if mesh is None:
+        return on_device(*args)
+    heads, whole = PartitionSpec(None, "tensor", None, None), PartitionSpec()
+    return jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, _heads_layer(cache), whole, whole),
+        out_specs=(heads, _heads_layer(cache)),
+        check_vma=False,
+    )(*args)

@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=KV_CACHES,
         default="contiguous",
         help="KV cache layout: max-len positions per sequence, or pages allocated as "
-        "sequences grow (over --mesh, each sequence's pages round the devices)",
+        "sequences grow (over --mesh, each sequence's pages round the devices, or each "
+        "device its kv heads of every page with --kv-split heads)",
     )
     gen.add_argument(
         "--kv-dtype",
@@ -322,9 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--kv-split",
         choices=CACHE_SPLITS,
-        help="how --mesh splits the cache: over batch and kv heads (contiguous default, no "
-        "exchange between devices) or along the sequence (paged default; splitkv merges the "
-        "devices' partials)",
+        help="how --mesh splits the cache: over kv heads (contiguous default: and batch; "
+        "no exchange between devices) or along the sequence (paged default; splitkv merges "
+        "the devices' partials)",
     )
     common(gen)
     gen.set_defaults(run=_generate)

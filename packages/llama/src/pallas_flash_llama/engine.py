@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash_llama import sharding
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.engine_step import StepBatch, release_slots, run_step
 from pallas_flash_llama.generation import inference_params
@@ -42,7 +44,8 @@ class _Live:
 
 
 class Engine:
-    """Serves requests by continuous batching on one device (module doc).
+    """Serves requests by continuous batching on one device or a tensor-parallel mesh
+    (module doc).
 
     Args:
       params: the model's parameters (`model.init_params` or `weights.load_params`).
@@ -54,26 +57,38 @@ class Engine:
       pages_per_sequence: the most pages one sequence holds (`max_len` / ``page_size``).
       backend: ``pf.ragged_attention``'s backend; default: the registry's choice.
       cache_dtype: the cache's dtype: None for the compute dtype, or ``jnp.int8``.
+      mesh: a ``(1, 1, tensor)`` mesh (`sharding.make_mesh`) to serve on: ``params`` placed
+        on it (`weights.load_params` with the mesh), the cache's kv heads split over it
+        (`engine_step`); None: one device.
 
     Raises:
-      pf.InvalidInputError: a size below 1, a pool that cannot hold one sequence, or a bad
-        ``cache_dtype``.
+      pf.InvalidInputError: a size below 1, a pool that cannot hold one sequence, a bad
+        ``cache_dtype``, or a mesh that does not divide the model or whose data or fsdp axis
+        is not 1.
     """
 
     def __init__(self, params: Params, config: LlamaConfig, *, slots: int, token_budget: int,
                  page_size: int, num_pages: int, pages_per_sequence: int,
-                 backend: str | None = None,
-                 cache_dtype: jax.typing.DTypeLike | None = None) -> None:  # fmt: skip
+                 backend: str | None = None, cache_dtype: jax.typing.DTypeLike | None = None,
+                 mesh: Mesh | None = None) -> None:  # fmt: skip
         self._scheduler = Scheduler(
             slots=slots, token_budget=token_budget, page_size=page_size, num_pages=num_pages,
             pages_per_sequence=pages_per_sequence,
         )  # fmt: skip
+        if mesh is not None:
+            sharding.check_mesh(config, mesh)
         self.config, self.backend, self.num_pages = config, backend, num_pages
+        self.mesh = mesh
         self._params = inference_params(params, config)
-        cache = init_cache(config, slots, self.max_len, kv_dtype=cache_dtype,
-                           page_size=page_size, num_pages=num_pages)  # fmt: skip
-        # lengths and pages committed to the pools' device, as the step returns them: one compile
-        self._cache = jax.device_put(cache, cache.k[0].sharding)
+        cache = init_cache(config, slots, self.max_len, mesh, kv_dtype=cache_dtype,
+                           page_size=page_size, num_pages=num_pages,
+                           split=None if mesh is None else "heads")  # fmt: skip
+        # lengths and pages committed beside the pools, as the step returns them: one compile
+        beside = cache.k[0].sharding if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._cache = dataclasses.replace(
+            cache, lengths=jax.device_put(cache.lengths, beside),
+            pages=jax.device_put(cache.pages, beside),
+        )  # fmt: skip
         self._lock = threading.Condition()  # the scheduler, _live, _cancels, _stopping
         self._stepping = threading.Lock()  # one step at a time; the cache
         self._live: dict[str, _Live] = {}
@@ -210,7 +225,7 @@ class Engine:
             sampled = np.full(self._scheduler.slots, -1, np.int32)
             if plan.work:
                 sampled, self._cache = run_step(
-                    self._params, self._cache, batch, self.config, self.backend
+                    self._params, self._cache, batch, self.config, self.backend, self.mesh
                 )
                 sampled = np.asarray(sampled)
             with self._lock:

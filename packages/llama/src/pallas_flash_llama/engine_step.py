@@ -15,6 +15,11 @@ come from its last token's hidden state; it samples with its own parameters and 
 from its request's seed and the index of the token in the request, so a request's tokens do
 not depend on what else is batched. The step is jitted once per cache, config and token
 budget (`generation.jit_step`), the cache donated: no step copies it.
+
+Over a mesh the model is tensor-parallel (`sharding.RULES`, the mesh's batch axes of size 1)
+and the cache's kv heads are split over ``tensor`` (`kv_cache.pool_sharding`, ``"heads"``):
+each device attends with its own heads over every page, as vLLM's tensor parallelism does;
+the page table and its allocator are the same on every device.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+import pallas_flash as pf
 from pallas_flash import page_allocator
 from pallas_flash.ragged_batch import new_tokens, token_places
+from pallas_flash_llama import sharding
 from pallas_flash_llama.attention import ragged_cached_attention
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.generation import jit_step
@@ -78,36 +86,62 @@ class StepBatch(NamedTuple):
 
 
 def run_step(
-    params: Params, cache: KVCache, batch: StepBatch, config: LlamaConfig, backend: str | None
+    params: Params,
+    cache: KVCache,
+    batch: StepBatch,
+    config: LlamaConfig,
+    backend: str | None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs one step (module doc).
 
     Args:
-      params: `generation.inference_params`.
-      cache: a paged cache on one device (`kv_cache.init_cache`, donated).
+      params: `generation.inference_params` (with ``mesh``: sharded by `sharding.RULES`).
+      cache: a paged cache (`kv_cache.init_cache`, donated): on one device, or with ``mesh``
+        split over its kv heads.
       batch: the step's inputs.
+      mesh: a ``(1, 1, tensor)`` mesh (`sharding.make_mesh`), or None for one device.
 
     Returns:
       ``[slots]`` int32, each sampling slot's next token (-1 for the others), and the cache
       with the tokens' K/V written, their slots' lengths ``kv_lengths``.
     """
-    return jit_step(_step, cache, config, backend)(params, cache, batch)
+    return step_program(cache, config, backend, mesh)(params, cache, batch)
+
+
+def step_program(
+    cache: KVCache, config: LlamaConfig, backend: str | None, mesh: Mesh | None = None
+) -> jax.stages.Wrapped:
+    """The jitted step of `run_step` for ``cache`` (its arrays may be abstract, to compile it
+    ahead of time).
+
+    Raises:
+      pf.InvalidInputError: a cache not paged, or with ``mesh`` not split over its kv heads.
+    """
+    if not cache.paged or (mesh is not None and cache.split != "heads"):
+        raise pf.InvalidInputError(
+            "cache: the engine's step takes a paged cache, split over its kv heads on a mesh "
+            f"(kv_cache.init_cache(..., split='heads')); got paged={cache.paged}, "
+            f"split={cache.split!r}"
+        )
+    return jit_step(_step, cache, config, backend, mesh)
 
 
 def _step(params, cache, batch, config, backend, mesh):
-    del mesh  # one device: `jit_step` passes None
     pages, lengths = release_slots(cache.pages, cache.lengths, batch.released)
     pages, _ = page_allocator.allocate_prompts(pages, batch.kv_lengths, cache.page_size)
     lengths = jnp.where(new_tokens(batch.query_starts) > 0, batch.kv_lengths, lengths)
     cache = dataclasses.replace(cache, pages=pages)
     places = token_places(batch.query_starts, batch.kv_lengths, batch.tokens.shape[0])
-    x = embed(params, batch.tokens[None], config)
+    x = sharding.constrain(embed(params, batch.tokens[None], config),
+                           ("batch", "seq", "act_embed"), mesh)  # fmt: skip
     layers = []
     for i, layer in enumerate(params["layers"]):
         attend = functools.partial(ragged_cached_attention, cache=cache.layer(i),
                                    query_starts=batch.query_starts,
-                                   kv_lengths=batch.kv_lengths, backend=backend)  # fmt: skip
-        x, layer_cache = decoder_layer(x, layer, places.position[None], attend, config)
+                                   kv_lengths=batch.kv_lengths, backend=backend,
+                                   mesh=mesh)  # fmt: skip
+        x, layer_cache = decoder_layer(x, layer, places.position[None], attend, config, mesh)
         layers.append(layer_cache)
     logits = unembed(params, x[0, jnp.maximum(batch.sample_rows, 0)], config)
     keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(

@@ -99,7 +99,7 @@ def _prefill(params, cache, tokens, lengths, config, backend, mesh):
     layers = []
     for i, layer in enumerate(params["layers"]):
         x, (k, v) = decoder_layer(x, layer, positions, attend, config, mesh)
-        layers.append(fill(cache.layer(i), k, v, mesh))
+        layers.append(fill(cache.layer(i), k, v, mesh if cache.split == "sequence" else None))
     last = x[jnp.arange(x.shape[0]), lengths - 1]
     return unembed(params, last, config), cache.with_layers(layers, lengths)
 
@@ -272,7 +272,8 @@ def generate(
         default over batch and kv heads (``"heads"``, no exchange between devices), or along
         its sequence (``"sequence"``: each device holds a share of every sequence, for
         caches longer than one device holds; the ``splitkv`` decode merges the shares); a
-        paged one's pages go round the devices (``"sequence"``, the only split it takes).
+        paged one's pages by default go round the devices (``"sequence"``), or its kv heads
+        are split over ``tensor`` (``"heads"``, on a mesh whose data and fsdp axes are 1).
 
     Yields:
       ``[batch]`` int32 numpy arrays, one per step: each sequence's new token, or -1 once
@@ -297,7 +298,7 @@ def generate(
     paged = kv_cache == "paged"
     if kv_split is None:
         kv_split = "sequence" if paged else "heads"
-    check_split(kv_split, paged)
+    check_split(kv_split, paged, mesh)
     devices = 1 if mesh is None or kv_split == "heads" else mesh.size
     if mesh is not None:
         sharding.check_mesh(config, mesh, batch=len(prompts))

@@ -12,9 +12,12 @@ Layouts (`pf.DecodeCache`), per layer:
   cannot hold);
 - paged: a pool ``[num_pages, kv_heads, page_size, head_dim]`` per layer; all layers share
   one page table, one allocator and the lengths (`pf.PageAllocator`), since a sequence's
-  position ``p`` is in the same page of every layer's pool. With a mesh the pool's pages are
-  split over all of it (`pool_sharding`), and page ``j`` of sequence ``b`` comes from device
-  ``(j + b) % devices``, so each device holds about ``1 / devices`` of every sequence;
+  position ``p`` is in the same page of every layer's pool. Over a mesh (`pool_sharding`)
+  either the pool's pages are split over all of it (``"sequence"``, the default), page ``j``
+  of sequence ``b`` from device ``(j + b) % devices``, so that each device holds about ``1 /
+  devices`` of every sequence; or its kv heads over ``tensor`` (``"heads"``, tensor-parallel
+  serving as vLLM's: every device holds every page of its own heads, one allocator for all;
+  the mesh's batch axes of size 1);
 - int8 (either layout): K and V in int8 with float32 scales, the buffer's shape without
   ``head_dim`` (one per token and kv head), quantized as they are written
   (`pallas_flash.cache_write.write_kv`).
@@ -42,13 +45,13 @@ import pallas_flash as pf
 from pallas_flash import page_allocator
 from pallas_flash.cache_write import write_kv, write_pages
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.sharding import BATCH_AXES
+from pallas_flash_llama.sharding import BATCH_AXES, batch_parts
 
 Layers = tuple[jax.Array, ...]
 
 CacheSplit = Literal["heads", "sequence"]
-"""How a mesh splits a contiguous cache (module doc); a paged cache's pages are split over
-every device, as ``"sequence"`` splits positions."""
+"""How a mesh splits a cache (module doc): over kv heads (a contiguous cache: and its batch),
+or along the sequence (a paged cache: its pages)."""
 CACHE_SPLITS: tuple[CacheSplit, ...] = ("heads", "sequence")
 
 
@@ -68,7 +71,7 @@ class KVCache:
       v_scales: the same for ``v``.
       pages: the page table and free pages shared by every layer of a paged cache, else
         None.
-      split: how a mesh splits it (`CacheSplit`; a paged cache: ``"sequence"``); static.
+      split: how a mesh splits it (`CacheSplit`); static.
     """
 
     k: Layers
@@ -142,8 +145,12 @@ def cache_sharding(mesh: Mesh, split: CacheSplit = "heads") -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(None, None, tuple(mesh.axis_names), None))
 
 
-def pool_sharding(mesh: Mesh) -> NamedSharding:
-    """The placement of each layer's pool of a paged cache: pages split over every mesh axis."""
+def pool_sharding(mesh: Mesh, split: CacheSplit = "sequence") -> NamedSharding:
+    """The placement of each layer's pool ``[num_pages, kv_heads, page_size, head_dim]`` of a
+    paged cache: pages split over every mesh axis (``"sequence"``), or kv heads over
+    ``tensor`` (``"heads"``)."""
+    if split == "heads":
+        return NamedSharding(mesh, PartitionSpec(None, "tensor", None, None))
     return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names), None, None, None))
 
 
@@ -153,18 +160,20 @@ def write_split(mesh: Mesh | None) -> tuple[Mesh, tuple[str, ...]] | None:
     return None if mesh is None else (mesh, tuple(mesh.axis_names))
 
 
-def check_split(split: str, paged: bool) -> CacheSplit:
-    """``split``, checked to be a `CacheSplit` that the layout takes (paged: ``"sequence"``).
+def check_split(split: str, paged: bool, mesh: Mesh | None = None) -> CacheSplit:
+    """``split``, checked to be a `CacheSplit` that the layout takes over ``mesh``.
 
     Raises:
-      pf.InvalidInputError: an unknown split, or ``"heads"`` for a paged cache.
+      pf.InvalidInputError: an unknown split, or a paged cache split over kv heads on a mesh
+        whose batch axes split the batch (each device would own only some pages).
     """
     if split not in CACHE_SPLITS:
         raise pf.InvalidInputError(f"split: expected one of {CACHE_SPLITS}, got {split!r}")
-    if paged and split != "sequence":
+    if paged and split == "heads" and mesh is not None and batch_parts(mesh) > 1:
         raise pf.InvalidInputError(
-            "split: a paged cache's pages are split over every device; expected 'sequence', "
-            f"got {split!r} (use a contiguous cache to split over kv heads)"
+            "mesh: a paged cache split over kv heads takes a mesh whose data and fsdp axes are "
+            f"1 (every device holds every page of its heads), got {dict(mesh.shape)}; use "
+            "make_mesh(1, 1, tensor), or split='sequence'"
         )
     return split
 
@@ -197,20 +206,21 @@ def init_cache(
       mesh: split each layer's buffer over it as ``split`` says.
       kv_dtype: of K and V: None for the compute dtype, or ``jnp.int8`` (then with scales).
       page_size: positions per page, for a paged cache; None: contiguous.
-      num_pages: pages per layer's pool (a multiple of the mesh's devices); default: enough
-        for every sequence to reach ``max_len`` whichever device each page comes from,
-        ``devices * batch * ceil(ceil(max_len / page_size) / devices)``.
-      split: a `CacheSplit`; default ``"heads"`` for a contiguous cache, ``"sequence"`` (the
-        only one it takes) for a paged one.
+      num_pages: pages per layer's pool (a multiple of the devices its pages are split
+        over); default: enough for every sequence to reach ``max_len`` whichever device each
+        page comes from, ``devices * batch * ceil(ceil(max_len / page_size) / devices)``.
+      split: a `CacheSplit`; default ``"heads"`` for a contiguous cache, ``"sequence"`` for
+        a paged one.
 
     Raises:
       pf.InvalidInputError: ``kv_dtype`` is neither a float dtype nor int8, ``page_size`` or
         ``num_pages`` is below 1, ``num_pages`` is not a multiple of the mesh's devices, or
-        ``split`` is unknown or ``"heads"`` for a paged cache.
+        ``split`` is unknown or one the mesh does not take (`check_split`).
     """
     dtype = _cache_dtype(config.dtype if kv_dtype is None else kv_dtype)
     paged = page_size is not None
-    split = check_split(("sequence" if paged else "heads") if split is None else split, paged)
+    default = "sequence" if paged else "heads"
+    split = check_split(default if split is None else split, paged, mesh)
     pages = None
     if not paged:
         shape = (batch, config.kv_heads, max_len, config.head_dim)
@@ -218,7 +228,7 @@ def init_cache(
     else:
         if page_size < 1:
             raise pf.InvalidInputError(f"page_size: expected at least 1, got {page_size}")
-        shards = 1 if mesh is None else mesh.size
+        shards = 1 if mesh is None or split == "heads" else mesh.size
         per_sequence = math.ceil(max_len / page_size)
         if num_pages is None:
             num_pages = shards * batch * math.ceil(per_sequence / shards)
@@ -226,7 +236,7 @@ def init_cache(
             raise pf.InvalidInputError(f"num_pages: expected at least 1, got {num_pages}")
         pages = pf.PageAllocator.empty(batch, per_sequence, num_pages, shards)
         shape = (num_pages, config.kv_heads, page_size, config.head_dim)
-        sharding = None if mesh is None else pool_sharding(mesh)
+        sharding = None if mesh is None else pool_sharding(mesh, split)
 
     def zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> Layers:
         return tuple(pf.zeros_cache(shape, dtype, sharding) for _ in range(config.layers))
@@ -278,7 +288,8 @@ def fill(
         (`allocate_prompts`); pages the table does not hold are not written.
       k: ``[batch, kv_heads, prompt_len, head_dim]`` (``prompt_len <= max_len``).
       v: shaped as ``k``.
-      mesh: the mesh a paged layer's pages are split over (each device writes its own).
+      mesh: the mesh a paged layer's pages are split over (each device writes its own);
+        None for one whose kv heads are (XLA partitions the write along them).
     """
     page_size = layer.k.shape[2]
 
