@@ -1,6 +1,7 @@
-"""Abstract arguments of the train, prefill and decode steps: ``jax.ShapeDtypeStruct``s with
-their shardings, to compile a step ahead of time for a TPU slice this host does not have
-(``step.trace(*args).lower(lowering_platforms=("tpu",)).compile()``).
+"""Abstract arguments of the train, prefill and decode steps and the serving engine's step:
+``jax.ShapeDtypeStruct``s with their shardings, to compile a step ahead of time for a TPU
+slice this host does not have (``step.trace(*args).lower(lowering_platforms=("tpu",))
+.compile()``).
 
 The mesh may be made of a topology's devices (``jax.experimental.topologies``); nothing here
 allocates memory.
@@ -15,11 +16,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash_llama import generation, model
 from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.engine_step import StepBatch
 from pallas_flash_llama.kv_cache import (
     CacheSplit,
     KVCache,
     cache_sharding,
     check_split,
+    pool_sharding,
     scales_sharding,
 )
 from pallas_flash_llama.sharding import BATCH_AXES, param_shardings
@@ -106,6 +109,48 @@ def contiguous_cache(
     lengths = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
     layers = (layer,) * config.layers
     return KVCache(layers, layers, lengths, scales, scales, split=split)
+
+
+def paged_cache(
+    config: LlamaConfig,
+    slots: int,
+    pages_per_sequence: int,
+    num_pages: int,
+    page_size: int,
+    mesh: Mesh,
+    kv_dtype: str | None = None,
+) -> KVCache:
+    """A paged `KVCache` as the serving engine holds it over a ``(1, 1, tensor)`` mesh
+    (`kv_cache.init_cache`, ``split="heads"``): each layer's pool ``[num_pages, kv_heads,
+    page_size, head_dim]`` split over its kv heads and row-major, int8 with float32 scales
+    when ``kv_dtype`` says so; the page table of ``slots`` rows, the allocator and the
+    lengths on every device."""
+    check_split("heads", paged=True, mesh=mesh)
+    placed = pool_sharding(mesh, "heads")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shape = (num_pages, config.kv_heads, page_size, config.head_dim)
+    dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
+    layers = (jax.ShapeDtypeStruct(shape, dtype, sharding=pf.cache_format(placed)),) * config.layers
+    scales = None
+    if dtype == jnp.int8:
+        scale_format = pf.cache_format(scales_sharding(placed), 3)
+        scales = (jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=scale_format),)
+        scales *= config.layers
+
+    def whole(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
+
+    pages = pf.PageAllocator(whole((slots, pages_per_sequence)), whole((1, num_pages)), whole((1,)))
+    return KVCache(layers, layers, whole((slots,)), scales, scales, pages, split="heads")
+
+
+def step_batch(slots: int, token_budget: int, mesh: Mesh) -> StepBatch:
+    """The serving engine's step inputs (`engine_step.StepBatch`) for ``slots`` rows and
+    ``token_budget`` tokens, on every device."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    empty = StepBatch.empty(slots, token_budget)
+    return StepBatch(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+                       for x in empty))  # fmt: skip
 
 
 def prompts(size: int, prompt_len: int, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, ...]:

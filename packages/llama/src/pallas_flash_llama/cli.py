@@ -138,7 +138,8 @@ def _serve(args: argparse.Namespace) -> None:
         raise pf.UnsupportedFeatureError(
             f"serve: {error} (pip install 'pallas-flash-llama[serve]')"
         ) from None
-    config, params = load_params(args.model)
+    mesh = _mesh(args.mesh)
+    config, params = load_params(args.model, mesh=mesh)
     if args.dtype:
         config = config.replace(dtype=args.dtype)
     pages_per_sequence = -(-(args.max_len or config.max_len) // args.page_size)
@@ -152,6 +153,7 @@ def _serve(args: argparse.Namespace) -> None:
         pages_per_sequence=pages_per_sequence,
         backend=args.backend,
         cache_dtype=args.kv_dtype,
+        mesh=mesh,
     )
     app = make_app(engine, args.model, config, args.served_model_name)
     engine.start()
@@ -349,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-dtype", help="KV cache dtype: int8 (quantized); default: compute dtype")
     srv.add_argument("--backend", help="pf.attention backend (default: the registry's)")
     srv.add_argument("--dtype", help="compute dtype (default: the config's, bfloat16)")
+    srv.add_argument(
+        "--mesh",
+        metavar="1,1,TENSOR",
+        help="serve tensor-parallel over this mesh (e.g. 1,1,8 on a v5e-8: each chip its share "
+        "of the heads and of every cache page); default: one device",
+    )
     srv.set_defaults(run=_serve)
 
     tr = commands.add_parser("train", help="train on a text or jsonl file")
