@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import pallas_flash as pf
-from pallas_flash_llama import generation
+from pallas_flash_llama import engine_step, generation
 from pallas_flash_llama.config import get_config
 from pallas_flash_llama.engine import Engine
 from pallas_flash_llama.model import init_params
@@ -149,6 +149,34 @@ def test_a_mesh_that_splits_the_batch_is_refused(tiny) -> None:
     mesh = make_mesh(1, 2, 2)
     with pytest.raises(pf.InvalidInputError, match="data and fsdp axes are 1"):
         Engine(params, config, num_pages=PAGES, backend="xla", mesh=mesh, **SIZES)
+
+
+def test_token_buckets_double_up_to_the_budget() -> None:
+    assert engine_step.token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert engine_step.token_buckets(200) == (16, 32, 64, 128, 200)
+    assert engine_step.token_buckets(8) == (8,)
+    assert [engine_step.bucket_for(n, (16, 32, 64)) for n in (1, 16, 17, 64)] == [16, 16, 32, 64]
+
+
+def test_each_step_is_padded_to_the_smallest_bucket_that_holds_it(tiny, engine, monkeypatch):
+    """With a budget of 48 (buckets 16, 32, 48), the prompts' steps take the larger buckets
+    and the decodes' the smallest; the tokens are those of an engine with one bucket."""
+    config, params = tiny
+    sizes = dict(SIZES, token_budget=48)
+    planned = []
+
+    def recording(params, cache, batch, *args):
+        planned.append((int(batch.query_starts[-1]), batch.tokens.shape[0]))
+        return engine_step.run_step(params, cache, batch, *args)
+
+    requests = [Request(f"p{i}", tuple(range(3, 3 + 20 + i)), max_tokens=6) for i in range(3)]
+    alone = _alone(engine, requests)
+    monkeypatch.setattr("pallas_flash_llama.engine.run_step", recording)
+    bucketed = Engine(params, config, num_pages=PAGES, backend="xla", **sizes)
+    assert _tokens(bucketed.run_all(requests)) == alone
+    assert planned[0] == (48, 48)  # the prompts' 63 tokens: 48, then 15 with 2 decodes
+    assert {bucket for _, bucket in planned} == {16, 32, 48}, planned
+    assert all(bucket == engine_step.bucket_for(n, (16, 32, 48)) for n, bucket in planned)
 
 
 def test_sampled_requests_follow_their_own_seeds(engine) -> None:

@@ -2,8 +2,9 @@
 
 `Engine` holds the model's parameters, a paged cache of ``slots`` rows and a `Scheduler`.
 Each step the scheduler plans the new tokens (decode tokens and prefill chunks of many
-requests, at most ``token_budget``), the host lays them out as a `engine_step.StepBatch`, and
-one jitted call (compiled once) runs them, frees and allocates pages on the device and
+requests, at most ``token_budget``), the host lays them out as a `engine_step.StepBatch`
+padded to the smallest token bucket that holds them (`engine_step.token_buckets`), and one
+jitted call (compiled once per bucket) runs them, frees and allocates pages on the device and
 samples each finishing slot's next token; the host reads the sampled tokens back (its only
 sync), commits them to the scheduler and calls the requests' callbacks. A background thread
 (`Engine.start`) steps while there is work and waits on a condition otherwise; `submit` and
@@ -23,7 +24,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash_llama import sharding
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.engine_step import StepBatch, release_slots, run_step
+from pallas_flash_llama.engine_step import (
+    StepBatch,
+    bucket_for,
+    release_slots,
+    run_step,
+    token_buckets,
+)
 from pallas_flash_llama.generation import inference_params
 from pallas_flash_llama.kv_cache import init_cache
 from pallas_flash_llama.model import Params
@@ -51,7 +58,8 @@ class Engine:
       params: the model's parameters (`model.init_params` or `weights.load_params`).
       config: the model.
       slots: sequences running at once (rows of the cache).
-      token_budget: new tokens per step (the step's compiled size).
+      token_budget: the most new tokens per step (the largest of the step's compiled
+        sizes, `engine_step.token_buckets`).
       page_size: positions per page.
       num_pages: pages in each layer's pool.
       pages_per_sequence: the most pages one sequence holds (`max_len` / ``page_size``).
@@ -79,6 +87,7 @@ class Engine:
             sharding.check_mesh(config, mesh)
         self.config, self.backend, self.num_pages = config, backend, num_pages
         self.mesh = mesh
+        self.buckets = token_buckets(token_budget)
         self._params = inference_params(params, config)
         cache = init_cache(config, slots, self.max_len, mesh, kv_dtype=cache_dtype,
                            page_size=page_size, num_pages=num_pages,
@@ -250,7 +259,8 @@ class Engine:
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         """``plan`` as the step's inputs (`engine_step.StepBatch`)."""
-        batch = StepBatch.empty(self._scheduler.slots, self._scheduler.token_budget)
+        bucket = bucket_for(plan.tokens, self.buckets)
+        batch = StepBatch.empty(self._scheduler.slots, bucket)
         batch.released[list(plan.released)] = True
         work = {w.slot: w for w in plan.work}
         start = 0

@@ -13,8 +13,10 @@ row ``[1, token_budget]``: each layer's `attention.ragged_cached_attention` writ
 K/V into its pool and attends through ``pf.ragged_attention``. Each sampling slot's logits
 come from its last token's hidden state; it samples with its own parameters and a key folded
 from its request's seed and the index of the token in the request, so a request's tokens do
-not depend on what else is batched. The step is jitted once per cache, config and token
-budget (`generation.jit_step`), the cache donated: no step copies it.
+not depend on what else is batched. The step is jitted once per cache and config
+(`generation.jit_step`), the cache donated: no step copies it; it compiles once per token
+bucket (`token_buckets`), the smallest that holds a step's tokens padding it, so that a step
+of decodes alone does not compute a whole budget's padding.
 
 Over a mesh the model is tensor-parallel (`sharding.RULES`, the mesh's batch axes of size 1)
 and the cache's kv heads are split over ``tensor`` (`kv_cache.pool_sharding`, ``"heads"``):
@@ -45,12 +47,31 @@ from pallas_flash_llama.layers import decoder_layer
 from pallas_flash_llama.model import Params, embed, unembed
 from pallas_flash_llama.sampling import sample_rows
 
+SMALLEST_BUCKET = 16
+"""The fewest tokens a step is padded to."""
+
+
+def token_buckets(token_budget: int) -> tuple[int, ...]:
+    """The step sizes the engine compiles for ``token_budget``: the powers of two from
+    `SMALLEST_BUCKET` below it, then the budget itself (``[16, 32, 64, 128, 256, 512]`` for
+    512, ``[16, 32, 64, 128, 200]`` for 200)."""
+    buckets, size = [], SMALLEST_BUCKET
+    while size < token_budget:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, token_budget)
+
+
+def bucket_for(tokens: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of ``buckets`` (ascending) that holds ``tokens``."""
+    return next(b for b in buckets if b >= tokens)
+
 
 class StepBatch(NamedTuple):
     """One step's inputs (module doc); ``slots`` is the cache's batch.
 
     Attributes:
-      tokens: ``[token_budget]`` int32 new tokens, slot by slot, then padding.
+      tokens: ``[bucket]`` int32 new tokens, slot by slot, then padding (`token_buckets`).
       query_starts: ``[slots + 1]`` int32.
       kv_lengths: ``[slots]`` int32 positions of each slot once its tokens are cached (0 for
         an idle slot).
