@@ -479,6 +479,7 @@ def test_serve_command(model_dir: tuple, monkeypatch: pytest.MonkeyPatch) -> Non
         "pages_per_sequence": 16,
         "backend": None,
         "cache_dtype": None,
+        "mesh": None,
     }
     assert engine._stop.is_set()  # stopped once uvicorn returned
 

@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--serving",
         action="store_true",
-        help="only the serving sweep: decode batches (ragged lengths, paged and int8 caches) "
-        "and mixed prefill+decode steps against RPA v3 (with --ops ragged, only those)",
+        help="only the serving sweep: decode batches (ragged lengths, paged and int8 caches), "
+        "mixed prefill+decode steps against RPA v3 (with --ops ragged, only those) and the "
+        "serving engine's steps on v5e-8 (Llama-2-7B, Llama-3-8B)",
     )
     bench.add_argument(
         "--models",
@@ -161,20 +162,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _models(args: argparse.Namespace, notes: list[str]) -> list:
-    """The model workloads: all with ``--models`` (or the full sweep), the quick sweep's one
-    small row with ``--quick``; none without the LLaMa package, and none that needs a backend
-    not installed (each left out with a note in ``notes``)."""
-    if args.serving or args.ops or args.seq_lens or args.context:
+    """The model workloads: all with ``--models``, the serving engine's steps with
+    ``--serving``, both in the full sweep, the quick sweep's one small row with ``--quick``;
+    none without the LLaMa package, and none that needs a backend not installed (each left
+    out with a note in ``notes``)."""
+    if (args.ops or args.seq_lens or args.context) and not args.serving:
         return []
     if importlib.util.find_spec("pallas_flash_llama") is None:
         _note(notes, "pallas-flash-llama is not installed: no model rows")
         return []
     from pallas_flash_bench.models import model_workloads
 
-    if args.quick and not args.models:
+    if args.serving:
+        models = model_workloads.engine_models()
+    elif args.models:
+        models = model_workloads.default_models()
+    elif args.quick:
         models = model_workloads.quick_models()
     else:
-        models = model_workloads.default_models()
+        models = model_workloads.default_models() + model_workloads.engine_models()
     installed = {b.name for b in pf.list_backends()}
     missing = sorted({b for w in models for b in (w.backend, w.decode_backend)} - installed)
     if missing:
@@ -208,7 +214,7 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.models or args.context:
         return []
     if args.serving:
-        sweep = serving_sweep(chips) + ragged_sweep()
+        sweep = serving_sweep(chips) + ragged_sweep() + _engine_attention()
     else:
         sweep = quick_sweep(chips) if args.quick else default_sweep(chips)
     if args.ops:
@@ -225,6 +231,18 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.dtype:
         sweep = [Workload(**{**w.to_json(), "dtype": args.dtype}) for w in sweep]
     return sweep
+
+
+def _engine_attention() -> list[Workload]:
+    """The attention of the serving engine's steady-state steps on one chip (their share of
+    the heads, `ModelWorkload.engine_mix`), to hold against RPA v3; none without the LLaMa
+    package."""
+    if importlib.util.find_spec("pallas_flash_llama") is None:
+        return []
+    from pallas_flash_bench.models import model_workloads
+
+    steps = [w.engine_mix(w.mesh[2]) for w in model_workloads.engine_models() if w.mix is None]
+    return list(dict.fromkeys(steps))
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -10,37 +10,91 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
 - HBM bytes (``Subject.min_hbm_bytes``): the page write moves whole chunks of the pool (the
   rows beside a decode token's, read and written back), more than the least a step must move
   (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops.
+- In a whole program (a model's step, `occupancy`): each kernel's loop trips, and for
+  splitkv's ragged calls the share of the pool they read, the pages of their own sequences.
+
+A step may be padded to more tokens than its sequences hold (the engine's token bucket):
+``tokens`` gives the padded count the kernels were compiled for.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_flash as pf
 from pallas_flash import page_write_kernel
 from pallas_flash.ragged_attention import token_pages
 from pallas_flash_bench.kernels import ragged_step
 from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_estimate.cost import kernel_cost
 
 
-def loop_trips(backend: str, workload: Workload, kernel: str) -> tuple[int, ...] | None:
+def loop_trips(
+    backend: str, workload: Workload, kernel: str, tokens: int | None = None
+) -> tuple[int, ...] | None:
     """The runs of ``kernel``'s loops without a trip count over the whole kernel, in program
-    order, when ``backend`` runs ``workload``; None for a kernel without such loops here."""
+    order, when ``backend`` runs ``workload`` (padded to ``tokens``, default its own); None
+    for a kernel without such loops here."""
     if workload.op != "ragged":
         return None
     stem = kernel.split(".")[0]
+    tokens = workload.tokens if tokens is None else tokens
     if stem == page_write_kernel.KERNEL_NAME:
-        items = int(_page_write_items(workload).count[0])
+        items = int(_page_write_items(workload, tokens).count[0])
         return (items, items, items)  # reads, patches, writes' waits
-    if backend == "splitkv" and importlib.util.find_spec("pallas_flash_splitkv") is not None:
-        from pallas_flash_splitkv import ragged_kernel
-
-        if stem in (ragged_kernel.KERNEL_NAME, ragged_kernel.DECODE_KERNEL_NAME):
-            return (_ragged_runs(ragged_kernel, workload, stem),)
+    ragged_kernel = _splitkv_ragged(backend)
+    if ragged_kernel is not None and stem in (ragged_kernel.KERNEL_NAME,
+                                              ragged_kernel.DECODE_KERNEL_NAME):  # fmt: skip
+        return (_ragged_runs(ragged_kernel, workload, stem, tokens),)
     return None
+
+
+def occupancy(
+    backend: str, workload: Workload, tokens: int | None = None
+) -> Callable[[str], kernel_cost.FullGrid]:
+    """For a whole program that runs ``workload`` (a ragged step, padded to ``tokens``) on
+    one chip: each Pallas kernel's occupancy by name, its `loop_trips` and, for splitkv's
+    ragged calls, the share of its operands it reads: the pool's pages its own sequences
+    hold (the pools are nearly all of its operands' bytes)."""
+    shares = _pool_shares(backend, workload, workload.tokens if tokens is None else tokens)
+
+    @functools.cache
+    def of(kernel: str) -> kernel_cost.FullGrid:
+        trips = loop_trips(backend, workload, kernel, tokens)
+        return kernel_cost.FullGrid(loop_trips=trips, copied=shares.get(kernel.split(".")[0]))
+
+    return of
+
+
+def _splitkv_ragged(backend: str):
+    """splitkv's ``ragged_kernel`` module where ``backend`` is splitkv and installed."""
+    if backend != "splitkv" or importlib.util.find_spec("pallas_flash_splitkv") is None:
+        return None
+    from pallas_flash_splitkv import ragged_kernel
+
+    return ragged_kernel
+
+
+def _pool_shares(backend: str, w: Workload, tokens: int) -> dict[str, float]:
+    """Per ragged call of splitkv (`ragged_blocks.kernel_calls`), by kernel name: the pages
+    its sequences hold over the pool's."""
+    if _splitkv_ragged(backend) is None or w.op != "ragged":
+        return {}
+    from pallas_flash_splitkv import ragged_blocks
+
+    starts, lengths = _arrays(w)
+    pages = np.ceil(np.asarray(lengths) / w.page_size)
+    shares = {}
+    for call in ragged_blocks.kernel_calls(starts, tokens, w.q_heads // w.kv_heads, _blocks()):
+        taken = np.ones(len(pages), bool) if call.include is None else np.asarray(call.include)
+        shares[call.name] = float(pages[taken].sum()) / w.num_pages
+    return shares
 
 
 def min_hbm_bytes(workload: Workload) -> float:
@@ -65,24 +119,28 @@ def _arrays(w: Workload) -> tuple[jax.Array, jax.Array]:
     return starts, jnp.asarray(ragged_step.kv_lengths(w), jnp.int32)
 
 
-def _page_write_items(w: Workload) -> page_write_kernel.Items:
-    """The page write's items on the step (the same for K and V)."""
+def _page_write_items(w: Workload, tokens: int | None = None) -> page_write_kernel.Items:
+    """The page write's items on the step padded to ``tokens`` (the same for K and V)."""
+    tokens = w.tokens if tokens is None else tokens
     starts, lengths = _arrays(w)
     table = jnp.asarray(ragged_step.page_table(w))
-    pages, rows = token_pages(table, w.page_size, starts, lengths, w.tokens)
+    pages, rows = token_pages(table, w.page_size, starts, lengths, tokens)
     chunk = page_write_kernel.chunk_positions(_pool(w))
-    bound = page_write_kernel.max_items(w.tokens, lengths.shape[0], chunk)
+    bound = page_write_kernel.max_items(tokens, lengths.shape[0], chunk)
     return page_write_kernel.items(pages, rows, w.num_pages, chunk, bound)
 
 
-def _ragged_runs(ragged_kernel, w: Workload, kernel: str) -> int:
-    """`ragged_kernel.loop_runs` of the call named ``kernel``, with the blocks the registered
-    splitkv backend uses."""
+def _blocks():
+    """The ragged blocks the registered splitkv backend uses."""
+    return pf.get_backend("splitkv").ragged_blocks
+
+
+def _ragged_runs(ragged_kernel, w: Workload, kernel: str, tokens: int) -> int:
+    """`ragged_kernel.loop_runs` of the call named ``kernel`` on ``tokens`` rows."""
     starts, lengths = _arrays(w)
-    blocks = pf.get_backend("splitkv").ragged_blocks
     spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5)
     return ragged_kernel.loop_runs(
-        starts, lengths, kernel=kernel, tokens=w.tokens, q_heads=w.q_heads, kv_heads=w.kv_heads,
+        starts, lengths, kernel=kernel, tokens=tokens, q_heads=w.q_heads, kv_heads=w.kv_heads,
         page_size=w.page_size,
-        pages_per_sequence=w.seq_len // w.page_size, spec=spec, blocks=blocks,
+        pages_per_sequence=w.seq_len // w.page_size, spec=spec, blocks=_blocks(),
     )  # fmt: skip

@@ -76,7 +76,8 @@ def label(workload: Workload) -> str:
         after = f" after {w.prefill_context}" if w.prefill_context else ""
         parts.append(f"prefill {w.prefill[0]}x{w.prefill[1]}{after}")
     if w.batch:
-        lengths = f" lengths {w.lengths[0]}..{w.lengths[1]}" if w.lengths else ""
+        spread = " evenly" if w.even_lengths else ""
+        lengths = f" lengths {w.lengths[0]}..{w.lengths[1]}{spread}" if w.lengths else ""
         parts.append(f"decode {w.batch}{lengths}")
     return f"ragged T={tokens(w)}{heads} {' + '.join(parts)} paged/{w.page_size}"
 

@@ -8,7 +8,10 @@ tokens/s (all generated tokens over the prefill plus every decode step, each cha
 run's average step: its kernels reading what a batch of every length the run reaches reads
 (`model_steps`), its flops at the mean length, `ModelWorkload.mean_length`; the prefill steps
 of ``prefill_batch`` prompts that take the whole batch, each with its insert into the decode
-batch) and tokens per dollar; both give the peak HBM of their largest program.
+batch) and tokens per dollar; an engine step (`model_steps`) its latency, MFU (the flops of
+its new tokens, `model_flops.engine_step_flops`) and tokens/s: one sampled token per decoding
+sequence over the step (a steady-state step stands for every step of its run: its tokens/s
+is the run's); all give the peak HBM of their largest program.
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
 REFERENCE_PROGRAMS = {"train maxtext-16b": "16b", "train llama-2-7b": "llama2-7b"}
 """Train rows whose reference's own step was compiled and estimated (`maxtext_steps`)."""
 
-REFERENCE_SERVING = {"serve llama-2-7b, maxtext settings": "llama2-7b"}
+REFERENCE_SERVING = {
+    "serve llama-2-7b, maxtext settings": "llama2-7b",
+    "engine llama-2-7b, maxtext settings": "llama2-7b",
+}
 """Serving rows whose reference's own programs (MaxText's engine) were compiled and estimated
 (`maxtext_serving`)."""
 
@@ -129,6 +135,12 @@ def _step_figures(w: Any, step_of: Any, peak_flops: float) -> dict[str, float] |
             return None
         flops = model_flops.train_step_flops(config, w.batch, w.seq_len)
         out = {"step_seconds": step, "mfu": flops / step / peak_flops}
+    elif w.step == "engine":
+        step = step_of("step")
+        if step is None:
+            return None
+        flops = model_flops.engine_step_flops(config, w.engine_mix())
+        out = {"step_seconds": step, "mfu": flops / step / peak_flops}
     else:
         prefill, insert, decode = step_of("prefill"), step_of("insert"), step_of("decode")
         if prefill is None or insert is None or decode is None:
@@ -164,7 +176,7 @@ def _calibrated(w: Any, programs: Mapping[str, Any], target: Target,
         features = dataclasses.replace(
             calibration.ProgramFeatures.of_estimate(estimate), undecided_seconds=0.0
         )
-        declared = "train step" if w.step == "train" else "serving run"
+        declared = "train step" if w.step == "train" else "serving run"  # an engine's too
         found[name] = calibration.calibrate(features, target.generation, declared)
     if any(c is None for c in found.values()):
         return None

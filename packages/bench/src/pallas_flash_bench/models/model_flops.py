@@ -11,14 +11,19 @@ backward (three times the forward):
   values), halved for a causal mask, as MaxText now does.
 
 Decoding one token per sequence against a cache of ``length`` positions: ``2 x`` the matmul
-weights plus ``4 x length x q_heads x head_dim`` per layer, per sequence (forward only).
+weights plus ``4 x length x q_heads x head_dim`` per layer, per sequence (forward only). An
+engine step: ``2 x`` the matmul weights per new token (its padding not counted), plus the
+attention over the (query, key) pairs its causal mask lets through.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pallas_flash_bench.kernels import ragged_step
+
 if TYPE_CHECKING:
+    from pallas_flash_bench.kernels.workloads import Workload
     from pallas_flash_llama.config import LlamaConfig
 
 
@@ -54,3 +59,10 @@ def decode_step_flops(config: LlamaConfig, batch: int, length: int) -> float:
     c = config
     per_sequence = 2.0 * matmul_weights(config) + 4.0 * length * c.q_heads * c.head_dim * c.layers
     return batch * per_sequence
+
+
+def engine_step_flops(config: LlamaConfig, step: Workload) -> float:
+    """Flops of one serving-engine step whose attention is ``step`` (a ragged `Workload` with
+    every head, `ModelWorkload.engine_mix`)."""
+    tokens = ragged_step.tokens(step)
+    return 2.0 * matmul_weights(config) * tokens + ragged_step.useful_flops(step) * config.layers

@@ -3,22 +3,26 @@
 A train workload is one program, the LLaMa package's train step; a serving workload three, as
 a server runs them: its prefill step (``prefill_batch`` prompts into a cache of their own), the
 insert of those prefilled sequences into the decode batch's cache (`insert`), and its decode
-step with the next tokens sampled (greedy, JetStream's default), each cache donated. Each is
-compiled and estimated as a whole program (`compile_program`).
+step with the next tokens sampled (greedy, JetStream's default), each cache donated; an engine
+workload one, the serving engine's step at its token bucket (`backend_kernels.occupancy` says
+what its kernels run). Each is compiled and estimated as a whole program (`compile_program`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from pallas_flash_bench.kernels import backend_kernels
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.models.model_workloads import ModelWorkload
 from pallas_flash_estimate.aot.compiled import compile_program
 from pallas_flash_estimate.aot.devices import target_devices
+from pallas_flash_estimate.cost.kernel_cost import Occupancy
 from pallas_flash_estimate.program.whole_program import compiled_estimate
 from pallas_flash_estimate.targets import TARGETS
 
@@ -48,12 +52,29 @@ def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
                     even_lengths=True, **heads)  # fmt: skip
 
 
+def _occupancy(w: ModelWorkload, program: str) -> Callable[[str], Occupancy]:
+    """What each Pallas kernel of ``program`` runs, by kernel name."""
+    if w.step == "engine":
+        return backend_kernels.occupancy(w.decode_backend, w.engine_mix(w.mesh[2]),
+                                         w.engine_bucket)  # fmt: skip
+    kernels = _kernel_workload(w, program)
+    return lambda _: kernels
+
+
 def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
     """``{program: (jitted step, abstract arguments)}`` of a workload."""
-    from pallas_flash_llama import abstract, generation
+    from pallas_flash_llama import abstract, engine_step, generation
     from pallas_flash_llama.train import TrainConfig, make_train_step
 
     config = w.config
+    if w.step == "engine":
+        mix = w.engine_mix()
+        slots, pages = len(mix.sequence_lengths), mix.seq_len // mix.page_size
+        cache = abstract.paged_cache(config, slots, pages, mix.num_pages, mix.page_size, mesh,
+                                     w.kv_dtype)  # fmt: skip
+        step = engine_step.step_program(cache, config, w.decode_backend, mesh)
+        batch = abstract.step_batch(slots, w.engine_bucket, mesh)
+        return {"step": (step, (abstract.inference_params(config, mesh), cache, batch))}
     if w.step == "train":
         train_config = TrainConfig()
         step = make_train_step(config, train_config, backend=w.backend, mesh=mesh,
@@ -114,9 +135,6 @@ def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     mesh = make_mesh(*w.mesh, devices=target_devices(target)[: w.chips])
     analysed = []
     for name, (step, args) in _programs(w, mesh).items():
-        kernels = _kernel_workload(w, name)
         compiled = compile_program(name, step, args, target, dump_dir)
-        analysed.append(
-            compiled_estimate(compiled, lambda _, kernels=kernels: kernels, target, w.chips)
-        )
+        analysed.append(compiled_estimate(compiled, _occupancy(w, name), target, w.chips))
     return {"workload": w.to_json(), "programs": analysed}

@@ -1,5 +1,5 @@
-"""Model workloads: a LLaMa train step or a serving run on a v5e slice, and the published
-figures each is held against.
+"""Model workloads: a LLaMa train step, a serving run or a step of the serving engine on a v5e
+slice, and the published figures each is held against.
 
 The references are measured on hardware by their authors; ours are static estimates (see
 `whole_program`): the report labels both.
@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from pallas_flash_bench.kernels import ragged_step
+from pallas_flash_bench.kernels.workloads import RAGGED_MIXES, SERVING_LENGTHS, Workload
 from pallas_flash_bench.models import maxtext_steps
 from pallas_flash_llama.config import LlamaConfig, get_config
+from pallas_flash_llama.engine_step import bucket_for, token_buckets
 
 _16B = maxtext_steps.STEPS["16b"]
 MAXTEXT_16B = LlamaConfig(
@@ -56,13 +59,21 @@ class ModelWorkload:
     ``heads``, each chip its kv heads of every sequence; ``sequence``, each chip a share of
     every sequence's positions, the partials merged across chips).
 
+    ``step="engine"``: one step of the serving engine (`pallas_flash_llama.engine_step`),
+    tensor-parallel, its paged cache (pages of ``page_size``) split over kv heads, its
+    attention ``decode_backend``'s ragged kernel: with ``mix`` None, the steady state of a
+    run of ``batch`` slots serving prompts of ``prompt_len`` and ``generate_len`` new tokens
+    each (`engine_mix`); else the mixed step ``mix`` of `RAGGED_MIXES` (vLLM's). The step is
+    compiled at the engine's token bucket for its tokens (`token_buckets` of
+    ``token_budget``).
+
     The ablation's switches: ``dtype`` (compute), ``scan_layers``, ``backend``, ``remat``,
     ``donate``. ``loss_chunk``: the training loss's logits made this many positions at a
     time (`pallas_flash_llama.loss`).
     """
 
     name: str
-    step: Literal["train", "serve"]
+    step: Literal["train", "serve", "engine"]
     model: str
     target: str
     mesh: tuple[int, int, int]
@@ -80,6 +91,9 @@ class ModelWorkload:
     prefill_batch: int = 8
     cache_split: str = "heads"
     loss_chunk: int | None = None
+    mix: str | None = None
+    token_budget: int = 512
+    page_size: int = 128
 
     @property
     def prefill_calls(self) -> int:
@@ -109,8 +123,37 @@ class ModelWorkload:
 
     @property
     def tokens(self) -> int:
-        """Tokens a step trains on, or a serving run generates."""
+        """Tokens a step trains on, a serving run generates, or an engine step samples (one
+        per decoding sequence)."""
+        if self.step == "engine":
+            return self.engine_mix().batch
         return self.batch * (self.seq_len if self.step == "train" else self.generate_len)
+
+    def engine_mix(self, tensor: int = 1) -> Workload:
+        """An engine step's attention (a ragged `Workload`, ``ragged_step``) with ``1 /
+        tensor`` of the heads, one chip's share. The steady state of the run (``mix`` None):
+        ``batch - 1`` sequences decode, their lengths spread over those the run reaches
+        (``prompt_len + 1`` to ``prompt_len + generate_len``), beside one prompt prefilled in
+        chunks of ``(batch - 1) * prompt_len / generate_len`` tokens (requests then start as
+        fast as they end), its chunk at the prompt's middle on average."""
+        c = self.config
+        heads = dict(q_heads=c.q_heads // tensor, kv_heads=c.kv_heads // tensor,
+                     head_dim=c.head_dim, cache="paged", page_size=self.page_size)  # fmt: skip
+        if self.mix is not None:
+            return Workload("ragged", SERVING_LENGTHS[1], lengths=SERVING_LENGTHS, **heads,
+                            **RAGGED_MIXES[self.mix])  # fmt: skip
+        decodes = self.batch - 1
+        chunk = max(round(decodes * self.prompt_len / self.generate_len), 1)
+        max_len = self.prompt_len + self.generate_len
+        return Workload("ragged", max_len, batch=decodes, lengths=(self.prompt_len + 1, max_len),
+                        even_lengths=True, prefill=(1, chunk),
+                        prefill_context=(self.prompt_len - chunk) // 2, **heads)  # fmt: skip
+
+    @property
+    def engine_bucket(self) -> int:
+        """The token bucket an engine step is compiled at: the smallest that holds its
+        tokens."""
+        return bucket_for(ragged_step.tokens(self.engine_mix()), token_buckets(self.token_budget))
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -124,6 +167,10 @@ def _train(name: str, model: str, target: str, chips: int, per_chip: int, remat:
 
 def _serve(name: str, model: str, batch: int, **kw) -> ModelWorkload:
     return ModelWorkload(name, "serve", model, "v5e-8", (1, 1, 8), batch, **kw)
+
+
+def _engine(name: str, model: str, batch: int, **kw) -> ModelWorkload:
+    return ModelWorkload(name, "engine", model, "v5e-8", (1, 1, 8), batch, **kw)
 
 
 TRAINING = [
@@ -140,6 +187,18 @@ SERVING = [
     _serve("serve llama-2-7b, maxtext settings", "llama-2-7b", 88, prefill_batch=1),
 ]
 
+ENGINE = [
+    # the serving rows' runs, steady state: prompts of 1024 and 1024 new tokens each
+    _engine("engine llama-2-7b, maxtext settings", "llama-2-7b", 88),
+    _engine("engine llama-2-7b bf16", "llama-2-7b", 96),
+    _engine("engine llama-3-8b bf16", "llama-3-8b", 128),
+    # vLLM's mixed steps at its token budgets on TPU
+    _engine("engine llama-3-8b vllm-512", "llama-3-8b", 65, mix="vllm-512"),
+    _engine("engine llama-3-8b vllm-2048", "llama-3-8b", 131, mix="vllm-2048", token_budget=2048),
+]
+"""Steps of the serving engine (`pallas_flash_llama.engine_step`) on v5e-8, tensor-parallel:
+the steady state of the serving rows' runs, and vLLM's mixed steps."""
+
 REFERENCES = {
     "train maxtext-16b": Reference(
         "MaxText README (v5e-256, measured)", 0.611, "mfu", "120 TFLOP/s/chip"
@@ -155,7 +214,10 @@ REFERENCES = {
         "openorca prompts (218 tokens in, 940 out on average)",
     ),
 }
-"""Published figures by workload name; MaxText ships the Llama-2-7B config without one."""
+for _served in ("llama-2-7b, maxtext settings", "llama-2-7b bf16", "llama-3-8b bf16"):
+    REFERENCES[f"engine {_served}"] = REFERENCES[f"serve {_served}"]
+"""Published figures by workload name; MaxText ships the Llama-2-7B config without one. An
+engine row's run is its serving row's, held against the same measurement."""
 
 
 def ablation() -> list[tuple[str, ModelWorkload]]:
@@ -201,6 +263,11 @@ def default_models() -> list[ModelWorkload]:
     """Every model workload: the training and serving rows, then the ablation's."""
     rows = [*TRAINING, *SERVING, *(w for _, w in ablation()), *(w for _, w in ABLATION_DECODE)]
     return list({w.name: w for w in rows}.values())
+
+
+def engine_models() -> list[ModelWorkload]:
+    """The serving engine's steps (`ENGINE`): the serving sweep's model rows."""
+    return list(ENGINE)
 
 
 def quick_models() -> list[ModelWorkload]:

@@ -42,16 +42,19 @@ class FullGrid:
     mask skips a block, every region the schedule cannot decide runs on every grid step, and
     every block it copies is read. ``loop_trips``: for a kernel whose loops' trip counts
     read memory (a grid sized at run time), how often each runs over the whole kernel,
-    outermost first (`spread.kernel_entry`); None: each runs once."""
+    outermost first (`spread.kernel_entry`); None: each runs once. ``copied``: the share of
+    its operands' bytes it reads, where the caller knows it (a ragged kernel that copies only
+    the pages its sequences hold); None: all."""
 
     causal: bool = False
     loop_trips: tuple[int, ...] | None = None
+    copied: float | None = None
 
     def filled_fraction(self, grid: tuple[int, ...] | None) -> float | None:
         return None
 
     def copied_fraction(self, kernel: str) -> float | None:
-        return None
+        return self.copied
 
 
 FULL_GRID = FullGrid()
