@@ -294,7 +294,8 @@ def test_no_chat_template(model_dir: tuple, fake: FakeEngine, tmp_path: pathlib.
     ("body", "status", "param", "message"),
     [
         ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "only n=1"),
+        ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n", "less than or equal to 16"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
         ({"model": MODEL, "prompt": [5] * 300}, 400, "prompt", "maximum context length is 256"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 300}, 400, "max_tokens", "256"),
         ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
@@ -321,10 +322,37 @@ def test_errors(url: str, body: dict, status: int, param: str | None, message: s
 def test_errors_through_the_client(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="hi")
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 16"):
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], n=17
         )
+
+
+def test_n_choices(client: openai.OpenAI, fake: FakeEngine, ids: Callable) -> None:
+    """Each choice is a sequence of its own, seeded seed + i; the usage counts the prompt
+    once and every choice's tokens; streamed, each chunk names its choice."""
+    prompt = ids("The quick brown fox")
+    reply = client.completions.create(model=MODEL, prompt="The quick brown fox", n=3, seed=7,
+                                      max_tokens=len(prompt))  # fmt: skip
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert all(c.text == "The quick brown fox" and c.finish_reason == "length"
+               for c in reply.choices)  # fmt: skip
+    requests = [_request(fake, reply.id), *(_request(fake, f"{reply.id}-{i}") for i in (1, 2))]
+    assert [r.seed for r in requests] == [7, 8, 9]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+        len(prompt), 3 * len(prompt))  # fmt: skip
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi there"}], n=2, max_tokens=6,
+        stream=True))  # fmt: skip
+    by_choice = {0: [], 1: []}
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        by_choice[choice.index].append(choice)
+    for choices in by_choice.values():
+        assert choices[0].delta.role == "assistant"
+        assert choices[-1].finish_reason == "length"
+    texts = ["".join(c.delta.content or "" for c in choices) for choices in by_choice.values()]
+    assert texts[0] == texts[1] != ""  # the fake engine echoes the prompt, whatever the seed
 
 
 def test_models_and_health(client: openai.OpenAI, url: str) -> None:
@@ -359,6 +387,16 @@ def test_disconnect_cancels(url: str, fake: FakeEngine) -> None:
             json={"model": MODEL, "prompt": "Once", "max_tokens": 250},
         )
     assert _wait_for(lambda: set(fake.cancelled) - before)  # not streamed: cancelled too
+
+    body = {**body, "n": 2}  # every choice of a request, streamed or not
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        first = next(reply.iter_lines())
+    request_id = json.loads(first.removeprefix("data: "))["id"]
+    assert _wait_for(lambda: {request_id, f"{request_id}-1"} <= set(fake.cancelled))
+    before = set(fake.cancelled)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", timeout=0.2, json={**body, "stream": False})
+    assert _wait_for(lambda: len(set(fake.cancelled) - before) == 2)
 
 
 def test_text_stream_holds_back_partial_text(model_dir: tuple) -> None:

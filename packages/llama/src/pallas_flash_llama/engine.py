@@ -34,10 +34,7 @@ from pallas_flash_llama.engine_step import (
 from pallas_flash_llama.generation import inference_params
 from pallas_flash_llama.kv_cache import init_cache
 from pallas_flash_llama.model import Params
-from pallas_flash_llama.scheduler import Finished, Request, Scheduler, StepPlan
-
-SEEDS = 2**32
-"""A request's seed is in ``[0, SEEDS)``."""
+from pallas_flash_llama.scheduler import SEEDS, Finished, Request, Scheduler, StepPlan
 
 
 @dataclasses.dataclass

@@ -1,10 +1,11 @@
 """The OpenAI API's request bodies and error body, as pydantic models (`server`'s types).
 
-Only what `server` serves: ``/v1/completions`` and ``/v1/chat/completions`` with one choice
-(``n=1``), text or token-id prompts, temperature, top-p, ``top_k`` (an extension, as vLLM
-has it), seed, stop strings and streaming. Fields of the API that are not listed here are
-ignored, as OpenAI-compatible servers do; those that would change the answer and are not
-served (``logprobs``, ``echo``, ``best_of``, ``suffix``, tools) are refused with a 400.
+Only what `server` serves: ``/v1/completions`` and ``/v1/chat/completions`` with ``n``
+choices (up to `MAX_CHOICES`), text or token-id prompts, temperature, top-p, ``top_k`` (an
+extension, as vLLM has it), seed, stop strings and streaming. Fields of the API that are not
+listed here are ignored, as OpenAI-compatible servers do; those that would change the answer
+and are not served (``logprobs``, ``echo``, ``best_of``, ``suffix``, tools) are refused with
+a 400.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pydantic
+
+MAX_CHOICES = 16
+"""The most choices (``n``) one request may ask for; each is a sequence of its own in the
+engine."""
 
 UNSERVED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions")
 """Request fields that would change the answer and that this server does not implement."""
@@ -54,7 +59,7 @@ class _Sampled(pydantic.BaseModel):
     top_k: int | None = pydantic.Field(None, ge=-1, description="extension; -1 or 0: off")
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = pydantic.Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -65,13 +70,6 @@ class _Sampled(pydantic.BaseModel):
             if value and not (name == "best_of" and value == 1):
                 raise ValueError(f"{name}: not supported by this server")
         return self
-
-    @pydantic.field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n: only n=1 is supported, got {n}")
-        return n
 
     @pydantic.field_validator("stop")
     @classmethod

@@ -35,6 +35,9 @@ from pallas_flash_llama.sampling import Sampling
 
 GREEDY = Sampling()
 
+SEEDS = 2**32
+"""A request's seed is in ``[0, SEEDS)``."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:

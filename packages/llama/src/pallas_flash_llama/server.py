@@ -18,9 +18,13 @@ lines, then ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``.
   handed to the event loop with ``loop.call_soon_threadsafe`` into the request's
   ``asyncio.Queue``. A client that disconnects before its request ends gets it cancelled in
   the engine (``engine.cancel``), which frees its pages.
+- **Choices.** A request for ``n`` choices submits ``n`` sequences of the same prompt to the
+  engine (choice ``i`` seeded ``seed + i``; choice 0 has the completion's id, choice ``i``
+  the id with ``-i``); streamed, their chunks interleave as they come, each with its
+  ``index``; the usage counts the prompt once and every choice's tokens.
 - **Errors** use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-  bad parameters, a prompt longer than the context and ``n`` other than 1; 404 for a model
-  name other than the one served.
+  bad parameters and a prompt longer than the context; 404 for a model name other than the
+  one served.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from pallas_flash_llama.openai_api import (
     error_body,
 )
 from pallas_flash_llama.sampling import Sampling
-from pallas_flash_llama.scheduler import Finished, Request
+from pallas_flash_llama.scheduler import SEEDS, Finished, Request
 from pallas_flash_llama.tokenizer import SpecialTokens, encode, load_tokenizer, special_tokens
 
 HOLD = "\ufffd"
@@ -177,6 +181,33 @@ class _Generation:
                 self.engine.cancel(self.request.id)
 
 
+async def _interleaved(
+    generations: list[_Generation],
+) -> AsyncIterator[tuple[int, str, str | None]]:
+    """``(choice index, text, finish reason or None)`` of every generation, as each comes.
+    Leaving early cancels those not ended (`_Generation.pieces`)."""
+    merged: asyncio.Queue[tuple[int, str, str | None] | None] = asyncio.Queue()
+
+    async def forward(index: int, generation: _Generation) -> None:
+        async for piece, reason in generation.pieces():
+            await merged.put((index, piece, reason))
+        await merged.put(None)
+
+    tasks = [asyncio.ensure_future(forward(i, g)) for i, g in enumerate(generations)]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            item = await merged.get()
+            if item is None:
+                ended += 1
+            else:
+                yield item
+        await asyncio.gather(*tasks)  # a failure in one is the response's
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _disconnected(request: fastapi.Request) -> None:
     """Returns once the client has closed the connection."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -220,8 +251,8 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             raise ApiError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
     def start(body: CompletionRequest | ChatCompletionRequest, prompt: list[int],
-              max_tokens: int | None, prefix: str, field: str) -> _Generation:  # fmt: skip
-        """Checks the request against the context, and submits it."""
+              max_tokens: int | None, prefix: str, field: str) -> list[_Generation]:  # fmt: skip
+        """Checks the request against the context, and submits its ``n`` choices."""
         if any(not 0 <= token < model.vocab for token in prompt):
             raise ApiError(400, f"{field}: token ids must be in [0, {model.vocab})", field)
         room = engine.max_len - len(prompt)
@@ -240,33 +271,40 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             if len(ids) == 1 and model.tokenizer.decode(ids) == stop:
                 stop_ids.add(ids[0])
         top_k = None if body.top_k is None or body.top_k < 1 else body.top_k
-        request = Request(
-            id=f"{prefix}-{uuid.uuid4().hex}",
-            prompt=tuple(prompt),
-            max_tokens=room if max_tokens is None else max_tokens,
-            stop_ids=tuple(sorted(stop_ids)),
-            sampling=Sampling(body.temperature, top_k, body.top_p),
-            seed=secrets.randbits(31) if body.seed is None else body.seed,
-        )
-        text = TextStream(model.tokenizer, body.stop_strings, stop_ids)
-        return _Generation(engine, request, text)
+        first = f"{prefix}-{uuid.uuid4().hex}"
+        seed = secrets.randbits(31) if body.seed is None else body.seed
+        generations = []
+        for i in range(body.n):
+            request = Request(
+                id=first if i == 0 else f"{first}-{i}",
+                prompt=tuple(prompt),
+                max_tokens=room if max_tokens is None else max_tokens,
+                stop_ids=tuple(sorted(stop_ids)),
+                sampling=Sampling(body.temperature, top_k, body.top_p),
+                seed=(seed + i) % SEEDS,
+            )
+            text = TextStream(model.tokenizer, body.stop_strings, stop_ids)
+            generations.append(_Generation(engine, request, text))
+        return generations
 
-    async def answer(request: fastapi.Request, generation: _Generation,
+    async def answer(request: fastapi.Request, generations: list[_Generation],
                      body: CompletionRequest | ChatCompletionRequest, chat: bool,
                      ) -> fastapi.responses.Response | dict[str, Any]:  # fmt: skip
-        """The response: streamed chunks, or the whole text once the request ends."""
-        head = {"id": generation.request.id, "created": int(time.time()), "model": model.name}
+        """The response: streamed chunks, or the whole texts once every choice ends."""
+        first = generations[0].request
+        head = {"id": first.id, "created": int(time.time()), "model": model.name}
 
         def usage() -> dict[str, int]:
-            prompt, completion = len(generation.request.prompt), generation.tokens
+            prompt, completion = len(first.prompt), sum(g.tokens for g in generations)
             return {"prompt_tokens": prompt, "completion_tokens": completion,
                     "total_tokens": prompt + completion}  # fmt: skip
 
-        def choice(piece: str, reason: str | None, delta: dict[str, str] | None = None) -> dict:
+        def choice(index: int, piece: str, reason: str | None,
+                   delta: dict[str, str] | None = None) -> dict:  # fmt: skip
             if chat:
-                return {"index": 0, "delta": {"content": piece} if delta is None else delta,
+                return {"index": index, "delta": {"content": piece} if delta is None else delta,
                         "logprobs": None, "finish_reason": reason}  # fmt: skip
-            return {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "text": piece, "logprobs": None, "finish_reason": reason}
 
         if body.stream:
             kind = "chat.completion.chunk" if chat else "text_completion"
@@ -274,35 +312,39 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             async def events() -> AsyncIterator[str]:
                 if chat:
                     opening = {"role": "assistant", "content": ""}
-                    yield _sse({**head, "object": kind, "choices": [choice("", None, opening)]})
-                async for piece, reason in generation.pieces():
-                    yield _sse({**head, "object": kind, "choices": [choice(piece, reason)]})
+                    for i in range(len(generations)):
+                        yield _sse({**head, "object": kind,
+                                    "choices": [choice(i, "", None, opening)]})  # fmt: skip
+                async for i, piece, reason in _interleaved(generations):
+                    yield _sse({**head, "object": kind, "choices": [choice(i, piece, reason)]})
                 if body.stream_options and body.stream_options.include_usage:
                     yield _sse({**head, "object": kind, "choices": [], "usage": usage()})
                 yield _sse("[DONE]")
 
             return fastapi.responses.StreamingResponse(events(), media_type="text/event-stream")
 
-        async def collect() -> tuple[str, str | None]:
+        async def collect(generation: _Generation) -> tuple[str, str | None]:
             pieces, last = [], None
             async for piece, reason in generation.pieces():
                 pieces.append(piece)
                 last = reason
             return "".join(pieces), last
 
-        whole = asyncio.ensure_future(collect())
+        whole = asyncio.ensure_future(asyncio.gather(*map(collect, generations)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
-        if not whole.done():  # the client left: cancelling `whole` cancels the request
+        if not whole.done():  # the client left: cancelling `whole` cancels the requests
             whole.cancel()
             return fastapi.responses.Response(status_code=499)
-        text, reason = whole.result()
+        ended = whole.result()
         if chat:
-            result = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}  # fmt: skip
-            return {**head, "object": "chat.completion", "choices": [result], "usage": usage()}
-        return {**head, "object": "text_completion", "choices": [choice(text, reason)],
+            results = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(ended)]  # fmt: skip
+            return {**head, "object": "chat.completion", "choices": results, "usage": usage()}
+        return {**head, "object": "text_completion",
+                "choices": [choice(i, text, reason) for i, (text, reason) in enumerate(ended)],
                 "usage": usage()}  # fmt: skip
 
     @app.post("/v1/completions", response_model=None)
@@ -312,8 +354,8 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             prompt = encode(model.tokenizer, body.prompt, model.special)
         else:
             prompt = list(body.prompt)
-        generation = start(body, prompt, body.max_tokens, "cmpl", "prompt")
-        return await answer(request, generation, body, chat=False)
+        generations = start(body, prompt, body.max_tokens, "cmpl", "prompt")
+        return await answer(request, generations, body, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request) -> Any:
@@ -325,8 +367,8 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
         text = model.chat_template.render([message.for_template() for message in body.messages])
         prompt = encode(model.tokenizer, text, SpecialTokens())  # the template wrote them
         max_tokens = body.max_completion_tokens or body.max_tokens
-        generation = start(body, prompt, max_tokens, "chatcmpl", "messages")
-        return await answer(request, generation, body, chat=True)
+        generations = start(body, prompt, max_tokens, "chatcmpl", "messages")
+        return await answer(request, generations, body, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
