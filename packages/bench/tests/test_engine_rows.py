@@ -29,7 +29,8 @@ def test_a_steady_state_step_decodes_every_slot_but_one_beside_a_prompt_chunk() 
     lengths = ragged_step.kv_lengths(mix)
     assert lengths[:87].min() == 1025 and lengths[:87].max() == 2048
     assert ragged_step.tokens(mix) == 174 and w.tokens == 87
-    assert w.engine_bucket == 256 and 256 in token_buckets(w.token_budget)
+    assert w.token_budget == w.engine_bucket == 174  # the scheduler makes the step, unpadded
+    assert token_buckets(w.token_budget)[-1] == 174
     chip = w.engine_mix(8)
     assert (chip.q_heads, chip.kv_heads) == (32 // 8, 32 // 8)  # Llama-2-7B: 4 of 32 a chip
 
@@ -93,7 +94,7 @@ def test_an_engine_row_s_figures_and_table() -> None:
     )
     text = "\n".join(model_report.engine_table([row]))
     assert "## The serving engine's steps (v5e-8)" in text
-    assert "256 of 512" in text and "4350" in text  # the bucket; 87 tokens / 20 ms
+    assert "174 of 174" in text and "4350" in text  # the bucket; 87 tokens / 20 ms
     band = percent(f["calibrated"]["band"])
     assert f"{num(f['calibrated']['tokens_per_second'])} ±{band}" in text
     assert "steady state, 1024 / 1024: ragged T=174" in text and "2048 evenly" in text

@@ -127,11 +127,14 @@ def test_a_fusion_writes_a_donated_pool_in_place_only_with_no_room_for_a_copy() 
 
 
 def test_the_serving_sweep_with_ops_ragged_is_the_mixed_steps() -> None:
-    """``pallas-flash bench --serving --ops ragged``: the committed serving page's run."""
+    """``pallas-flash bench --serving --ops ragged``: the committed serving page's run, the
+    mixed steps, the engine's attention on one chip and the engine's steps."""
     from pallas_flash_bench import cli
+    from pallas_flash_bench.models.model_workloads import ENGINE
 
     args = cli._parser().parse_args(["bench", "--serving", "--ops", "ragged", "--quick"])
-    assert cli._workloads(args) == ragged_sweep()
+    assert cli._workloads(args) == ragged_sweep() + cli._engine_attention()
+    assert cli._models(args, []) == ENGINE
 
 
 def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:

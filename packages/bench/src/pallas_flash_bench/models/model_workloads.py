@@ -65,7 +65,7 @@ class ModelWorkload:
     run of ``batch`` slots serving prompts of ``prompt_len`` and ``generate_len`` new tokens
     each (`engine_mix`); else the mixed step ``mix`` of `RAGGED_MIXES` (vLLM's). The step is
     compiled at the engine's token bucket for its tokens (`token_buckets` of
-    ``token_budget``).
+    ``token_budget``; a steady-state row's budget is its step's tokens, `ENGINE`).
 
     The ablation's switches: ``dtype`` (compute), ``scan_layers``, ``backend``, ``remat``,
     ``donate``. ``loss_chunk``: the training loss's logits made this many positions at a
@@ -173,6 +173,14 @@ def _engine(name: str, model: str, batch: int, **kw) -> ModelWorkload:
     return ModelWorkload(name, "engine", model, "v5e-8", (1, 1, 8), batch, **kw)
 
 
+def _steady(name: str, model: str, batch: int) -> ModelWorkload:
+    """A steady-state engine row whose token budget is its step's tokens: the budget at which
+    the engine's scheduler, filling each step with the decodes and then a prompt chunk, makes
+    that step (and compiles it unpadded)."""
+    row = _engine(name, model, batch)
+    return dataclasses.replace(row, token_budget=ragged_step.tokens(row.engine_mix()))
+
+
 TRAINING = [
     _train("train maxtext-16b", "maxtext-16b", "v5e-256", 256, 6, "full"),
     _train("train llama-2-7b", "llama-2-7b", "v5e-256", 256, 4, "save_qkv"),
@@ -189,9 +197,9 @@ SERVING = [
 
 ENGINE = [
     # the serving rows' runs, steady state: prompts of 1024 and 1024 new tokens each
-    _engine("engine llama-2-7b, maxtext settings", "llama-2-7b", 88),
-    _engine("engine llama-2-7b bf16", "llama-2-7b", 96),
-    _engine("engine llama-3-8b bf16", "llama-3-8b", 128),
+    _steady("engine llama-2-7b, maxtext settings", "llama-2-7b", 88),
+    _steady("engine llama-2-7b bf16", "llama-2-7b", 96),
+    _steady("engine llama-3-8b bf16", "llama-3-8b", 128),
     # vLLM's mixed steps at its token budgets on TPU
     _engine("engine llama-3-8b vllm-512", "llama-3-8b", 65, mix="vllm-512"),
     _engine("engine llama-3-8b vllm-2048", "llama-3-8b", 131, mix="vllm-2048", token_budget=2048),
