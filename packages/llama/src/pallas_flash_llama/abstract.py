@@ -98,17 +98,23 @@ def contiguous_cache(
     row-major (`pf.cache_format`); int8 with float32 scales when ``kv_dtype`` says so."""
     shape = (size, config.kv_heads, max_len, config.head_dim)
     placed = cache_sharding(mesh, check_split(split, paged=False))
-    dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
-    layer = jax.ShapeDtypeStruct(shape, dtype, sharding=pf.cache_format(placed))
-    scales = None
-    if dtype == jnp.int8:
-        scale_format = pf.cache_format(scales_sharding(placed), 3)
-        scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=scale_format)
-        scales = (scale,) * config.layers
+    layers, scales = _layer_buffers(config, shape, placed, kv_dtype)
     replicated = NamedSharding(mesh, PartitionSpec())
     lengths = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=replicated)
-    layers = (layer,) * config.layers
     return KVCache(layers, layers, lengths, scales, scales, split=split)
+
+
+def _layer_buffers(config: LlamaConfig, shape: tuple[int, ...], placed: NamedSharding,
+                   kv_dtype: str | None) -> tuple[tuple, tuple | None]:  # fmt: skip
+    """Every layer's K (or V) buffer of ``shape`` placed row-major as ``placed`` says, and its
+    float32 scales (the shape without ``head_dim``) when ``kv_dtype`` is int8, else None."""
+    dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
+    layer = jax.ShapeDtypeStruct(shape, dtype, sharding=pf.cache_format(placed))
+    if dtype != jnp.int8:
+        return (layer,) * config.layers, None
+    scale_format = pf.cache_format(scales_sharding(placed), 3)
+    scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=scale_format)
+    return (layer,) * config.layers, (scale,) * config.layers
 
 
 def paged_cache(
@@ -126,16 +132,9 @@ def paged_cache(
     when ``kv_dtype`` says so; the page table of ``slots`` rows, the allocator and the
     lengths on every device."""
     check_split("heads", paged=True, mesh=mesh)
-    placed = pool_sharding(mesh, "heads")
-    replicated = NamedSharding(mesh, PartitionSpec())
     shape = (num_pages, config.kv_heads, page_size, config.head_dim)
-    dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
-    layers = (jax.ShapeDtypeStruct(shape, dtype, sharding=pf.cache_format(placed)),) * config.layers
-    scales = None
-    if dtype == jnp.int8:
-        scale_format = pf.cache_format(scales_sharding(placed), 3)
-        scales = (jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=scale_format),)
-        scales *= config.layers
+    layers, scales = _layer_buffers(config, shape, pool_sharding(mesh, "heads"), kv_dtype)
+    replicated = NamedSharding(mesh, PartitionSpec())
 
     def whole(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)

@@ -62,7 +62,8 @@ def occupancy(
     one chip: each Pallas kernel's occupancy by name, its `loop_trips` and, for splitkv's
     ragged calls, the share of its operands it reads: the pool's pages its own sequences
     hold (the pools are nearly all of its operands' bytes)."""
-    shares = _pool_shares(backend, workload, workload.tokens if tokens is None else tokens)
+    tokens = workload.tokens if tokens is None else tokens
+    shares = _pool_shares(backend, workload, tokens)
 
     @functools.cache
     def of(kernel: str) -> kernel_cost.FullGrid:
