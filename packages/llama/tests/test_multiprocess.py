@@ -5,6 +5,10 @@ Each process is started as a user would start one host of a slice: the same comm
 gloo collectives connect them. A job of 2 processes with 2 CPU devices each, or of 4 with one
 each, runs the same program over the same 4-device mesh as 1 process with 4 devices, so they
 must agree.
+
+The tests check what a job computes and what the CLI itself reports, never what the libraries
+under it print: gloo, for one, writes lines of its own to a process's stdout, whether it does
+depending on how the processes happen to connect.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,12 +26,16 @@ import jax
 import numpy as np
 import pytest
 
+from pallas_flash_conformance.across_processes import coordinator_address
 from pallas_flash_llama import tiny
 from pallas_flash_llama.weights import load_params
 
 DEVICES = 4
 TIMEOUT_S = 420
 TRAIN = ["--batch-size", "4", "--seq-len", "64", "--backend", "xla", "--mesh", "1,-1,1"]
+CLI_REPORT = re.compile(r"resuming at step \d+ from |saved to |'.*' -> '.*'$")
+"""The lines `pallas_flash_llama.cli` writes to stdout: a resumed run, saved weights, one
+prompt's generated text (``'prompt' -> 'text'``)."""
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +45,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _start(args: list[str], processes: int, cache: pathlib.Path) -> list[subprocess.Popen]:
     """``pallas-flash-llama ARGS`` as a job of ``processes`` processes sharing 4 devices."""
     env = os.environ | {
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES // processes}",
     }
-    job = ["--coordinator", f"localhost:{_free_port()}", "--num-processes", str(processes)]
+    job = ["--coordinator", coordinator_address(), "--num-processes", str(processes)]
     command = [sys.executable, "-m", "pallas_flash_llama.cli", "--compilation-cache", str(cache)]
     return [
         subprocess.Popen(
@@ -63,14 +65,14 @@ def _start(args: list[str], processes: int, cache: pathlib.Path) -> list[subproc
     ]
 
 
-def _run(args: list[str], processes: int, cache: pathlib.Path) -> list[str]:
-    """Runs the job to the end; what each process printed (gloo's own lines left out)."""
-    outputs = []
+def _run(args: list[str], processes: int, cache: pathlib.Path) -> list[list[str]]:
+    """Runs the job to the end; the lines each process's CLI reported (`CLI_REPORT`)."""
+    reports = []
     for rank, process in enumerate(_start(args, processes, cache)):
         out, err = process.communicate(timeout=TIMEOUT_S)
         assert process.returncode == 0, f"process {rank} of {processes} failed:\n{err[-4000:]}"
-        outputs.append("".join(line for line in out.splitlines(True) if "[Gloo]" not in line))
-    return outputs
+        reports.append([line for line in out.splitlines() if CLI_REPORT.match(line)])
+    return reports
 
 
 def _losses(metrics: pathlib.Path) -> dict[int, float]:
@@ -89,8 +91,7 @@ def test_training_over_two_processes_matches_one_and_resumes_on_two_or_one(model
 
     # every process feeds two rows of the global batch
     first = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
-    outputs = _run(["train", *data, *first, "--metrics", str(tmp_path / "two.jsonl")], 2, cache)
-    assert not any(outputs[1:]), "only process 0 prints"
+    _run(["train", *data, *first, "--metrics", str(tmp_path / "two.jsonl")], 2, cache)
     two = _losses(tmp_path / "two.jsonl")
     assert sorted(two) == [1, 2]
     np.testing.assert_allclose([two[1], two[2]], [one[1], one[2]], rtol=1e-5)
@@ -100,8 +101,12 @@ def test_training_over_two_processes_matches_one_and_resumes_on_two_or_one(model
         resumed = tmp_path / f"resumed-{processes}.jsonl"
         args = ["--steps", "4", "--checkpoint-dir", str(tmp_path / checkpoints)]
         saved = ["--metrics", str(resumed), "--save", str(tmp_path / f"model-{processes}")]
-        outputs = _run(["train", *data, *args, *saved], processes, cache)
-        assert "resuming at step 2" in outputs[0]
+        reports = _run(["train", *data, *args, *saved], processes, cache)
+        assert reports[0] == [
+            f"resuming at step 2 from {tmp_path / checkpoints}",
+            f"saved to {tmp_path / f'model-{processes}'}",
+        ]
+        assert not any(reports[1:]), "only process 0 reports"
         losses = _losses(resumed)
         assert sorted(losses) == [3, 4], processes
         np.testing.assert_allclose([losses[3], losses[4]], [one[3], one[4]], rtol=1e-5)
@@ -120,11 +125,16 @@ def test_generation_over_four_processes_matches_one(model, tmp_path) -> None:
             "--kv-cache", "paged"]  # fmt: skip
     one = _run(args, 1, tmp_path / "cache")
     four = _run(args, 4, tmp_path / "cache")
-    assert four[0] == one[0] and one[0].count("->") == 4
-    assert not any(four[1:]), "only process 0 prints"
+    assert len(one[0]) == 4 and four[0] == one[0]
+    assert not any(four[1:]), "only process 0 reports"
 
 
-def test_a_process_that_dies_fails_the_others_with_an_error(model, tmp_path) -> None:
+def test_a_process_that_dies_stops_the_others(model, tmp_path) -> None:
+    """Process 1 killed after the first step: process 0 exits non-zero, it does not hang.
+
+    Which of two ends comes first depends on timing, so neither's text is checked: the CLI's
+    own error (a collective with the dead process failed) or jax's coordination service
+    ending the process (a task stopped answering within the heartbeat timeout)."""
     metrics = tmp_path / "metrics.jsonl"
     args = ["--heartbeat-timeout", "10", "train", "--model", str(model),
             "--data", str(model / tiny.SAMPLE_FILE), *TRAIN, "--steps", "100000",
@@ -136,11 +146,8 @@ def test_a_process_that_dies_fails_the_others_with_an_error(model, tmp_path) -> 
             assert main.poll() is None and time.monotonic() < deadline, "no step was taken"
             time.sleep(0.5)
         other.kill()
-        killed = time.monotonic()
-        _, err = main.communicate(timeout=120)
-        assert time.monotonic() - killed < 120
+        _, err = main.communicate(timeout=TIMEOUT_S)  # a hang fails here
     finally:
         for process in (main, other):
             process.kill()
-    assert main.returncode != 0
-    assert "another process of the job stopped" in err or "another task died" in err, err[-3000:]
+    assert main.returncode != 0, err[-3000:]

@@ -7,7 +7,8 @@ Each process joins the job (``jax.distributed``, gloo collectives on CPU), build
 inputs as NumPy arrays, calls the backend over a mesh of every process's devices
 (``jax.make_mesh``, as users build one), gathers the output and compares it with the float64
 reference; it exits 0 when it matches. `run_job` starts the processes and waits for them
-(`test_across_processes`).
+(`test_across_processes`); `coordinator_address` gives any such job on localhost its
+coordinator's address.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pathlib
+import random
 import socket
 import subprocess
 import sys
@@ -22,6 +25,33 @@ from collections.abc import Sequence
 
 CHECKS = ("decode", "context_parallel")
 TIMEOUT_S = 600
+EPHEMERAL_PORTS = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Linux's range of ports it hands to sockets that bind port 0 or connect unbound."""
+
+
+def coordinator_address() -> str:
+    """``localhost:PORT`` for the coordinator of a job started on this machine, ``PORT`` free
+    now and below the kernel's ephemeral range.
+
+    A port the kernel handed out (bind to port 0, then close) can be handed to another socket
+    (a gloo connection, a test's client) before the coordinator binds it; a port below that
+    range is only ever taken by a process that names it. The port is drawn at random, so that
+    jobs started at once by parallel test processes do not pick the same one.
+    """
+    try:
+        low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    draw = random.Random()  # seeded from the OS: parallel processes draw apart
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 12288), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("localhost", port))
+            except OSError:
+                continue  # taken: draw again
+        return f"localhost:{port}"
+    raise RuntimeError(f"no free port below {low} for a coordinator after 100 draws")
 
 
 def _decode(backend: str) -> None:
@@ -96,16 +126,13 @@ def run_job(backend: str, check: str, processes: int = 2, devices_each: int = 2)
     Raises:
       AssertionError: a process failed; its standard error is in the message.
     """
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "PALLAS_FLASH_DETECT_RACES"}
     env |= {
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}",
     }
-    command = [sys.executable, "-m", __name__, "--backend", backend, "--check", check,
-               "--coordinator", f"localhost:{port}", "--num-processes", str(processes)]  # fmt: skip
+    job = ["--coordinator", coordinator_address(), "--num-processes", str(processes)]
+    command = [sys.executable, "-m", __name__, "--backend", backend, "--check", check, *job]
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     ranks = range(processes)
     jobs = [subprocess.Popen([*command, "--process-id", str(r)], env=env, **output) for r in ranks]
