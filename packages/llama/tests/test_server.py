@@ -36,6 +36,9 @@ from pallas_flash_llama.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, 
 from pallas_flash_llama.weights import load_params
 
 MODEL = "tiny-chat"
+HANG_S = 120
+"""How long a test waits for the server or engine to reach a state before it fails: a bound
+on a hang, far above what a loaded 2-core machine takes (compiles included)."""
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m.role == 'tool' %}{{ raise_exception('no tool messages here') }}{% endif %}"
@@ -121,7 +124,7 @@ def serving(app: object) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while not server.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
@@ -228,7 +231,7 @@ def test_stop_strings(client: openai.OpenAI, fake: FakeEngine, model_dir: tuple)
     assert chunks[-1].id in fake.cancelled  # found in the text: the request is cancelled
 
 
-def _wait_for(condition: Callable[[], object], timeout: float = 10) -> bool:
+def _wait_for(condition: Callable[[], object], timeout: float = HANG_S) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
