@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import jax
 import jax.numpy as jnp
@@ -53,20 +55,23 @@ def _expected(q, k, v, lengths) -> np.ndarray:
     return reference.decode(q, k, v, lengths, sm_scale=1 / math.sqrt(HEAD_DIM))
 
 
-def test_on_four_host_devices() -> None:
+def test_on_four_host_devices(tmp_path: pathlib.Path) -> None:
     if jax.device_count() >= DEVICES:
         pytest.skip("this process has the devices: the tests run here")
     flags = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}".strip()
+    report = tmp_path / "report.xml"
     others = ["-k", "not test_on_four_host_devices", "-p", "no:cacheprovider", __file__]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", *others],
+        [sys.executable, "-m", "pytest", "-q", f"--junitxml={report}", *others],
         env={**os.environ, "XLA_FLAGS": flags},
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]  # all ran
+    cases = list(ET.parse(report).iter("testcase"))
+    skipped = [case.get("name") for case in cases if case.find("skipped") is not None]
+    assert cases and not skipped, skipped  # all ran, on 4 devices
 
 
 def test_an_unplaced_or_traced_cache_stays_on_one_device() -> None:
