@@ -1,4 +1,5 @@
-"""Helpers shared by the llama tests: a tiny Hugging Face config and directory writer."""
+"""Helpers shared by the llama tests: a tiny Hugging Face config and directory writer, and how
+long a test waits for a thread or server."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import llama_reference
 from safetensors.numpy import save_file
 
 from pallas_flash_llama.config import get_config, to_hf_config
+
+HANG_S = 600
+"""How long a test waits for the engine's thread or the server to reach a state before it fails:
+a bound on a hang, far above what a loaded 2-core machine takes (compiles included)."""
 
 TINY_HF = to_hf_config(get_config("tiny")) | {
     "rope_scaling": {

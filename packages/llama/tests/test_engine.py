@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec
+from llama_testing import HANG_S
 
 import pallas_flash as pf
 from pallas_flash_llama import engine_step, generation
@@ -95,7 +96,7 @@ def _arriving(engine: Engine, requests: list[Request], seed: int) -> dict[str, F
     try:
         submit_next()
         submit_next()
-        assert all_done.wait(120), "every request ends"
+        assert all_done.wait(HANG_S), "every request ends"
     finally:
         engine.stop()
     return done
@@ -205,7 +206,7 @@ def test_cancel_ends_a_request_and_frees_its_pages(engine) -> None:
     engine.start()
     try:
         engine.submit(request, cancel_running, on_finish)
-        assert finished.wait(60)
+        assert finished.wait(HANG_S)
     finally:
         engine.stop()
     assert results == [Finished("long", full[:1], "cancelled")]
@@ -217,7 +218,7 @@ def test_cancel_ends_a_request_and_frees_its_pages(engine) -> None:
     engine.cancel("unknown")  # ignored
     engine.start()
     try:
-        assert finished.wait(60)
+        assert finished.wait(HANG_S)
     finally:
         engine.stop()
     assert results[1:] == [Finished("long", (), "cancelled")]

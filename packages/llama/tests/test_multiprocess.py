@@ -31,7 +31,8 @@ from pallas_flash_llama import tiny
 from pallas_flash_llama.weights import load_params
 
 DEVICES = 4
-TIMEOUT_S = 420
+TIMEOUT_S = 900
+"""A bound on a hung job: one job takes 1 to 3 minutes on a loaded 2-core machine."""
 TRAIN = ["--batch-size", "4", "--seq-len", "64", "--backend", "xla", "--mesh", "1,-1,1"]
 CLI_REPORT = re.compile(r"resuming at step \d+ from |saved to |'.*' -> '.*'$")
 """The lines `pallas_flash_llama.cli` writes to stdout: a resumed run, saved weights, one

@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from llama_testing import HANG_S
 
 import pallas_flash as pf
 from pallas_flash_llama import cli, tiny
@@ -36,9 +37,6 @@ from pallas_flash_llama.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, 
 from pallas_flash_llama.weights import load_params
 
 MODEL = "tiny-chat"
-HANG_S = 120
-"""How long a test waits for the server or engine to reach a state before it fails: a bound
-on a hang, far above what a loaded 2-core machine takes (compiles included)."""
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m.role == 'tool' %}{{ raise_exception('no tool messages here') }}{% endif %}"
