@@ -2,7 +2,7 @@
 
 The detector reports ``RACE DETECTED`` (with the buffers and clocks) for every data race
 between the simulated DMAs and the kernel body: jax 0.10 prints it, sets its kernel's
-``races_found`` and goes on (read here through `record_races`), newer jax raises it (the
+``races_found`` and goes on (read here through `interpret.recorded_races`), newer jax raises it (the
 interpreter's ``on_race="raise"``). These tests check both ways: first that it does report a
 race planted in a small kernel, then that the kernels, on calls that span several blocks,
 chunks and GQA heads, report none.
@@ -10,6 +10,7 @@ chunks and GQA heads, report none.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -24,18 +25,19 @@ from pallas_flash.interpret import (
     INTERPRET_ENV_VAR,
     RACE_REPORT,
     interpret_params,
+    recorded_races,
 )
 from pallas_flash_conformance import inputs
-from pallas_flash_conformance.plugin import record_races
 from pallas_flash_pallas import BlockSizes, flash_attention
 
 
 @pytest.fixture(autouse=True)
-def races(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The race detector's state of each kernel the test runs (`record_races`)."""
+def races(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """The race detector's state of each kernel the test runs (`interpret.recorded_races`)."""
     monkeypatch.setenv(INTERPRET_ENV_VAR, "1")
     monkeypatch.setenv(DETECT_RACES_ENV_VAR, "1")
-    return record_races(monkeypatch)
+    with recorded_races() as states:
+        yield states
 
 
 def test_a_planted_race_is_reported(races: list[Any]) -> None:

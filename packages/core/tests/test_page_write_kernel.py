@@ -12,6 +12,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import cache_write, page_write_kernel
+from pallas_flash.interpret import recorded_races
 
 NEW_TOKENS = (1, 37, 0, 2, 16, 1)
 """New tokens per sequence: decoding, a prefill chunk crossing chunks and pages, an empty slot,
@@ -63,9 +64,11 @@ def test_writes_what_one_scatter_writes(
     values = (jnp.arange(np.prod(values_shape)) % 97 + 10).reshape(values_shape).astype(dtype)
     assert page_write_kernel.fits(pool, pages.shape[0])
     interpret = pltpu.InterpretParams(detect_races=True)
-    got = page_write_kernel.write_tokens_kernel(
-        pool, values, pages, rows, sequences=len(NEW_TOKENS), interpret=interpret
-    )
+    with recorded_races() as races:
+        got = page_write_kernel.write_tokens_kernel(
+            pool, values, pages, rows, sequences=len(NEW_TOKENS), interpret=interpret
+        )
+    assert [state.races_found for state in races] == [False]
     expected = cache_write._scatter_tokens(pool, values, pages, rows)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     assert not np.array_equal(np.asarray(got), np.asarray(pool))

@@ -10,6 +10,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import cache_write, row_write_kernel
+from pallas_flash.interpret import recorded_races
 
 BLOCKS = jnp.asarray([0, 1, 2, 3, 4, 5, 6, -1, 9], jnp.int32)  # -1 and 9: no such block
 POSITIONS = jnp.asarray([0, 5, 17, 255, 128, 256, 3, 1, 2], jnp.int32)  # 256: past the end
@@ -26,7 +27,11 @@ def test_writes_what_one_update_per_row_writes(shape: tuple[int, ...], dtype: st
     rows = (jnp.arange(np.prod(rows_shape)) % 97 + 10).reshape(rows_shape).astype(dtype)
     assert row_write_kernel.fits(cache, len(BLOCKS))
     interpret = pltpu.InterpretParams(detect_races=True)
-    got = row_write_kernel.write_rows_kernel(cache, rows, BLOCKS, POSITIONS, interpret=interpret)
+    with recorded_races() as races:
+        got = row_write_kernel.write_rows_kernel(
+            cache, rows, BLOCKS, POSITIONS, interpret=interpret
+        )
+    assert [state.races_found for state in races] == [False]
     expected = cache_write._write_rows(cache, rows, BLOCKS, POSITIONS)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     assert not np.array_equal(np.asarray(got), np.asarray(cache))

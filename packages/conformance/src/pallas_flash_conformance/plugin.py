@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -89,36 +88,17 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     )
 
 
-def record_races(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Keeps the race detector's state of every kernel that Pallas's TPU interpreter starts
-    from now on (until ``monkeypatch`` is undone) in the list returned, in order: a state's
-    ``races_found`` says whether the detector reported a race in that kernel. jax keeps only
-    the last kernel's (``races``, which each kernel replaces)."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
-
-    states: list[Any] = []
-    new_state = interpreter.RaceDetectionState
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        state = new_state(*args, **kwargs)
-        states.append(state)
-        return state
-
-    monkeypatch.setattr(interpreter, "RaceDetectionState", recorded)
-    return states
-
-
 @pytest.fixture(autouse=True)
 def _races_fail_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """With the race detector on (``PALLAS_FLASH_DETECT_RACES=1``), a suite test whose kernels
     it reports racing fails: jax 0.10's detector prints `pallas_flash.interpret.RACE_REPORT`
-    and goes on, setting ``races_found`` (`record_races`); newer jax raises it, which fails the
-    test anyway."""
+    and goes on (its verdict per kernel: `interpret.recorded_races`); newer jax raises it, which
+    fails the test anyway."""
     if not (_in_suite(request.node) and interpret.detects_races()):
         yield
         return
-    states = record_races(request.getfixturevalue("monkeypatch"))
-    yield
+    with interpret.recorded_races() as states:
+        yield
     raced = sum(state.races_found for state in states)
     if raced:
         pytest.fail(

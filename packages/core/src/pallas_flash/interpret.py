@@ -9,7 +9,8 @@ Environment variables:
   compile for a TPU ahead of time on a host without one); unset or empty: Mosaic on TPU,
   the interpreter elsewhere.
   ``PALLAS_FLASH_DETECT_RACES``: ``1`` turns on the interpreter's race detector, which
-  reports `RACE_REPORT` for every data race it sees: jax 0.10 prints it, newer jax raises it.
+  reports `RACE_REPORT` for every data race it sees: jax 0.10 prints it and goes on (its
+  verdict per kernel: `recorded_races`), newer jax raises it.
 
 A kernel that runs inside ``shard_map`` on several devices is interpreted by Pallas's generic
 interpreter instead (``interpret=True``): the TPU interpreter makes its simulated devices meet
@@ -21,9 +22,10 @@ simulating DMAs or detecting races; the single-device runs of the same kernel co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -48,6 +50,29 @@ def _flag(name: str) -> bool | None:
 def detects_races() -> bool:
     """Whether ``PALLAS_FLASH_DETECT_RACES`` turns the interpreter's race detector on."""
     return bool(_flag(DETECT_RACES_ENV_VAR))
+
+
+@contextlib.contextmanager
+def recorded_races() -> Iterator[list[Any]]:
+    """Inside the block, the race detector's state of every kernel that Pallas's TPU
+    interpreter runs, in order, is appended to the list given: a state's ``races_found`` says
+    whether the detector saw a race in that kernel. jax keeps only the last kernel's state
+    (each kernel replaces it), and jax 0.10 only prints its report: this is the verdict of
+    each kernel, read without capturing output. Reads jax's private interpreter module."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+
+    states: list[Any] = []
+    new_state = interpreter.RaceDetectionState
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        states.append(new_state(*args, **kwargs))
+        return states[-1]
+
+    interpreter.RaceDetectionState = recorded
+    try:
+        yield states
+    finally:
+        interpreter.RaceDetectionState = new_state
 
 
 def interpret_params(devices: int = 1) -> pltpu.InterpretParams | bool | None:
