@@ -1,5 +1,6 @@
-"""How the ragged attention kernel tiles a flat batch: its block sizes, and the schedule of
-query blocks (which sequence and which token rows each grid step takes).
+"""How the ragged attention kernel tiles a flat batch: its block sizes, the schedule of query
+blocks (which sequence and which token rows each grid step takes) and the cache positions and
+kv blocks each of them reads (`item_span`).
 
 A ragged batch packs the new tokens of many sequences into one axis
 (`pallas_flash.ragged_batch`). The kernel's grid walks *work items*: item ``w`` is up to
@@ -16,8 +17,8 @@ and the other sequences one with ``block_q`` (`kernel_calls`): the rows a decode
 empty are the rows every kv block's softmax works on for nothing.
 
 The schedule is computed in jax before the kernel (a few ``[items]`` int32 arrays, prefetched
-into SMEM), and so are the gathers that lay the query out per item and the output back per
-token: both touch only q-sized data, never the cache.
+into SMEM); the kernel copies each item's query rows from, and its output rows to, the batch's
+own ``[tokens, q_heads, head_dim]`` layout.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from pallas_flash.ragged_batch import new_tokens, token_places
+from pallas_flash.ragged_batch import new_tokens
 
 KERNEL_NAME = "pallas_flash_ragged_paged_attention"
 DECODE_KERNEL_NAME = "pallas_flash_ragged_paged_attention_decode"
@@ -197,37 +199,38 @@ def schedule(
     )
 
 
-def gather_queries(q: jax.Array, plan: Schedule, kv_heads: int, block_q: int) -> jax.Array:
-    """q ``[tokens, q_heads, head_dim]`` per work item: ``[items, kv_heads, group x block_q,
-    head_dim]``, row ``g x block_q + t`` the ``t``-th token's query head ``g`` of the kv head
-    (rows past an item's tokens repeat a valid token; their output is dropped)."""
-    tokens, q_heads, head_dim = q.shape
-    group = q_heads // kv_heads
-    rows = jnp.clip(plan.first[:, None] + jnp.arange(block_q), 0, tokens - 1)
-    items = q[rows].reshape(-1, block_q, kv_heads, group, head_dim)
-    return items.transpose(0, 2, 3, 1, 4).reshape(-1, kv_heads, group * block_q, head_dim)
+def item_span(
+    length: jax.Array,
+    query_end: jax.Array,
+    first: jax.Array,
+    count: jax.Array,
+    window: int | None,
+    block_kv: int,
+    max_len: int,
+) -> tuple[jax.Array, ...]:
+    """``(p0, lo, hi, first_block, blocks)`` of `ItemRange` for a work item of ``count`` tokens
+    from row ``first`` of a sequence of ``length`` positions whose new tokens end at row
+    ``query_end``; scalars in the kernel, ``[items]`` arrays in `ragged_kernel.loop_runs`."""
+    length = jnp.clip(length, 0, max_len)
+    p0 = length - query_end + first  # the first token's position
+    hi = jnp.minimum(p0 + count - 1, length - 1)  # the last position any row sees
+    lo = jnp.zeros_like(p0) if window is None else jnp.maximum(p0 - window, 0)
+    # lax.div, not //: Mosaic lowers a signed // or % through `sign`, which asks the default
+    # device for the TPU's generation (an AOT compile on a CPU host has none)
+    first_block = lax.div(lo, jnp.int32(block_kv)) if window is not None else jnp.zeros_like(p0)
+    last_block = lax.div(jnp.maximum(hi, 0), jnp.int32(block_kv))
+    # at least one block, all masked where hi < lo (lengths below the new tokens, traced)
+    blocks = jnp.maximum(last_block - first_block + 1, 1)
+    return p0, lo, hi, first_block, blocks
 
 
-def outputs_per_token(
-    out: jax.Array,
-    query_starts: jax.Array,
-    kv_lengths: jax.Array,
-    tokens: int,
-    block_q: int,
-    include: jax.Array | None = None,
-) -> jax.Array:
-    """The kernel's output ``[items, kv_heads, group x block_q, head_dim]`` back per token:
-    ``[tokens, q_heads, head_dim]``, zeros for padding rows and the tokens of sequences not in
-    ``include`` (`gather_queries`' inverse)."""
-    _, kv_heads, rows, head_dim = out.shape
-    group = rows // block_q
-    places = token_places(query_starts, kv_lengths, tokens)
-    per_sequence = _items_per_sequence(query_starts, block_q, include)
-    item_starts = jnp.cumsum(per_sequence) - per_sequence
-    within = jnp.arange(tokens, dtype=jnp.int32) - query_starts[places.sequence]
-    item = item_starts[places.sequence] + within // block_q
-    item = jnp.clip(item, 0, out.shape[0] - 1)
-    by_token = out.reshape(-1, kv_heads, group, block_q, head_dim)[item, :, :, within % block_q]
-    by_token = by_token.reshape(tokens, kv_heads * group, head_dim)
-    taken = places.valid if include is None else places.valid & include[places.sequence]
-    return jnp.where(taken[:, None, None], by_token, jnp.zeros_like(by_token))
+class ItemRange(NamedTuple):
+    """The positions one work item reads: its sequence, its first token's position ``p0``,
+    the positions ``[lo, hi]`` some row sees, and the kv blocks that hold them (at least 1)."""
+
+    seq: jax.Array
+    p0: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    first_block: jax.Array
+    blocks: jax.Array
