@@ -75,16 +75,23 @@ PARALLEL = ("--numprocesses=auto", "--maxprocesses=4", "--dist=worksteal")
 """pytest-xdist: one test process per core (at most 4; CI has 2). Interpret-mode kernels and
 Mosaic compiles each keep one core busy, so two processes halve a 2-core machine's run; an
 idle process takes queued tests from the other (a few tests take minutes)."""
-CHECKED_ON_ONE_STACK = (
-    "packages/conformance/tests/test_toy_backends.py",
-    "packages/bench/tests/test_cli.py",
-)
-"""Tests of our own test and report machinery that the newest stack does not repeat: the
-suite failing broken toy backends, and whole ``pallas-flash bench`` runs writing their
-report (the figures belong to the pinned stack's libtpu). Every test of kernels, models,
+PINNED_ONLY = {
+    "packages/conformance/tests/test_toy_backends.py":
+        "our own test machinery: the suite failing broken toy backends",
+    "packages/bench/tests/test_cli.py":
+        "whole `pallas-flash bench` runs writing their report, whose figures are the pinned "
+        "stack's (`nox -s bench-newest` runs the newest stack's)",
+    "packages/llama/tests/test_aot.py":
+        "whole Llama steps compiled for v5e slices: XLA's program around the kernels, which "
+        "the backends' AOT tests compile for v5e on this stack too",
+    "packages/llama/tests/test_multiprocess.py":
+        "the CLI's jobs over 2 and 4 processes, minutes of process start-up; jax.distributed "
+        "across processes is the conformance suite's `test_across_processes` on this stack",
+}  # fmt: skip
+"""Test files the newest stack does not repeat -> why. Every other test of kernels, models,
 compiles and APIs runs on both stacks but the heaviest compiles (`HEAVY_COMPILES`). The race
-detector runs on the pinned stack only too:
-races are a property of the kernels' DMAs and semaphores, the same code on either stack."""
+detector runs on the pinned stack only too: races are a property of the kernels' DMAs and
+semaphores, the same code on either stack."""
 
 
 HEAVY_COMPILES = (
@@ -96,16 +103,14 @@ HEAVY_COMPILES = (
     "packages/backend_pallas/tests/test_aot.py::test_mla_head_dims_compile_to_their_kernels",
     "packages/backend_pallas/tests/test_aot.py::test_long_gqa_gradients_fit_in_chunks",
     "packages/bench/tests/test_workloads.py::test_a_paged_slice_spreads_each_sequence_round_its_chips",
-    "packages/llama/tests/test_aot.py::test_train_step_compiles_for_a_v5e_slice",
-    "packages/llama/tests/test_aot.py::test_paged_int8_decode_step_compiles_for_v5e[1]",
 )  # fmt: skip
 """The heaviest compiles for a TPU (30 s to 2.5 min each on 2 cores), which the newest stack
 does not repeat, for CI's time: the largest shapes and slices behind the VMEM estimate, the
-memory of long and context-parallel training, MLA head dims and the whole Llama train step.
-The newest stack still compiles the attention, decode, paged and ragged kernels for v5e (and
-v4, v6e) at the other AOT tests' shapes, and its quick bench (`nox -s bench-newest`) compiles
-the sweep's rows; what only the pinned stack compiles is listed here (among them the split
-backward of very long sequences and MLA's head dims)."""
+memory of long and context-parallel training and MLA head dims. The newest stack still
+compiles the attention, decode, paged and ragged kernels for v5e (and v4, v6e) at the other
+AOT tests' shapes, and its quick bench (`nox -s bench-newest`) compiles the sweep's rows; what
+only the pinned stack compiles is listed here (among them the split backward of very long
+sequences and MLA's head dims)."""
 
 
 def _install(session: nox.Session, *requirements: str, stack: str = "pinned") -> None:
@@ -170,7 +175,7 @@ def tests(session: nox.Session, stack: str) -> None:
     # --durations: the CI log names the slowest tests, what to trim when the run grows.
     once = []
     if stack != "pinned":
-        once += [f"--ignore={ROOT / path}" for path in CHECKED_ON_ONE_STACK]
+        once += [f"--ignore={ROOT / path}" for path in PINNED_ONLY]
         once += [f"--deselect={test}" for test in HEAVY_COMPILES]
     env = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **_compilation_cache(stack)}
     session.run("pytest", *PARALLEL, "--durations=15", *test_dirs, *once, *session.posargs, env=env)
