@@ -117,7 +117,7 @@ def test_fits_paged_pools_and_takes_items_within_the_vmem_budget() -> None:
     assert not page_write_kernel.fits(jnp.zeros((4, 128), jnp.bfloat16), 8)
     assert not page_write_kernel.fits(jnp.zeros((4, 1, 16), jnp.float32), 8)  # scales: lanes
     big = jnp.zeros((1, 64, 16, 128), jnp.bfloat16)  # 256 KiB a chunk
-    assert page_write_kernel.items_per_step(big, 512) == 10
+    assert page_write_kernel.items_per_step(big, 512) == 16  # its rows and its chunk: 8 MiB
     assert page_write_kernel.items_per_step(jnp.zeros((1, 8, 16, 128), jnp.bfloat16), 5) == 5
-    huge = jnp.zeros((1, 1024, 16, 128), jnp.bfloat16)  # 4 MiB a chunk
+    huge = jnp.zeros((1, 2048, 16, 128), jnp.bfloat16)  # 8 MiB a chunk
     assert not page_write_kernel.fits(huge, 1)

@@ -8,10 +8,12 @@ aliased to the output. A pool's positions are a tiled axis (``[pages, kv_heads, 
 head_dim]``: sublanes), so an HBM copy starts and ends on a tile: the kernel works in
 *chunks* of `chunk_positions` positions of one page (a whole number of tiles, or the whole
 page). A run of a sequence's new tokens that lies in one chunk is one *item*: its tokens are
-laid out at their rows of the chunk beforehand (`_patches`, a gather of the tokens), the
-chunk copied into VMEM, the new rows patched in and the chunk copied back; an item that
-covers its whole chunk skips the read. No two sequences share a page, so no two items share
-a chunk. The grid takes `items_per_step` items a step, all their copies in flight at once.
+copied from the batch's own layout into VMEM at their rows of the chunk (one copy of that many
+rows, every kv head at once), the chunk copied into VMEM, the new rows patched in (kv heads
+brought first in VMEM) and the chunk copied back; an item that covers its whole chunk skips
+the read. Nothing is laid out for the kernel beforehand. No two sequences share a page, so no
+two items share a chunk. The grid takes `items_per_step` items a step, all their copies in
+flight at once.
 
 Layouts: ``pool [num_pages, kv_heads, page_size, head_dim]`` (positions on sublanes) or
 ``[num_pages, kv_heads, page_size]`` (an int8 cache's scales, positions on lanes); ``values
@@ -40,7 +42,7 @@ SCALES_KERNEL_NAME = "pallas_flash_write_page_scales"
 """The kernel's name on a pool of values, and on an int8 cache's scales (their chunks differ)."""
 
 MAX_STEP_BYTES = 8 << 20
-"""VMEM one grid step's chunks may take: the patches (double-buffered) and the chunks read."""
+"""VMEM one grid step's chunks may take: the items' token rows and the chunks read."""
 
 MAX_ITEMS_PER_STEP = 32
 """Items one grid step takes at most (their copies in flight at once)."""
@@ -65,17 +67,17 @@ def kernel_name(pool: jax.Array | jax.ShapeDtypeStruct) -> str:
 
 
 def items_per_step(pool: jax.Array, bound: int) -> int:
-    """Items one grid step writes: up to `MAX_ITEMS_PER_STEP`, three chunks' worth each
-    (two patch buffers, one chunk read) within `MAX_STEP_BYTES`, at most ``bound`` (the
-    batch's `max_items`)."""
-    return max(1, min(MAX_ITEMS_PER_STEP, bound, MAX_STEP_BYTES // (3 * _chunk_bytes(pool))))
+    """Items one grid step writes: up to `MAX_ITEMS_PER_STEP`, two chunks' worth each (the
+    token rows, the chunk read) within `MAX_STEP_BYTES`, at most ``bound`` (the batch's
+    `max_items`)."""
+    return max(1, min(MAX_ITEMS_PER_STEP, bound, MAX_STEP_BYTES // (2 * _chunk_bytes(pool))))
 
 
 def fits(pool: jax.Array, tokens: int) -> bool:
     """Whether the kernel can write ``tokens`` tokens into ``pool``: a paged layout (scales:
     pages of whole lane tiles, the offset of a shorter page in HBM being one Mosaic cannot
     prove aligned), and one item's chunks within `MAX_STEP_BYTES`."""
-    if pool.ndim not in (3, 4) or tokens == 0 or 3 * _chunk_bytes(pool) > MAX_STEP_BYTES:
+    if pool.ndim not in (3, 4) or tokens == 0 or 2 * _chunk_bytes(pool) > MAX_STEP_BYTES:
         return False
     return pool.ndim == 4 or pool.shape[2] % LANES == 0
 
@@ -144,18 +146,10 @@ def _previous(x: jax.Array, fill: bool | int) -> jax.Array:
     return jnp.concatenate([jnp.full((1,), fill, x.dtype), x[:-1]])
 
 
-def _patches(values: jax.Array, plan: Items, chunk: int) -> jax.Array:
-    """``values [tokens, kv_heads, ...]`` laid out per item at their rows of its chunk:
-    ``[kv_heads, max_items, chunk, ...]`` (rows an item does not write hold another token's
-    values; the kernel leaves them out), one gather from the tokens with kv heads leading."""
-    tokens = values.shape[0]
-    source = plan.first_token[:, None] - plan.first_row[:, None] + jnp.arange(chunk)
-    return jnp.moveaxis(values, 1, 0)[:, jnp.clip(source, 0, tokens - 1)]
-
-
 def moved_bytes(plan: Items, pool: jax.Array | jax.ShapeDtypeStruct) -> int:
-    """HBM bytes the kernel moves on a concrete ``plan``: each item's patch read and its chunk
-    written, and the chunk read first where the item leaves rows of it."""
+    """HBM bytes the kernel moves on a concrete ``plan``: each item's tokens read (at most a
+    chunk's) and its chunk written, and the chunk read first where the item leaves rows of
+    it."""
     used = int(plan.count[0])
     partial = int(jnp.sum(plan.tokens[:used] < chunk_positions(pool)))
     return (2 * used + partial) * _chunk_bytes(pool)
@@ -163,12 +157,13 @@ def moved_bytes(plan: Items, pool: jax.Array | jax.ShapeDtypeStruct) -> int:
 
 def _kernel(
     page_ref, start_ref, first_row_ref, first_token_ref, tokens_ref, count_ref,
-    patches_ref, _, pool_ref, chunks, sems, *, per_step: int, chunk: int,
+    values_ref, _, pool_ref, rows, chunks, sems, *, per_step: int, chunk: int,
 ):  # fmt: skip
     """One grid step: items ``s x per_step`` to ``s x per_step + per_step - 1``. Refs: the
-    items (SMEM); ``patches [kv_heads, per_step, chunk, ...]`` (VMEM); the pool in HBM twice
-    (the input, aliased to the output, which is written); scratch: ``chunks [per_step,
-    kv_heads, chunk, ...]`` and DMA semaphores ``[2, per_step]``."""
+    items (SMEM); ``values [tokens, kv_heads, ...]`` and the pool twice (the input, aliased to
+    the output, which is written), all in HBM; scratch: the items' token rows ``[per_step,
+    chunk, kv_heads, ...]`` at their rows of the chunk, ``chunks [per_step, kv_heads, chunk,
+    ...]`` and DMA semaphores ``[3, per_step]`` (rows, chunk reads, chunk writes)."""
     first_item = pl.program_id(0) * per_step
     used = jnp.clip(count_ref[0] - first_item, 0, per_step)
 
@@ -176,25 +171,33 @@ def _kernel(
         item = first_item + i
         span = pool_ref.at[page_ref[item], :, pl.ds(pl.multiple_of(start_ref[item], chunk), chunk)]
         if into_vmem:
-            return pltpu.make_async_copy(span, chunks.at[i], sems.at[0, i])
-        return pltpu.make_async_copy(chunks.at[i], span, sems.at[1, i])
+            return pltpu.make_async_copy(span, chunks.at[i], sems.at[1, i])
+        return pltpu.make_async_copy(chunks.at[i], span, sems.at[2, i])
+
+    def token_rows(i: jax.Array):  # the item's tokens, to their rows of the chunk
+        item = first_item + i
+        n = tokens_ref[item]
+        src = values_ref.at[pl.ds(first_token_ref[item], n)]
+        return pltpu.make_async_copy(src, rows.at[i, pl.ds(first_row_ref[item], n)], sems.at[0, i])
 
     def partial_chunk(i: jax.Array) -> jax.Array:  # the item leaves some of its chunk's rows
         return tokens_ref[first_item + i] < chunk
 
     def fetch(i: jax.Array, carry: None) -> None:
+        token_rows(i).start()
         pl.when(partial_chunk(i))(lambda: copy(i, True).start())
         return carry
 
     def patch(i: jax.Array, carry: None) -> None:
+        token_rows(i).wait()
         pl.when(partial_chunk(i))(lambda: copy(i, True).wait())
         item = first_item + i
-        new = patches_ref[:, i]
+        wide = jnp.float32 if jnp.issubdtype(chunks.dtype, jnp.floating) else jnp.int32
+        new = jnp.swapaxes(rows[i].astype(wide), 0, 1)  # [kv_heads, chunk, ...]
         position = jax.lax.broadcasted_iota(jnp.int32, new.shape, 1) - first_row_ref[item]
-        here = (position >= 0) & (position < tokens_ref[item])
-        wide = jnp.float32 if jnp.issubdtype(new.dtype, jnp.floating) else jnp.int32
+        here = (position >= 0) & (position < tokens_ref[item])  # rows not copied: unread
         old = chunks[i].astype(wide)  # unread (and unused) when the item covers the chunk
-        chunks[i] = jnp.where(here, new.astype(wide), old).astype(new.dtype)
+        chunks[i] = jnp.where(here, new, old).astype(chunks.dtype)
         copy(i, False).start()
         return carry
 
@@ -221,41 +224,30 @@ def write_tokens_kernel(
 
     Args:
       sequences: how many sequences the tokens belong to (None: unknown), which bounds the
-        items (`max_items`) and so the patches laid out for them.
+        items (`max_items`) and so the grid.
       interpret: the interpreter's settings, or None for Mosaic.
 
     Its declared cost is what it moves at most: each item's chunk read and written, and its
-    patch. Each grid step runs three loops, over its items (`Items.count`): the reads, the
-    patches, the writes' waits; the steps past the last item copy no patch.
+    tokens. Each grid step runs three loops, over its items (`Items.count`): the reads, the
+    patches, the writes' waits; the steps past the last item copy nothing.
     """
     tokens, chunk = values.shape[0], chunk_positions(pool)
     bound = max_items(tokens, sequences, chunk)
     per_step = items_per_step(pool, bound)
     plan = items(pages.astype(jnp.int32), rows.astype(jnp.int32), pool.shape[0], chunk, bound)
-    steps = -(-bound // per_step)
-    patches = _patches(values.astype(pool.dtype), plan, chunk)
-    pad = [(0, 0), (0, steps * per_step - bound)] + [(0, 0)] * (patches.ndim - 2)
-    patches = jnp.pad(patches, pad)
-    block = (patches.shape[0], per_step, *patches.shape[2:])
-
-    def patch_block(step: jax.Array, *refs: jax.Array) -> tuple[jax.Array, ...]:
-        last = jax.lax.div(jnp.maximum(refs[-1][0] - 1, 0), per_step)  # the last used block
-        return (0, jnp.minimum(step, last)) + (0,) * (len(block) - 2)  # unchanged: not copied
-
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)  # never VMEM, however small
     return pl.pallas_call(
         functools.partial(_kernel, per_step=per_step, chunk=chunk),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(plan),
-            grid=(steps,),
-            in_specs=[
-                pl.BlockSpec(block, patch_block),
-                pl.BlockSpec(memory_space=pltpu.HBM),  # never VMEM, however small
-            ],
-            out_specs=pl.BlockSpec(memory_space=pltpu.HBM),
+            grid=(-(-bound // per_step),),
+            in_specs=[hbm, hbm],
+            out_specs=hbm,
             scratch_shapes=[
-                pltpu.VMEM((per_step, *pool.shape[1:2], *block[2:]), pool.dtype),
-                pltpu.SemaphoreType.DMA((2, per_step)),
+                pltpu.VMEM((per_step, chunk, *values.shape[1:]), pool.dtype),
+                pltpu.VMEM((per_step, pool.shape[1], chunk, *pool.shape[3:]), pool.dtype),
+                pltpu.SemaphoreType.DMA((3, per_step)),
             ],
         ),
         input_output_aliases={len(plan) + 1: 0},
@@ -265,4 +257,4 @@ def write_tokens_kernel(
         ),
         interpret=False if interpret is None else interpret,
         name=kernel_name(pool),
-    )(*plan, patches, pool)
+    )(*plan, values.astype(pool.dtype), pool)
