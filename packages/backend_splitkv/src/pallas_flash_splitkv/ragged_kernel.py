@@ -137,21 +137,22 @@ def _kernel(
             src = cache[a].at[r.seq, kv, pl.ds(start, block_kv)]
             act(pltpu.make_async_copy(src, buffers[a].at[slot], sems.at[slot, a]))
 
-    def window_start(item: jax.Array) -> jax.Array:
-        """The first of the ``block_q`` token rows copied for ``item``: its first row, moved
-        back where the rows would run past the batch (the rows before are other tokens')."""
-        return jnp.minimum(first_ref[item], tokens - block_q)
+    def window_start(first: jax.Array) -> jax.Array:
+        """The first of the ``block_q`` token rows copied for an item whose first token is row
+        ``first``: that row, moved back where the rows would run past the batch (the rows
+        before it are other tokens')."""
+        return jnp.minimum(first, tokens - block_q)
 
     def query_copy(item: jax.Array, head_group: jax.Array, slot: jax.Array):
         """The copy of ``item``'s ``block_q`` query rows (`window_start`) on kv head group
         ``head_group`` into query buffer ``slot``."""
-        rows = q_hbm.at[pl.ds(window_start(item), block_q), head_group]
+        rows = q_hbm.at[pl.ds(window_start(first_ref[item]), block_q), head_group]
         return pltpu.make_async_copy(rows, q_buf.at[slot], row_sems.at[slot, 0])
 
     def output_copy(slot: jax.Array, first: jax.Array, rows: jax.Array):
         """The copy of ``rows`` output rows from buffer ``slot`` to token rows ``first`` on,
         on kv head group ``h``."""
-        offset = first - jnp.minimum(first, tokens - block_q)
+        offset = first - window_start(first)
         src, dst = o_buf.at[slot, pl.ds(offset, rows)], o_hbm.at[pl.ds(first, rows), h]
         return pltpu.make_async_copy(src, dst, row_sems.at[slot, 1])
 
@@ -197,7 +198,7 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
         # row t of the copied rows is token window_start + t, at position p0 + t - offset
-        offset = first_ref[w] - window_start(w)
+        offset = first_ref[w] - window_start(first_ref[w])
         row = lax.broadcasted_iota(jnp.int32, (q_per_kv * block_q, 1), 0)
         q_pos = r.p0 - offset + (row & (block_q - 1))
         base = folded[0]
@@ -313,7 +314,8 @@ def _call(
     _, head_groups, head_rows, head_dim = q_rows.shape
     group = head_rows // heads
     rows = group * call.block_q
-    inputs, in_specs = [q_rows], [pl.BlockSpec(memory_space=pl.ANY)]
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    inputs, in_specs = [q_rows], [hbm]
     if sinks is not None:
         per_row = jnp.repeat(sinks.astype(_F32).reshape(-1, group), call.block_q, axis=1)
         inputs.append(jnp.broadcast_to(per_row[..., None], (*per_row.shape, LANES)))
@@ -340,7 +342,6 @@ def _call(
         pages_per_sequence=pages_per_sequence, num_pages=num_pages, quantized=len(arrays) == 4,
         has_sinks=sinks is not None,
     )  # fmt: skip
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
     aliased = len(prefetch) + len(inputs) + len(arrays)
     return pl.pallas_call(
         body,
