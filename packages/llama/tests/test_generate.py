@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import pallas_flash as pf
 from pallas_flash_llama import generation as gen
 from pallas_flash_llama import model
 from pallas_flash_llama.kv_cache import init_cache
-from pallas_flash_llama.sampling import Sampling, filter_logits, filter_rows, sample, sample_rows
+from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.weights import load_params
 
 PROMPTS = [[1, 5, 9, 33, 102], [1, 7], [1, *range(3, 20)]]
@@ -130,40 +129,3 @@ def test_bad_generation_input_is_named(tiny, prompts, kwargs, message) -> None:
     kwargs = {"max_new_tokens": 2} | kwargs
     with pytest.raises(pf.InvalidInputError, match=message):
         gen.generate_all(params, config, prompts, backend="xla", decode_backend="xla", **kwargs)
-
-
-def test_sampling_filters() -> None:
-    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    kept = lambda s: np.isfinite(np.asarray(filter_logits(logits, s)))[0].tolist()  # noqa: E731
-    assert kept(Sampling(1.0, top_k=2)) == [True, True, False, False]
-    assert kept(Sampling(1.0, top_p=0.7)) == [True, True, False, False]
-    assert kept(Sampling(1.0, top_p=0.9)) == [True, True, True, False]
-    assert kept(Sampling(1.0, top_p=0.1)) == [True, False, False, False]
-    key = jax.random.key(0)
-    assert sample(logits, key, Sampling()).tolist() == [0]
-    draws = [int(sample(logits, k, Sampling(1.0, top_k=2))[0]) for k in jax.random.split(key, 64)]
-    assert set(draws) == {0, 1}
-
-
-def test_sampling_filters_per_row_are_each_row_s_own() -> None:
-    logits = jax.random.normal(jax.random.key(1), (4, 64))
-    rows = [Sampling(0.7, top_k=5), Sampling(1.0, top_p=0.5), Sampling(2.0, 3, 0.9), Sampling(1.0)]
-    filtered = filter_rows(logits, jnp.array([s.temperature for s in rows]),
-                           jnp.array([s.top_k or 64 for s in rows]),
-                           jnp.array([s.top_p or 1.0 for s in rows]))  # fmt: skip
-    for i, s in enumerate(rows):
-        np.testing.assert_array_equal(filtered[i], filter_logits(logits[i : i + 1], s)[0])
-    keys = jax.random.split(jax.random.key(2), 4)
-    temperature = jnp.array([0.0, 1.0, 0.0, 1.0])
-    drawn = sample_rows(logits, keys, temperature, jnp.full(4, 64), jnp.ones(4))
-    assert drawn[0] == jnp.argmax(logits[0]) and drawn[2] == jnp.argmax(logits[2])
-    assert drawn[1] == jax.random.categorical(keys[1], logits[1])
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p")],
-)
-def test_bad_sampling_is_named(kwargs, message) -> None:
-    with pytest.raises(pf.InvalidInputError, match=message):
-        Sampling(**kwargs)

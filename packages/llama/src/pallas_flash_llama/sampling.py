@@ -1,4 +1,22 @@
-"""Choosing the next token from logits: greedy, temperature, top-k and top-p."""
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p.
+
+Top-k and top-p follow vLLM's definitions (`vllm/v1/sample/ops/topk_topp_sampler.py`,
+``apply_top_k_top_p``): top-k keeps the ``top_k`` most likely tokens; top-p then keeps, of
+those, each token whose more likely tokens hold less than ``top_p`` of their renormalised
+mass (so the most likely always stays).
+
+The engine's sampler (`sample_rows`) keeps the full sort of the vocabulary off its path:
+- a step whose slots are all greedy takes the argmax alone (a ``lax.cond``);
+- a filtered row samples among its `PREFILTER` most likely tokens (``lax.top_k``) whenever
+  its filters keep only those: ``top_k <= PREFILTER``, or top-p alone with those candidates
+  holding at least ``top_p`` of the row's mass (then top-p over the candidates at ``top_p /
+  mass`` keeps exactly the tokens it keeps over the vocabulary);
+- a row with no filter samples from its whole distribution, with no sort;
+- only a row whose filters reach past the candidates (a larger ``top_k``, or a flat
+  distribution under top-p) makes the step sort the vocabulary (`filter_rows`), under a
+  ``lax.cond`` taken only then.
+Each row's distribution is the one `filter_rows` defines, whichever path draws it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +27,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
+
+PREFILTER = 256
+"""The most likely tokens a filtered row of `sample_rows` samples among (module doc)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +114,37 @@ def sample_rows(
 ) -> jax.Array:
     """``[batch]`` int32 next tokens for ``logits [batch, vocab]``, each row by its own
     parameters (`filter_rows`, ``[batch]`` each) and key (``keys [batch]``): greedy where its
-    temperature is 0."""
+    temperature is 0. The full sort is taken only where a row needs it (module doc)."""
     greedy = temperature == 0
-    filtered = filter_rows(logits, jnp.where(greedy, 1.0, temperature), top_k, top_p)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: best,
+        lambda: _draw(logits, keys, jnp.where(greedy, 1.0, temperature), top_k, top_p),
+    )
+    return jnp.where(greedy, best, drawn)
+
+
+def _draw(logits, keys, temperature, top_k, top_p):
+    """One token per row drawn from `filter_rows`'s distribution (module doc)."""
+    scaled = logits.astype(jnp.float32) / _per_row(temperature, jnp.float32)
+    vocab = scaled.shape[-1]
+    count = min(PREFILTER, vocab)
+    values, indices = jax.lax.top_k(scaled, count)  # [batch, count], most likely first
+    mass = jnp.exp(values - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)).sum(-1)
+    whole_vocab = top_k >= vocab
+    by_top_k = ~whole_vocab & (top_k <= count)
+    by_top_p = whole_vocab & (top_p < 1) & (mass >= top_p)
+    prefiltered = by_top_k | by_top_p
+    past_candidates = ~prefiltered & ~(whole_vocab & (top_p >= 1))
+    # over the candidates, top-p alone renormalises by their mass: top_p / mass keeps the same
+    candidate_top_p = jnp.where(by_top_p, jnp.minimum(top_p / mass, 1.0), top_p)
+    kept = filter_rows(values, 1.0, jnp.minimum(top_k, count), candidate_top_p)
+    from_candidates = jnp.take_along_axis(
+        indices, jax.vmap(jax.random.categorical)(keys, kept)[:, None], axis=-1
+    )[:, 0]
+    whole = jax.lax.cond(
+        jnp.any(past_candidates), lambda: filter_rows(scaled, 1.0, top_k, top_p), lambda: scaled
+    )
+    from_whole = jax.vmap(jax.random.categorical)(keys, whole)
+    return jnp.where(prefiltered, from_candidates, from_whole).astype(jnp.int32)
