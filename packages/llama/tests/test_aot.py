@@ -198,7 +198,7 @@ def test_the_tensor_parallel_engine_step_compiles_for_a_v5e_slice(v5e_devices) -
     num_pages = slots * pages_per_sequence // 2
     params = abstract.inference_params(config, mesh)
     cache = abstract.paged_cache(config, slots, pages_per_sequence, num_pages, page_size, mesh)
-    batch = abstract.step_batch(slots, budget, mesh)
+    batch = abstract.step_batch(slots, budget, pages_per_sequence, mesh)
     step = engine_step.step_program(cache, config, "splitkv", mesh)
     compiled = step.trace(params, cache, batch).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()

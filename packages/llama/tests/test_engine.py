@@ -121,6 +121,29 @@ def test_preempted_requests_get_the_same_tokens(tiny, engine) -> None:
     assert few.free_pages == FEW_PAGES, "no page leaked"
 
 
+@pytest.mark.parametrize("num_pages", [PAGES, FEW_PAGES])
+def test_shared_prefixes_come_from_the_cache_with_the_same_tokens(tiny, num_pages) -> None:
+    """Requests sharing a 10-token prefix (two full pages and part of a third), arriving at
+    random steps, with pages for every slot or for one sequence: the greedy tokens of an
+    engine without the cache, prompt tokens served from the cache, and every page free or
+    cached once idle."""
+    config, params = tiny
+    rng = random.Random(11)
+    prefix = tuple(rng.randrange(3, 512) for _ in range(10))
+    requests = [Request(f"r{i}", prefix + tuple(rng.randrange(3, 512)
+                                                for _ in range(rng.randint(0, 5))),
+                        max_tokens=rng.randint(3, 8)) for i in range(6)]  # fmt: skip
+    uncached = Engine(params, config, num_pages=num_pages, backend="xla",
+                      prefix_caching=False, **SIZES)  # fmt: skip
+    expected = uncached.run_all(requests)
+    assert uncached.cached_pages == 0 and {f.cached_tokens for f in expected.values()} == {0}
+    cached = _engine(tiny, num_pages)
+    done = _arriving(cached, requests, seed=num_pages)
+    assert _tokens(done) == _tokens(expected)
+    assert sum(f.cached_tokens for f in done.values()) >= 8, "at least one prompt's two pages"
+    assert cached.free_pages == num_pages and cached.cached_pages > 0
+
+
 def test_an_int8_cache_serves_the_same_tokens_alone_and_batched(tiny) -> None:
     config, params = tiny
     int8 = Engine(params, config, num_pages=PAGES, backend="xla", cache_dtype=jnp.int8, **SIZES)
@@ -209,7 +232,8 @@ def test_cancel_ends_a_request_and_frees_its_pages(engine) -> None:
         assert finished.wait(HANG_S)
     finally:
         engine.stop()
-    assert results == [Finished("long", full[:1], "cancelled")]
+    # its first two pages (of 4 positions) come from the first run's cached prompt
+    assert results == [Finished("long", full[:1], "cancelled", cached_tokens=8)]
     assert engine.free_pages == PAGES
 
     finished.clear()

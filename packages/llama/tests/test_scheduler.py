@@ -1,7 +1,8 @@
 """Continuous batching's plans (`scheduler`): a request's tokens are the same served alone
-or among others arriving at random steps, under preemption too; the token budget holds; no
-page or slot is leaked. The model is a stand-in whose next token depends on every token
-before it, so a wrong or missing token anywhere changes what follows."""
+or among others arriving at random steps, under preemption too, with prefix caching and
+without; the token budget holds; no page or slot is leaked. The model is a stand-in that
+reads every token back from the pages its plan names, and whose next token depends on every
+token before it, so a wrong page or a missing token anywhere changes what follows."""
 
 from __future__ import annotations
 
@@ -23,22 +24,25 @@ def _next_token(tokens: list[int]) -> int:
 
 
 class StandIn:
-    """The step a model would run: it empties the rows a plan releases, checks that each work
-    starts where its row's cache ends, and samples `_next_token` of the row."""
+    """The step a model would run on a paged cache: it writes each work's tokens into the
+    pages its work names (checking that no page another sequence holds is written), reads the
+    sequence back from those pages and samples `_next_token` of it."""
 
-    def __init__(self, scheduler: Scheduler, stop: int | None = None) -> None:
-        self.scheduler, self.rows, self.plans = scheduler, {}, []
-        self.stop = stop
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler, self.plans = scheduler, []
+        self.pages: dict[int, list[int | None]] = {}  # page -> the token at each position
 
     def __call__(self, plan: StepPlan) -> dict[str, int]:
         self.plans.append(plan)
-        for slot in plan.released:
-            self.rows.pop(slot, None)
+        size = self.scheduler.page_size
         sampled = {}
         for work in plan.work:
-            row = self.rows.setdefault(work.slot, [])
-            assert work.start == len(row), "work starts where the row's cache ends"
-            row.extend(work.tokens)
+            for i, token in enumerate(work.tokens, start=work.start):
+                page = self.pages.setdefault(work.pages[i // size], [None] * size)
+                page[i % size] = token
+            end = work.start + len(work.tokens)
+            row = [self.pages[work.pages[i // size]][i % size] for i in range(end)]
+            assert None not in row, "every position before the work's end is in its pages"
             if work.sample:
                 sampled[work.request_id] = _next_token(row)
         return sampled
@@ -57,18 +61,19 @@ def _alone(request: Request) -> tuple[int, ...]:
     return tuple(tokens[len(request.prompt) :])
 
 
-def _scheduler(num_pages: int, shards: int = 1) -> Scheduler:
+def _scheduler(num_pages: int, prefix_caching: bool = True) -> Scheduler:
     return Scheduler(slots=4, token_budget=16, page_size=4, num_pages=num_pages,
-                     pages_per_sequence=16, shards=shards)  # fmt: skip
+                     pages_per_sequence=16, prefix_caching=prefix_caching)  # fmt: skip
 
 
-@pytest.mark.parametrize(("num_pages", "shards"), [(64, 1), (16, 1), (16, 2)])
-def test_each_request_gets_the_tokens_it_gets_alone(num_pages: int, shards: int) -> None:
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix caching", "no caching"])
+@pytest.mark.parametrize("num_pages", [64, 16])
+def test_each_request_gets_the_tokens_it_gets_alone(num_pages: int, caching: bool) -> None:
     """64 pages hold every slot's longest sequence; 16 do not, so sequences are preempted
     and computed again."""
-    scheduler = _scheduler(num_pages, shards)
+    scheduler = _scheduler(num_pages, caching)
     model = StandIn(scheduler)
-    requests = _requests(24, seed=num_pages + shards)
+    requests = _requests(24, seed=num_pages)
     pending, arrivals = list(requests), random.Random(7)
     done = {}
     while pending or not scheduler.idle:
@@ -80,11 +85,12 @@ def test_each_request_gets_the_tokens_it_gets_alone(num_pages: int, shards: int)
         plan = scheduler.schedule()
         assert plan.work and plan.tokens <= scheduler.token_budget
         assert len({w.slot for w in plan.work}) == len(plan.work), "one work per row"
-        assert min(scheduler.free_pages) >= 0, "never more pages than the pool holds"
+        held = [p for w in plan.work for p in w.pages]
+        assert len(held) == len(set(held)) or caching, "no page shared without caching"
         done.update((f.request_id, f) for f in scheduler.commit(plan, model(plan)))
     assert {r.id: done[r.id].tokens for r in requests} == {r.id: _alone(r) for r in requests}
     assert all(f.reason == "length" for f in done.values())
-    assert scheduler.free_pages == [num_pages // shards] * shards, "no page leaked"
+    assert scheduler.pool.free == num_pages, "no page leaked: each is free or cached"
     assert (scheduler.preemptions > 0) == (num_pages == 16)
 
 
@@ -108,7 +114,7 @@ def test_a_stop_token_ends_a_request() -> None:
     done = serve_all(scheduler, [Request("r", (1, 2, 3), 10, stop_ids=(stop,))],
                      StandIn(scheduler))  # fmt: skip
     assert done["r"].tokens == _alone(request)[:3] and done["r"].reason == "stop"
-    assert scheduler.free_pages == [64]
+    assert scheduler.pool.free == 64
 
 
 def test_bad_requests_and_pools_are_refused() -> None:
@@ -122,7 +128,7 @@ def test_bad_requests_and_pools_are_refused() -> None:
     scheduler.add(Request("a", (1,), 1))
     with pytest.raises(pf.InvalidInputError, match="id: 'a' is already queued"):
         scheduler.add(Request("a", (1,), 1))
-    with pytest.raises(pf.InvalidInputError, match="num_pages: 8 pages over 1 shards cannot"):
+    with pytest.raises(pf.InvalidInputError, match="num_pages: 8 pages cannot hold one"):
         Scheduler(slots=1, token_budget=8, page_size=4, num_pages=8, pages_per_sequence=16)
     with pytest.raises(pf.InvalidInputError, match="token_budget: expected a positive int"):
         Scheduler(slots=1, token_budget=0, page_size=4, num_pages=8, pages_per_sequence=2)
@@ -139,10 +145,72 @@ def test_cancel_ends_a_request_where_it_stands_and_frees_its_pages() -> None:
     scheduler.add(queued)
     assert scheduler.cancel("running") == Finished("running", _alone(running)[:2], "cancelled")
     assert scheduler.cancel("running") is None and scheduler.cancel("unknown") is None
+    assert scheduler.pool.free == 64, "its pages freed"
     plan = scheduler.schedule()
-    assert plan.released == (0,) and [w.request_id for w in plan.work] == ["queued"]
+    assert [(w.request_id, w.slot) for w in plan.work] == [("queued", 0)]
     assert scheduler.cancel("queued") == Finished("queued", (), "cancelled")
-    assert scheduler.schedule().released == (0,)
-    assert scheduler.idle and scheduler.free_pages == [64], "no page leaked"
+    assert scheduler.idle and scheduler.pool.free == 64, "no page leaked"
     scheduler.add(queued)  # its id is free again
     assert scheduler.cancel("queued") == Finished("queued", (), "cancelled")
+
+
+def _shared_prefix_requests(count: int, seed: int) -> list[Request]:
+    """Requests whose prompts start with one of three shared prefixes (4 to 13 tokens, so
+    some end mid-page) and go on with a few tokens of their own."""
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(VOCAB) for _ in range(n)) for n in (4, 9, 13)]
+    return [Request(f"r{i}", rng.choice(prefixes) + tuple(rng.randrange(VOCAB)
+                                                          for _ in range(rng.randint(0, 6))),
+                    max_tokens=rng.randint(1, 12)) for i in range(count)]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_pages", [64, 16])
+def test_shared_prefixes_come_from_the_cache_and_change_no_token(num_pages: int) -> None:
+    """Requests sharing prefixes, arriving at random steps: the same tokens as alone, with
+    and without the cache (under preemption with 16 pages), and the cache serves some of
+    their prompt tokens."""
+    requests = _shared_prefix_requests(30, seed=num_pages)
+    results = {}
+    for caching in (True, False):
+        scheduler = _scheduler(num_pages, caching)
+        model, pending, arrivals = StandIn(scheduler), list(requests), random.Random(3)
+        done = {}
+        while pending or not scheduler.idle:
+            for _ in range(arrivals.randint(0, 2)):
+                if pending:
+                    scheduler.add(pending.pop(0))
+            if not scheduler.idle:
+                plan = scheduler.schedule()
+                done.update((f.request_id, f) for f in scheduler.commit(plan, model(plan)))
+        assert {r.id: done[r.id].tokens for r in requests} == {r.id: _alone(r) for r in requests}
+        assert scheduler.pool.free == num_pages, "no page leaked: each is free or cached"
+        results[caching] = sum(f.cached_tokens for f in done.values())
+    assert results[True] > 0 and results[False] == 0
+
+
+def test_a_cached_prefix_is_not_computed_again() -> None:
+    """A later prompt sharing three full pages starts after them; a prompt cached whole still
+    computes its last token (its page is computed again), to sample after it."""
+    scheduler = _scheduler(64)
+    model = StandIn(scheduler)
+    prefix = tuple(range(100, 112))  # three pages of 4
+    first = Request("first", (*prefix, 1, 2), max_tokens=3)
+    assert serve_all(scheduler, [first], model)["first"].cached_tokens == 0
+    again = Request("again", (*prefix, 7), max_tokens=3)
+    done = serve_all(scheduler, [again], model)
+    assert model.plans[-3].work[0].start == 12 and done["again"].cached_tokens == 12
+    assert done["again"].tokens == _alone(again)
+    whole = Request("whole", prefix, max_tokens=2)
+    done = serve_all(scheduler, [whole], model)
+    assert model.plans[-2].work[0].start == 8 and done["whole"].cached_tokens == 8
+    assert done["whole"].tokens == _alone(whole)
+
+
+def test_without_prefix_caching_nothing_is_cached() -> None:
+    scheduler = _scheduler(64, prefix_caching=False)
+    model = StandIn(scheduler)
+    prompt = tuple(range(100, 112))
+    serve_all(scheduler, [Request("a", prompt, 2)], model)
+    done = serve_all(scheduler, [Request("b", prompt, 2)], model)
+    assert model.plans[-2].work[0].start == 0 and done["b"].cached_tokens == 0
+    assert scheduler.pool.cached == 0

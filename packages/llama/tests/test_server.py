@@ -506,6 +506,7 @@ def test_serve_command(model_dir: tuple, monkeypatch: pytest.MonkeyPatch) -> Non
         "2",
         "--served-model-name",
         "m",
+        "--no-prefix-caching",
     ]
     assert cli.main(argv) == 0
     assert served[0]["data"][0]["id"] == "m"
@@ -519,6 +520,7 @@ def test_serve_command(model_dir: tuple, monkeypatch: pytest.MonkeyPatch) -> Non
         "backend": None,
         "cache_dtype": None,
         "mesh": None,
+        "prefix_caching": False,
     }
     assert engine._stop.is_set()  # stopped once uvicorn returned
 
@@ -577,6 +579,12 @@ def test_real_engine_tiny_model(model_dir: tuple) -> None:
 
             replies = asyncio.run(many())  # more requests than slots: queued, none lost
             assert all(1 <= reply.usage.completion_tokens <= 6 for reply in replies)
+            shared = {**greedy, "prompt": "The quick brown fox jumps over the lazy dog. " * 4}
+            first, again = (client.completions.create(**shared) for _ in range(2))
+            assert first.usage.prompt_tokens > 32, "two full pages of 16 and more"
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            assert again.usage.prompt_tokens_details.cached_tokens == 32
+            assert again.choices[0].text == first.choices[0].text
             assert _wait_for(lambda: engine.free_pages == engine.num_pages)
             cancelled, cancel = [], engine.cancel
             engine.cancel = lambda request_id: (cancelled.append(request_id), cancel(request_id))

@@ -143,11 +143,11 @@ def paged_cache(
     return KVCache(layers, layers, whole((slots,)), scales, scales, pages, split="heads")
 
 
-def step_batch(slots: int, token_budget: int, mesh: Mesh) -> StepBatch:
-    """The serving engine's step inputs (`engine_step.StepBatch`) for ``slots`` rows and
-    ``token_budget`` tokens, on every device."""
+def step_batch(slots: int, token_budget: int, pages_per_sequence: int, mesh: Mesh) -> StepBatch:
+    """The serving engine's step inputs (`engine_step.StepBatch`) for ``slots`` rows of
+    ``pages_per_sequence`` pages and ``token_budget`` tokens, on every device."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    empty = StepBatch.empty(slots, token_budget)
+    empty = StepBatch.empty(slots, token_budget, pages_per_sequence)
     return StepBatch(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
                        for x in empty))  # fmt: skip
 

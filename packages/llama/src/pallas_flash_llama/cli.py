@@ -154,6 +154,7 @@ def _serve(args: argparse.Namespace) -> None:
         backend=args.backend,
         cache_dtype=args.kv_dtype,
         mesh=mesh,
+        prefix_caching=args.prefix_caching,
     )
     app = make_app(engine, args.model, config, args.served_model_name)
     engine.start()
@@ -349,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-pages", type=int, help="pages in the cache (default: --slots full sequences)"
     )
     srv.add_argument("--kv-dtype", help="KV cache dtype: int8 (quantized); default: compute dtype")
+    srv.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt whole (default: requests reuse the cached pages of the "
+        "prompt prefixes they share)",
+    )
     srv.add_argument("--backend", help="pf.attention backend (default: the registry's)")
     srv.add_argument("--dtype", help="compute dtype (default: the config's, bfloat16)")
     srv.add_argument(

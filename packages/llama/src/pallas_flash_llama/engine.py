@@ -2,13 +2,14 @@
 
 `Engine` holds the model's parameters, a paged cache of ``slots`` rows and a `Scheduler`.
 Each step the scheduler plans the new tokens (decode tokens and prefill chunks of many
-requests, at most ``token_budget``), the host lays them out as a `engine_step.StepBatch`
-padded to the smallest token bucket that holds them (`engine_step.token_buckets`), and one
-jitted call (compiled once per bucket) runs them, frees and allocates pages on the device and
-samples each finishing slot's next token; the host reads the sampled tokens back (its only
-sync), commits them to the scheduler and calls the requests' callbacks. A background thread
-(`Engine.start`) steps while there is work and waits on a condition otherwise; `submit` and
-`cancel` may be called from any thread, `run_all` serves a batch synchronously.
+requests, at most ``token_budget``) and the pages they go to (a prompt's cached prefix
+reused, `page_pool`), the host lays them out as a `engine_step.StepBatch` padded to the
+smallest token bucket that holds them (`engine_step.token_buckets`), and one jitted call
+(compiled once per bucket) runs them and samples each finishing slot's next token; the host
+reads the sampled tokens back (its only sync), commits them to the scheduler and calls the
+requests' callbacks. A background thread (`Engine.start`) steps while there is work and
+waits on a condition otherwise; `submit` and `cancel` may be called from any thread,
+`run_all` serves a batch synchronously.
 """
 
 from __future__ import annotations
@@ -24,13 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash_llama import sharding
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.engine_step import (
-    StepBatch,
-    bucket_for,
-    release_slots,
-    run_step,
-    token_buckets,
-)
+from pallas_flash_llama.engine_step import StepBatch, bucket_for, run_step, token_buckets
 from pallas_flash_llama.generation import inference_params
 from pallas_flash_llama.kv_cache import init_cache
 from pallas_flash_llama.model import Params
@@ -65,6 +60,8 @@ class Engine:
       mesh: a ``(1, 1, tensor)`` mesh (`sharding.make_mesh`) to serve on: ``params`` placed
         on it (`weights.load_params` with the mesh), the cache's kv heads split over it
         (`engine_step`); None: one device.
+      prefix_caching: whether requests reuse the cached pages of the prompt prefixes they
+        share (`scheduler`).
 
     Raises:
       pf.InvalidInputError: a size below 1, a pool that cannot hold one sequence, a bad
@@ -75,10 +72,10 @@ class Engine:
     def __init__(self, params: Params, config: LlamaConfig, *, slots: int, token_budget: int,
                  page_size: int, num_pages: int, pages_per_sequence: int,
                  backend: str | None = None, cache_dtype: jax.typing.DTypeLike | None = None,
-                 mesh: Mesh | None = None) -> None:  # fmt: skip
+                 mesh: Mesh | None = None, prefix_caching: bool = True) -> None:  # fmt: skip
         self._scheduler = Scheduler(
             slots=slots, token_budget=token_budget, page_size=page_size, num_pages=num_pages,
-            pages_per_sequence=pages_per_sequence,
+            pages_per_sequence=pages_per_sequence, prefix_caching=prefix_caching,
         )  # fmt: skip
         if mesh is not None:
             sharding.check_mesh(config, mesh)
@@ -115,9 +112,16 @@ class Engine:
 
     @property
     def free_pages(self) -> int:
-        """Free pages of the device's allocator (reads it back; `num_pages` when idle)."""
-        with self._stepping:
-            return int(np.asarray(self._cache.pages.num_free).sum())
+        """Pages no running request holds, cached prefixes among them (`num_pages` when
+        idle)."""
+        with self._lock:
+            return self._scheduler.pool.free
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages that hold a cached prompt prefix."""
+        with self._lock:
+            return self._scheduler.pool.cached
 
     def submit(self, request: Request, on_token: Callable[[int], None],
                on_finish: Callable[[Finished], None]) -> None:  # fmt: skip
@@ -241,24 +245,14 @@ class Engine:
                 for request_id, _ in tokens:
                     self._live[request_id].generated += 1
                 calls += [(self._live.pop(f.request_id).on_finish, f) for f in finished]
-                # the slots of requests that ended wait for the next plan: free them now if none
-                freed = self._scheduler.schedule().released if self._scheduler.idle else ()
-            freed = (*freed, *(() if plan.work else plan.released))  # a step frees its own
-            if freed:
-                self._release(np.isin(np.arange(self._scheduler.slots), freed))
         for call, argument in calls:
             call(argument)
-
-    def _release(self, mask: np.ndarray) -> None:
-        """Frees the pages of the ``mask [slots]`` slots outside a step."""
-        pages, lengths = release_slots(self._cache.pages, self._cache.lengths, mask)
-        self._cache = dataclasses.replace(self._cache, pages=pages, lengths=lengths)
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         """``plan`` as the step's inputs (`engine_step.StepBatch`)."""
         bucket = bucket_for(plan.tokens, self.buckets)
-        batch = StepBatch.empty(self._scheduler.slots, bucket)
-        batch.released[list(plan.released)] = True
+        batch = StepBatch.empty(self._scheduler.slots, bucket,
+                                self._scheduler.pages_per_sequence)  # fmt: skip
         work = {w.slot: w for w in plan.work}
         start = 0
         for slot in range(self._scheduler.slots):
@@ -268,6 +262,7 @@ class Engine:
                 count = len(item.tokens)
                 batch.tokens[start : start + count] = item.tokens
                 batch.kv_lengths[slot] = item.start + count
+                batch.page_table[slot, : len(item.pages)] = item.pages
                 start += count
                 if item.sample:
                     batch.sample_rows[slot] = start - 1

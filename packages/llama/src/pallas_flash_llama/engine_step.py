@@ -5,15 +5,15 @@ token.
 A step's new tokens are one flat batch padded to the token budget (`StepBatch`), laid out as
 `pallas_flash.ragged_batch` says: slot ``s`` (a row of the page table) owns tokens
 ``query_starts[s]`` to ``query_starts[s + 1] - 1`` at its positions up to ``kv_lengths[s] -
-1``; an idle slot has none. The step first frees the pages of the slots the plan released
-(`pallas_flash.page_allocator.release`) and gives every slot the pages its new length takes
-(``ceil(kv_lengths / page_size)``, keeping those it holds: page ``j`` of slot ``b`` from shard
-``(j + b) % shards``, which the scheduler has counted). The model then runs the batch as one
-row ``[1, token_budget]``: each layer's `attention.ragged_cached_attention` writes the tokens'
-K/V into its pool and attends through ``pf.ragged_attention``. Each sampling slot's logits
-come from its last token's hidden state; it samples with its own parameters and a key folded
-from its request's seed and the index of the token in the request, so a request's tokens do
-not depend on what else is batched. The step is jitted once per cache and config
+1``; an idle slot has none. The host's scheduler owns the pages (`page_pool.PagePool`, which
+shares a prefix's pages between sequences): the step takes its page table whole, each
+sequence with tokens in it holding its pages in its row (-1 elsewhere), and the device
+allocator of the cache only carries it. The model then runs the batch as one row ``[1,
+token_budget]``: each layer's `attention.ragged_cached_attention` writes the tokens' K/V
+into its pool and attends through ``pf.ragged_attention``. Each sampling slot's logits come
+from its last token's hidden state; it samples with its own parameters and a key folded from
+its request's seed and the index of the token in the request, so a request's tokens do not
+depend on what else is batched. The step is jitted once per cache and config
 (`generation.jit_step`), the cache donated: no step copies it; it compiles once per token
 bucket (`token_buckets`), the smallest that holds a step's tokens padding it, so that a step
 of decodes alone does not compute a whole budget's padding.
@@ -21,7 +21,7 @@ of decodes alone does not compute a whole budget's padding.
 Over a mesh the model is tensor-parallel (`sharding.RULES`, the mesh's batch axes of size 1)
 and the cache's kv heads are split over ``tensor`` (`kv_cache.pool_sharding`, ``"heads"``):
 each device attends with its own heads over every page, as vLLM's tensor parallelism does;
-the page table and its allocator are the same on every device.
+the page table is the same on every device.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import pallas_flash as pf
-from pallas_flash import page_allocator
-from pallas_flash.ragged_batch import new_tokens, token_places
+from pallas_flash.ragged_batch import token_places
 from pallas_flash_llama import sharding
 from pallas_flash_llama.attention import ragged_cached_attention
 from pallas_flash_llama.config import LlamaConfig
@@ -75,7 +74,8 @@ class StepBatch(NamedTuple):
       query_starts: ``[slots + 1]`` int32.
       kv_lengths: ``[slots]`` int32 positions of each slot once its tokens are cached (0 for
         an idle slot).
-      released: ``[slots]`` bool, slots whose pages are freed before the step.
+      page_table: ``[slots, pages_per_sequence]`` int32, each slot's pages (-1: none), the
+        scheduler's (`scheduler.Work.pages`).
       sample_rows: ``[slots]`` int32, the token whose logits the slot samples from (its
         last), or -1: the slot samples nothing.
       temperature: ``[slots]`` float32, 0 for greedy.
@@ -88,7 +88,7 @@ class StepBatch(NamedTuple):
     tokens: jax.Array
     query_starts: jax.Array
     kv_lengths: jax.Array
-    released: jax.Array
+    page_table: jax.Array
     sample_rows: jax.Array
     temperature: jax.Array
     top_k: jax.Array
@@ -97,11 +97,12 @@ class StepBatch(NamedTuple):
     counts: jax.Array
 
     @classmethod
-    def empty(cls, slots: int, token_budget: int) -> StepBatch:
-        """A batch of numpy arrays with no token and no slot released, to fill on the host."""
+    def empty(cls, slots: int, token_budget: int, pages_per_sequence: int) -> StepBatch:
+        """A batch of numpy arrays with no token and no page, to fill on the host."""
         zeros = functools.partial(np.zeros, slots)
         return cls(np.zeros(token_budget, np.int32), np.zeros(slots + 1, np.int32),
-                   zeros(np.int32), zeros(bool), np.full(slots, -1, np.int32),
+                   zeros(np.int32), np.full((slots, pages_per_sequence), -1, np.int32),
+                   np.full(slots, -1, np.int32),
                    zeros(np.float32), zeros(np.int32), np.ones(slots, np.float32),
                    zeros(np.uint32), zeros(np.int32))  # fmt: skip
 
@@ -149,9 +150,7 @@ def step_program(
 
 
 def _step(params, cache, batch, config, backend, mesh):
-    pages, lengths = release_slots(cache.pages, cache.lengths, batch.released)
-    pages, _ = page_allocator.allocate_prompts(pages, batch.kv_lengths, cache.page_size)
-    lengths = jnp.where(new_tokens(batch.query_starts) > 0, batch.kv_lengths, lengths)
+    pages = dataclasses.replace(cache.pages, page_table=batch.page_table)
     cache = dataclasses.replace(cache, pages=pages)
     places = token_places(batch.query_starts, batch.kv_lengths, batch.tokens.shape[0])
     x = sharding.constrain(embed(params, batch.tokens[None], config),
@@ -169,13 +168,5 @@ def _step(params, cache, batch, config, backend, mesh):
         batch.seeds, batch.counts
     )
     tokens = sample_rows(logits, keys, batch.temperature, batch.top_k, batch.top_p)
-    return jnp.where(batch.sample_rows >= 0, tokens, -1), cache.with_layers(layers, lengths)
-
-
-@jax.jit
-def release_slots(
-    pages: page_allocator.PageAllocator, lengths: jax.Array, released: jax.Array
-) -> tuple[page_allocator.PageAllocator, jax.Array]:
-    """The allocator and ``lengths [slots]`` with the ``released [slots]`` slots' pages freed
-    and their lengths 0."""
-    return page_allocator.release(pages, released), jnp.where(released, 0, lengths)
+    sampled = jnp.where(batch.sample_rows >= 0, tokens, -1)
+    return sampled, cache.with_layers(layers, batch.kv_lengths)

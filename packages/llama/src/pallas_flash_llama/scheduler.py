@@ -1,26 +1,32 @@
-"""Continuous batching on the host: which tokens of which requests the next step computes.
+"""Continuous batching on the host: which tokens of which requests the next step computes,
+and in which pages of the cache.
 
 The serving engine's step runs a flat batch of new tokens from many sequences at once (a
 decoding sequence's one token, a prefill chunk of another's prompt), each sequence in a row
-(``slot``) of the paged cache. `Scheduler` decides each step's batch and nothing else: it
-holds no array and calls no model.
+(``slot``) of the paged cache. `Scheduler` decides each step's batch and each sequence's
+pages, and nothing else: it holds no array and calls no model.
 
 - **Requests** wait in arrival order (`Scheduler.add`). A step first gives every running
   sequence its work, oldest first: one token to a decoding sequence, the next chunk to one
   whose prompt is not yet all in the cache. It then admits waiting requests into free slots
   while the step's ``token_budget`` lasts, their prompts chunked to fit (chunked prefill).
-- **Pages.** A sequence in slot ``b`` holds ``ceil(cached / page_size)`` pages, page ``j``
-  on shard ``(j + b) % shards`` as `pf.PageAllocator` places it; the scheduler counts each
-  shard's free pages as the device allocator does, so a step it plans always gets its pages.
-  It never reads the device's allocator back.
-- **Preemption.** When a running sequence's next token needs a page no shard has, the most
-  recently admitted running sequence is preempted: its pages and slot are freed
-  (`StepPlan.released`) and it goes back to the front of the queue with every token it has
-  (prompt and generated), to be computed again when it is readmitted (recompute, as vLLM
-  does). Its output is the same as if it had never been preempted.
+- **Pages.** A sequence holds the ``ceil(cached / page_size)`` pages its cached tokens take,
+  from the scheduler's `page_pool.PagePool`; each `Work` carries the sequence's page ids, the
+  row of the page table the step reads.
+- **Prefix caching** (``prefix_caching``, on by default). Once a step has computed a full
+  page of a sequence, the pool keys it by its tokens and those before it. A request admitted
+  later whose first pages have cached keys takes those pages and starts computing after
+  them; its last token is always computed (its logits are sampled). `Finished.cached_tokens`
+  says how many prompt tokens came from the cache at the request's first admission.
+- **Preemption.** When a running sequence's next token needs a page the pool lacks, the most
+  recently admitted running sequence is preempted: its pages (cached ones stay cached) and
+  slot are freed and it goes back to the front of the queue with every token it has (prompt
+  and generated), to be computed again when it is readmitted (recompute, as vLLM does; its
+  own cached pages are then matched first). Its output is the same as if it had never been
+  preempted.
 - **Ends.** `Scheduler.commit` takes the tokens the step sampled: a sequence ends at a stop
-  token or at ``max_tokens`` generated tokens, and its pages and slot are freed (the next
-  plan's ``released``). `Scheduler.cancel` ends a request where it stands, the same way.
+  token or at ``max_tokens`` generated tokens, and its pages and slot are freed.
+  `Scheduler.cancel` ends a request where it stands, the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import pallas_flash as pf
+from pallas_flash_llama.page_pool import ROOT, PagePool, page_keys
 from pallas_flash_llama.sampling import Sampling
 
 GREEDY = Sampling()
@@ -59,7 +66,9 @@ class _Sequence:
     tokens: list[int]  # prompt, then every generated token
     slot: int | None = None
     cached: int = 0  # tokens whose K/V the cache holds
-    pages: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # of its pages cached so far
+    cached_prompt: int | None = None  # prompt tokens found cached at its first admission
 
     @property
     def generated(self) -> int:
@@ -69,24 +78,24 @@ class _Sequence:
 @dataclasses.dataclass(frozen=True)
 class Work:
     """One sequence's share of a step: ``tokens`` (ids) at positions ``start`` onwards, in
-    cache row ``slot``; ``sample``: whether the step samples its next token after them (the
-    last chunk of what the sequence has, or a decode token)."""
+    cache row ``slot`` whose pages are ``pages`` (page ``j`` holds positions ``[j, j + 1) x
+    page_size``, every one the sequence has once the step ran); ``sample``: whether the step
+    samples its next token after them (the last chunk of what the sequence has, or a decode
+    token)."""
 
     request_id: str
     slot: int
     start: int
     tokens: tuple[int, ...]
     sample: bool
+    pages: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """A step: its ``work`` (at most the token budget in all), and the slots whose pages and
-    rows the engine frees before it (``released``: sequences that ended at the last commit,
-    and those preempted)."""
+    """A step: its ``work``, at most the token budget in all."""
 
     work: tuple[Work, ...]
-    released: tuple[int, ...]
 
     @property
     def tokens(self) -> int:
@@ -96,11 +105,13 @@ class StepPlan:
 @dataclasses.dataclass(frozen=True)
 class Finished:
     """A request that ended: its generated tokens and why (``stop``, ``length`` or
-    ``cancelled``)."""
+    ``cancelled``); ``cached_tokens``: its prompt tokens found in the prefix cache when it
+    was first admitted."""
 
     request_id: str
     tokens: tuple[int, ...]
     reason: str
+    cached_tokens: int = 0
 
 
 class Scheduler:
@@ -112,33 +123,27 @@ class Scheduler:
       page_size: positions per page.
       num_pages: pages in the pool.
       pages_per_sequence: the most pages one sequence may hold (its longest length / page).
-      shards: parts the pool is split into along its pages (`pf.PageAllocator`).
+      prefix_caching: whether requests reuse the cached pages of the prefixes they share.
     """
 
     def __init__(self, *, slots: int, token_budget: int, page_size: int, num_pages: int,
-                 pages_per_sequence: int, shards: int = 1) -> None:  # fmt: skip
+                 pages_per_sequence: int, prefix_caching: bool = True) -> None:  # fmt: skip
         for name, value in (("slots", slots), ("token_budget", token_budget),
-                            ("page_size", page_size), ("pages_per_sequence", pages_per_sequence),
-                            ("shards", shards)):  # fmt: skip
+                            ("page_size", page_size),
+                            ("pages_per_sequence", pages_per_sequence)):  # fmt: skip
             if value < 1:
                 raise pf.InvalidInputError(f"{name}: expected a positive int, got {value}")
-        if num_pages % shards or num_pages < shards:
+        if pages_per_sequence > num_pages:
             raise pf.InvalidInputError(
-                f"num_pages: expected a positive multiple of the {shards} shards, got {num_pages}"
-            )
-        if math.ceil(pages_per_sequence / shards) > num_pages // shards:
-            raise pf.InvalidInputError(
-                f"num_pages: {num_pages} pages over {shards} shards cannot hold one sequence of "
-                f"{pages_per_sequence} pages"
+                f"num_pages: {num_pages} pages cannot hold one sequence of {pages_per_sequence}"
             )
         self.slots, self.token_budget, self.page_size = slots, token_budget, page_size
-        self.pages_per_sequence, self.shards = pages_per_sequence, shards
-        self.free_pages = [num_pages // shards] * shards
+        self.pages_per_sequence = pages_per_sequence
+        self.pool = PagePool(num_pages, caching=prefix_caching)
         self._free_slots = list(range(slots))
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []  # in admission order
         self._ids: set[str] = set()
-        self._freed: list[int] = []  # slots of requests that ended, for the next plan
         self.preemptions = 0
         """How many times a running sequence was preempted."""
 
@@ -169,9 +174,9 @@ class Scheduler:
         self._waiting.append(_Sequence(request, list(request.prompt)))
 
     def cancel(self, request_id: str) -> Finished | None:
-        """Ends ``request_id`` where it stands: a running sequence's pages and slot are freed
-        (the next plan's ``released``). Call it between a commit and the next plan, not for a
-        request of a plan not yet committed.
+        """Ends ``request_id`` where it stands: a running sequence's pages and slot are freed.
+        Call it between a commit and the next plan, not for a request of a plan not yet
+        committed.
 
         Returns:
           The request with the tokens it has generated and reason ``cancelled``; None where it
@@ -183,39 +188,33 @@ class Scheduler:
             return None
         if seq in self._running:
             self._running.remove(seq)
-            self._freed.append(self._release(seq))
+            self._release(seq)
         else:
             self._waiting.remove(seq)
         self._ids.discard(request_id)
-        return Finished(request_id, tuple(seq.tokens[len(seq.request.prompt) :]), "cancelled")
+        return self._finished(seq, "cancelled")
 
     @property
     def idle(self) -> bool:
         """Whether nothing is queued or running."""
         return not self._waiting and not self._running
 
-    def _page_shards(self, seq: _Sequence, length: int) -> collections.Counter:
-        """Per shard, the pages ``seq`` needs beyond its own to cache ``length`` tokens."""
-        wanted = math.ceil(length / self.page_size)
-        return collections.Counter((j + seq.slot) % self.shards for j in range(seq.pages, wanted))
-
-    def _fits(self, need: collections.Counter) -> bool:
-        return all(self.free_pages[s] >= n for s, n in need.items())
-
-    def _take(self, seq: _Sequence, need: collections.Counter) -> None:
-        for s, n in need.items():
-            self.free_pages[s] -= n
-        seq.pages += sum(need.values())
-
-    def _release(self, seq: _Sequence) -> int:
-        """Frees ``seq``'s pages and slot; returns the slot."""
-        slot = seq.slot
-        for j in range(seq.pages):
-            self.free_pages[(j + slot) % self.shards] += 1
-        seq.pages, seq.cached, seq.slot = 0, 0, None
-        self._free_slots.append(slot)
+    def _release(self, seq: _Sequence) -> None:
+        """Frees ``seq``'s pages and slot."""
+        self.pool.release(seq.pages)
+        self._free_slots.append(seq.slot)
         self._free_slots.sort()
-        return slot
+        seq.pages, seq.keys, seq.cached, seq.slot = [], [], 0, None
+
+    def _match_prefix(self, seq: _Sequence) -> None:
+        """Gives an admitted ``seq`` the cached pages of its longest cached prefix, short of
+        its last token (which the step computes, to sample after it)."""
+        keys = page_keys(seq.tokens[:-1], self.page_size)
+        seq.pages = self.pool.match(keys)
+        seq.keys = keys[: len(seq.pages)]
+        seq.cached = len(seq.pages) * self.page_size
+        if seq.cached_prompt is None:
+            seq.cached_prompt = min(seq.cached, len(seq.request.prompt))
 
     def _chunk(self, seq: _Sequence, budget: int) -> Work | None:
         """The next work of ``seq`` within ``budget`` tokens, its pages taken; None where
@@ -223,12 +222,12 @@ class Scheduler:
         remaining = len(seq.tokens) - seq.cached
         count = min(remaining, budget)
         while count > 0:
-            need = self._page_shards(seq, seq.cached + count)
-            if self._fits(need):
-                self._take(seq, need)
+            need = math.ceil((seq.cached + count) / self.page_size) - len(seq.pages)
+            if need <= self.pool.free:
+                seq.pages += self.pool.take(need)
                 work = Work(seq.request.id, seq.slot, seq.cached,
                             tuple(seq.tokens[seq.cached:seq.cached + count]),
-                            sample=count == remaining)  # fmt: skip
+                            sample=count == remaining, pages=tuple(seq.pages))  # fmt: skip
                 seq.cached += count
                 return work
             last_page_start = (seq.cached + count - 1) // self.page_size * self.page_size
@@ -238,7 +237,6 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan (module doc)."""
         work: list[Work] = []
-        released, self._freed = self._freed, []
         budget = self.token_budget
         index = 0
         while index < len(self._running) and budget > 0:
@@ -247,7 +245,7 @@ class Scheduler:
             if found is None:  # no page for it: preempt the newest running sequence
                 victim = self._running.pop()  # it has no work in this step yet
                 self.preemptions += 1
-                released.append(self._release(victim))
+                self._release(victim)
                 self._waiting.appendleft(victim)  # recomputed from its tokens when readmitted
                 continue  # the same sequence again, unless it was the victim
             work.append(found)
@@ -256,21 +254,24 @@ class Scheduler:
         while self._waiting and self._free_slots and budget > 0:
             seq = self._waiting[0]
             seq.slot = self._free_slots[0]
+            self._match_prefix(seq)
             found = self._chunk(seq, budget)
             if found is None:
-                seq.slot = None
+                self.pool.release(seq.pages)
+                seq.pages, seq.keys, seq.cached, seq.slot = [], [], 0, None
                 break
             self._free_slots.pop(0)
             self._waiting.popleft()
             self._running.append(seq)
             work.append(found)
             budget -= len(found.tokens)
-        return StepPlan(tuple(work), tuple(released))
+        return StepPlan(tuple(work))
 
     def commit(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Finished]:
-        """Records the tokens a step sampled (``sampled``: request id to token, for each work
-        of ``plan`` with ``sample``); returns the requests that ended, whose pages and slots
-        are freed (the next plan releases them).
+        """Records the step of ``plan`` as run: the full pages it computed are cached, and
+        the tokens it sampled (``sampled``: request id to token, for each work of ``plan``
+        with ``sample``) appended; returns the requests that ended, whose pages and slots
+        are freed.
 
         Raises:
           pf.InvalidInputError: ``sampled`` lacks a token the plan samples.
@@ -278,11 +279,12 @@ class Scheduler:
         running = {seq.request.id: seq for seq in self._running}
         finished = []
         for item in plan.work:
+            seq = running[item.request_id]
+            self._cache_full_pages(seq)
             if not item.sample:
                 continue
             if item.request_id not in sampled:
                 raise pf.InvalidInputError(f"sampled: no token for request {item.request_id!r}")
-            seq = running[item.request_id]
             token = int(sampled[item.request_id])
             seq.tokens.append(token)
             reason = None
@@ -292,11 +294,28 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 self._running.remove(seq)
-                self._freed.append(self._release(seq))
+                self._release(seq)
                 self._ids.discard(seq.request.id)
-                generated = tuple(seq.tokens[len(seq.request.prompt) :])
-                finished.append(Finished(seq.request.id, generated, reason))
+                finished.append(self._finished(seq, reason))
         return finished
+
+    def _cache_full_pages(self, seq: _Sequence) -> None:
+        """Keys the pages of ``seq`` that its computed tokens fill and that are not keyed."""
+        full = seq.cached // self.page_size
+        done = len(seq.keys)
+        if full == done or not self.pool.caching:
+            return
+        start, parent = done * self.page_size, seq.keys[-1] if seq.keys else ROOT
+        for page, key in zip(seq.pages[done:full],
+                             page_keys(seq.tokens[start:full * self.page_size], self.page_size,
+                                       parent), strict=True):  # fmt: skip
+            self.pool.cache(page, key)
+            seq.keys.append(key)
+
+    @staticmethod
+    def _finished(seq: _Sequence, reason: str) -> Finished:
+        generated = tuple(seq.tokens[len(seq.request.prompt) :])
+        return Finished(seq.request.id, generated, reason, seq.cached_prompt or 0)
 
 
 def serve_all(scheduler: Scheduler, requests: Sequence[Request],

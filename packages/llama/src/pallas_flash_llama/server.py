@@ -21,7 +21,8 @@ lines, then ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``.
 - **Choices.** A request for ``n`` choices submits ``n`` sequences of the same prompt to the
   engine (choice ``i`` seeded ``seed + i``; choice 0 has the completion's id, choice ``i``
   the id with ``-i``); streamed, their chunks interleave as they come, each with its
-  ``index``; the usage counts the prompt once and every choice's tokens.
+  ``index``; the usage counts the prompt once and every choice's tokens, and the prompt
+  tokens choice 0 found in the prefix cache (``prompt_tokens_details.cached_tokens``).
 - **Errors** use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
   bad parameters and a prompt longer than the context; 404 for a model name other than the
   one served.
@@ -151,6 +152,7 @@ class _Generation:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
         self.tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache held, once it ends
         self.done = False
         engine.submit(request, self._post, self._post)
 
@@ -160,18 +162,22 @@ class _Generation:
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
         """(text, finish reason or None) as the request advances; the last has its reason.
+        It ends when the engine has ended the request (a stop string cancels it there first).
         Leaving early (a client gone) cancels the request in the engine."""
+        stopped = False
         try:
             while not self.done:
                 item = await self.queue.get()
                 if isinstance(item, Finished):
-                    self.done = True
-                    yield self.text.flush(), item.reason
+                    self.done, self.cached_tokens = True, item.cached_tokens
+                    if not stopped:
+                        yield self.text.flush(), item.reason
+                    continue
+                if stopped:  # sampled before the engine took the cancel
                     continue
                 self.tokens += 1
                 piece, stopped = self.text.push(item)
                 if stopped:
-                    self.done = True
                     self.engine.cancel(self.request.id)
                     yield piece, "stop"
                 elif piece:
@@ -294,10 +300,12 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
         first = generations[0].request
         head = {"id": first.id, "created": int(time.time()), "model": model.name}
 
-        def usage() -> dict[str, int]:
+        def usage() -> dict[str, Any]:
             prompt, completion = len(first.prompt), sum(g.tokens for g in generations)
+            cached = {"cached_tokens": generations[0].cached_tokens}
             return {"prompt_tokens": prompt, "completion_tokens": completion,
-                    "total_tokens": prompt + completion}  # fmt: skip
+                    "total_tokens": prompt + completion,
+                    "prompt_tokens_details": cached}  # fmt: skip
 
         def choice(index: int, piece: str, reason: str | None,
                    delta: dict[str, str] | None = None) -> dict:  # fmt: skip

@@ -73,7 +73,7 @@ def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
         cache = abstract.paged_cache(config, slots, pages, mix.num_pages, mix.page_size, mesh,
                                      w.kv_dtype)  # fmt: skip
         step = engine_step.step_program(cache, config, w.decode_backend, mesh)
-        batch = abstract.step_batch(slots, w.engine_bucket, mesh)
+        batch = abstract.step_batch(slots, w.engine_bucket, pages, mesh)
         return {"step": (step, (abstract.inference_params(config, mesh), cache, batch))}
     if w.step == "train":
         train_config = TrainConfig()
