@@ -43,6 +43,20 @@ def test_vllm_rows_take_the_kernel_bench_s_mixed_steps() -> None:
     assert [w.name for w in engine_models()] == [w.name for w in ENGINE]
 
 
+def test_a_cached_prefix_is_not_prefilled_again() -> None:
+    """128 slots of 1152-token prompts (1024 shared) and 128 new tokens: 127 decode while one
+    prompt is prefilled; with the cache, only its 128 tokens of its own (127 a step, after the
+    1024 cached), without, the whole prompt (1143 a step)."""
+    cached = _row("engine llama-3-8b shared prefix, cached").engine_mix()
+    uncached = _row("engine llama-3-8b shared prefix, no caching").engine_mix()
+    assert (
+        (cached.batch, cached.lengths) == (uncached.batch, uncached.lengths) == (127, (1153, 1280))
+    )
+    assert (cached.prefill, cached.prefill_context) == ((1, 127), 1024)
+    assert (uncached.prefill, uncached.prefill_context) == ((1, 1143), 4)
+    assert ragged_step.tokens(cached) == 254 and ragged_step.tokens(uncached) == 1270
+
+
 def test_the_ragged_calls_read_their_own_sequences_pages_and_the_write_its_items() -> None:
     w = _row("engine llama-3-8b vllm-512")
     mix, bucket = w.engine_mix(8), w.engine_bucket
@@ -120,6 +134,7 @@ def test_the_serving_sweep_holds_the_engine_s_attention_on_one_chip_against_rpa_
     from pallas_flash_bench import cli
 
     steps = cli._engine_attention()
-    assert [(w.q_heads, w.kv_heads, w.batch) for w in steps] == [(4, 4, 87), (4, 4, 95),
-                                                                 (4, 1, 127)]  # fmt: skip
+    assert [(w.q_heads, w.kv_heads, w.batch, w.prefill) for w in steps] == [
+        (4, 4, 87, (1, 87)), (4, 4, 95, (1, 95)), (4, 1, 127, (1, 127)),
+        (4, 1, 127, (1, 127)), (4, 1, 127, (1, 1143))]  # fmt: skip
     assert all(w.op == "ragged" and w.even_lengths for w in steps)

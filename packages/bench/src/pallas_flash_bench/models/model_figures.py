@@ -11,7 +11,8 @@ of ``prefill_batch`` prompts that take the whole batch, each with its insert int
 batch) and tokens per dollar; an engine step (`model_steps`) its latency, MFU (the flops of
 its new tokens, `model_flops.engine_step_flops`) and tokens/s: one sampled token per decoding
 sequence over the step (a steady-state step stands for every step of its run: its tokens/s
-is the run's); all give the peak HBM of their largest program.
+is the run's), and the step under each way its slots may sample (`sampler_branches`); all
+give the peak HBM of their largest program.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def derive(result: Mapping[str, Any], target: Target, price_per_chip_hour: float
         if (e := p.get("estimate")) is not None
     }  # what of each program's async copies its schedule hides beside the compute alone
     out["peak_hbm_share"] = None if out["peak_hbm"] is None else out["peak_hbm"] / target.hbm_bytes
+    by_sampling = [p["sampling"] for p in programs.values() if "sampling" in p]
+    out["step_seconds_by_sampling"] = by_sampling[0] if by_sampling else None  # engine steps
     return out
 
 

@@ -5,7 +5,10 @@ a server runs them: its prefill step (``prefill_batch`` prompts into a cache of 
 insert of those prefilled sequences into the decode batch's cache (`insert`), and its decode
 step with the next tokens sampled (greedy, JetStream's default), each cache donated; an engine
 workload one, the serving engine's step at its token bucket (`backend_kernels.occupancy` says
-what its kernels run). Each is compiled and estimated as a whole program (`compile_program`).
+what its kernels run), its sampler charged as `sampler_branches.ENGINE_SAMPLING` samples and
+estimated under every way of `sampler_branches.SAMPLINGS` beside (``"sampling"``: the step's
+seconds at each end, by way). Each is compiled and estimated as a whole program
+(`compile_program`).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import jax.numpy as jnp
 
 from pallas_flash_bench.kernels import backend_kernels
 from pallas_flash_bench.kernels.workloads import Workload
+from pallas_flash_bench.models import sampler_branches
 from pallas_flash_bench.models.model_workloads import ModelWorkload
-from pallas_flash_estimate.aot.compiled import compile_program
+from pallas_flash_estimate.aot.compiled import Compiled, compile_program
 from pallas_flash_estimate.aot.devices import target_devices
 from pallas_flash_estimate.cost.kernel_cost import Occupancy
-from pallas_flash_estimate.program.whole_program import compiled_estimate
-from pallas_flash_estimate.targets import TARGETS
+from pallas_flash_estimate.program.whole_program import ENDS, compiled_estimate
+from pallas_flash_estimate.read import hlo
+from pallas_flash_estimate.targets import TARGETS, Target
 
 
 def _kernel_workload(w: ModelWorkload, program: str) -> Workload:
@@ -136,5 +141,26 @@ def analyse_model(w: ModelWorkload, dump_dir: pathlib.Path | None) -> dict:
     analysed = []
     for name, (step, args) in _programs(w, mesh).items():
         compiled = compile_program(name, step, args, target, dump_dir)
-        analysed.append(compiled_estimate(compiled, _occupancy(w, name), target, w.chips))
+        if w.step == "engine":
+            analysed.append(_engine_estimate(w, compiled, target))
+        else:
+            analysed.append(compiled_estimate(compiled, _occupancy(w, name), target, w.chips))
     return {"workload": w.to_json(), "programs": analysed}
+
+
+def _engine_estimate(w: ModelWorkload, compiled: Compiled, target: Target) -> dict:
+    """An engine step's estimate with its sampler charged as `sampler_branches` says."""
+    occupancy = _occupancy(w, "step")
+    if compiled.text is None:
+        return compiled_estimate(compiled, occupancy, target, w.chips)
+    comps = hlo.parse_computations(compiled.text)
+    by_way = {
+        way: compiled_estimate(compiled, occupancy, target, w.chips,
+                               sampler_branches.branch_shares(comps, w.config.vocab, way))
+        for way in sampler_branches.SAMPLINGS
+    }  # fmt: skip
+    found = by_way[sampler_branches.ENGINE_SAMPLING]
+    if "estimate" in found:
+        found["sampling"] = {way: {end: r["estimate"][f"step_seconds_{end}"] for end in ENDS}
+                             for way, r in by_way.items()}  # fmt: skip
+    return found

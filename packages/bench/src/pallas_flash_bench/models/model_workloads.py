@@ -63,7 +63,8 @@ class ModelWorkload:
     tensor-parallel, its paged cache (pages of ``page_size``) split over kv heads, its
     attention ``decode_backend``'s ragged kernel: with ``mix`` None, the steady state of a
     run of ``batch`` slots serving prompts of ``prompt_len`` and ``generate_len`` new tokens
-    each (`engine_mix`); else the mixed step ``mix`` of `RAGGED_MIXES` (vLLM's). The step is
+    each (`engine_mix`), the first ``cached_prefix`` tokens of every prompt shared and found
+    in the prefix cache; else the mixed step ``mix`` of `RAGGED_MIXES` (vLLM's). The step is
     compiled at the engine's token bucket for its tokens (`token_buckets` of
     ``token_budget``; a steady-state row's budget is its step's tokens, `ENGINE`).
 
@@ -94,6 +95,7 @@ class ModelWorkload:
     mix: str | None = None
     token_budget: int = 512
     page_size: int = 128
+    cached_prefix: int = 0
 
     @property
     def prefill_calls(self) -> int:
@@ -142,12 +144,13 @@ class ModelWorkload:
         if self.mix is not None:
             return Workload("ragged", SERVING_LENGTHS[1], lengths=SERVING_LENGTHS, **heads,
                             **RAGGED_MIXES[self.mix])  # fmt: skip
-        decodes = self.batch - 1
-        chunk = max(round(decodes * self.prompt_len / self.generate_len), 1)
+        decodes, computed = self.batch - 1, self.prompt_len - self.cached_prefix
+        chunk = max(round(decodes * computed / self.generate_len), 1)
         max_len = self.prompt_len + self.generate_len
         return Workload("ragged", max_len, batch=decodes, lengths=(self.prompt_len + 1, max_len),
                         even_lengths=True, prefill=(1, chunk),
-                        prefill_context=(self.prompt_len - chunk) // 2, **heads)  # fmt: skip
+                        prefill_context=self.cached_prefix + (computed - chunk) // 2,
+                        **heads)  # fmt: skip
 
     @property
     def engine_bucket(self) -> int:
@@ -173,13 +176,16 @@ def _engine(name: str, model: str, batch: int, **kw) -> ModelWorkload:
     return ModelWorkload(name, "engine", model, "v5e-8", (1, 1, 8), batch, **kw)
 
 
-def _steady(name: str, model: str, batch: int) -> ModelWorkload:
+def _steady(name: str, model: str, batch: int, **kw) -> ModelWorkload:
     """A steady-state engine row whose token budget is its step's tokens: the budget at which
     the engine's scheduler, filling each step with the decodes and then a prompt chunk, makes
     that step (and compiles it unpadded)."""
-    row = _engine(name, model, batch)
+    row = _engine(name, model, batch, **kw)
     return dataclasses.replace(row, token_budget=ragged_step.tokens(row.engine_mix()))
 
+
+SHARED_PREFIX = {"model": "llama-3-8b", "batch": 128, "prompt_len": 1152, "generate_len": 128}
+"""The shared-prefix rows' run (`ENGINE`)."""
 
 TRAINING = [
     _train("train maxtext-16b", "maxtext-16b", "v5e-256", 256, 6, "full"),
@@ -203,9 +209,14 @@ ENGINE = [
     # vLLM's mixed steps at its token budgets on TPU
     _engine("engine llama-3-8b vllm-512", "llama-3-8b", 65, mix="vllm-512"),
     _engine("engine llama-3-8b vllm-2048", "llama-3-8b", 131, mix="vllm-2048", token_budget=2048),
+    # prompts sharing a 1024-token prefix (a system prompt) before 128 tokens of their own,
+    # as vLLM's prefix-caching benchmark sizes them; 128 new tokens each
+    _steady("engine llama-3-8b shared prefix, cached", **SHARED_PREFIX, cached_prefix=1024),
+    _steady("engine llama-3-8b shared prefix, no caching", **SHARED_PREFIX),
 ]
 """Steps of the serving engine (`pallas_flash_llama.engine_step`) on v5e-8, tensor-parallel:
-the steady state of the serving rows' runs, and vLLM's mixed steps."""
+the steady state of the serving rows' runs, vLLM's mixed steps, and a run of prompts sharing
+a prefix with the prefix cache and without."""
 
 REFERENCES = {
     "train maxtext-16b": Reference(

@@ -200,6 +200,8 @@ def engine_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         ref, _ = _reference(row, lambda v: f"{num(v)} tok/s")
         theirs, over = _program_ratio(f, "tokens_per_second", num)
         run = "vLLM's step" if w.mix else f"steady state, {w.prompt_len} / {w.generate_len}"
+        if w.cached_prefix:
+            run += f", the first {w.cached_prefix} cached"
         cal = f.get("calibrated") or {}
         calibrated = MISSING if not cal else num(cal["tokens_per_second"])
         if cal and cal.get("band") is not None:
@@ -210,10 +212,14 @@ def engine_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
                      pessimistic_cell(f.get("mfu"), percent),
                      pessimistic_cell(f.get("tokens_per_second"), num), calibrated,
                      pessimistic_cell(f.get("tokens_per_dollar"), num), peak_hbm_cell(row),
-                     theirs, over, ref])  # fmt: skip
+                     _sampling_cell(f.get("step_seconds_by_sampling")), theirs, over,
+                     ref])  # fmt: skip
     header = ["workload", "slice", "step (all heads)", "tokens compiled (bucket of budget)",
               "step (static)", "MFU (static)", "tokens/s (static)", "tokens/s (calibrated)",
-              "tokens/$", "peak HBM per chip", "MaxText's engine, same estimator: tokens/s",
+              "tokens/$", "peak HBM per chip",
+              "step as scheduled (static) if every slot samples: greedy; top-k/top-p in its 256 "
+              "candidates (the row's); past them, the vocabulary sorted",
+              "MaxText's engine, same estimator: tokens/s",
               "ours / MaxText's engine",
               "published measurement of the run (a calibration point, not compared)"]  # fmt: skip
     return ["## The serving engine's steps (v5e-8)", "",
@@ -229,12 +235,22 @@ def engine_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
             "lengths: one slot prefills a prompt in chunks while the others decode, so that "
             "requests start as fast as they end; its tokens/s is the run's, as MaxText's "
             "engine's are (its prefill, insert and generate programs composed over the same "
-            "run, estimated the same way). Calibrated: the scheduled step made a device time "
+            "run, estimated the same way). A row with figures in the sampling column charges its "
+            "sampler's conditionals as slots sampling with top-k or top-p held by their 256 most "
+            "likely tokens (a chat request; `sampler_branches`), its step if they sampled "
+            "otherwise beside; a row without them (an earlier run) charged every branch each "
+            "time, an upper bound. Calibrated: the scheduled step made a device time "
             "by the committed calibration, with the band of a serving run; the published "
             "measurement of the same model's run (its own lengths) is a point such a "
             f"calibration is fitted to, not a figure to hold an estimate against. {OVERLAP_NOTE}",
             "",
             *markdown_table(header, rows), ""]  # fmt: skip
+
+
+def _sampling_cell(by_way: Mapping[str, Mapping[str, float]] | None) -> str:
+    if not by_way:
+        return MISSING
+    return " / ".join(_ms(by_way[way]["scheduled"]) for way in ("greedy", "candidates", "sorted"))
 
 
 def ablation_table(
