@@ -74,6 +74,10 @@ def test_init_tiny_generate_train_and_generate_again(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     # 30 steps on the sample text are enough for the tiny model to continue it
     assert "'The quick brown' -> ' fox jumps over" in out, out
+    int8 = ["generate", "--model", str(trained), *prompt, "--backend", "xla", "--max-new-tokens",
+            "6", "--weights", "int8"]  # fmt: skip
+    assert main([*OFF, *int8]) == 0
+    assert capsys.readouterr().out.startswith(" fox jumps over"), "int8 weights continue it too"
 
 
 def test_a_resumed_training_run_equals_one_that_never_stopped(tmp_path, capsys) -> None:

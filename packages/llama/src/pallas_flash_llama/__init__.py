@@ -16,7 +16,7 @@ Modules: `config` (shapes by name or config.json), `model` (parameters and forwa
 `checkpoint` (the training state with orbax; import it on its own), `kv_cache`,
 `generation`, `sampling`, `scheduler` (continuous batching's plan of each step) and
 `page_pool` (its pages, shared by the prefixes requests have in common),
-`engine` and `engine_step` (the serving engine that runs those plans),
+`engine` and `engine_step` (the serving engine that runs those plans), `int8_weights`,
 `flax_attention` (an ``attention_fn`` for Flax), `abstract` (the
 steps' arguments as shapes, to compile ahead of time), `tiny` and `cli`.
 """

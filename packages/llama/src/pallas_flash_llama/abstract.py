@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
-from pallas_flash_llama import generation, model
+from pallas_flash_llama import generation, int8_weights, model
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.engine_step import StepBatch
 from pallas_flash_llama.kv_cache import (
@@ -61,27 +61,29 @@ def batch(size: int, seq_len: int, mesh: Mesh) -> Batch:
     }
 
 
-def inference_params(config: LlamaConfig, mesh: Mesh) -> dict:
-    """`generation.inference_params`: the compute dtype, one dict per layer, each array in
-    its stacked parameter's sharding less the layer axis."""
-    stacked = param_shardings(config, mesh)
-    unstacked = {
-        name: NamedSharding(mesh, PartitionSpec(*s.spec[1:]))
-        for name, s in stacked["layers"].items()
-    }
-    shapes = jax.eval_shape(lambda p: generation.inference_params(p, config), params(config, mesh))
-    out = {
-        name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stacked[name])
-        for name, x in shapes.items()
-        if name != "layers"
-    }
-    out["layers"] = [
-        {
-            name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=unstacked[name])
-            for name, x in layer.items()
-        }
-        for layer in shapes["layers"]
-    ]
+def inference_params(config: LlamaConfig, mesh: Mesh, weights: str | None = None) -> dict:
+    """`generation.inference_params`: the compute dtype (``weights="int8"``: the matmul
+    weights `int8_weights.quantize_params`'s), one dict per layer, each array in its stacked
+    parameter's sharding less the layer axis."""
+    stacked = param_shardings(config, mesh) if weights is None else int8_weights.shardings(
+        config, mesh)  # fmt: skip
+    source = params(config, mesh)
+    if weights == "int8":
+        source = jax.eval_shape(int8_weights.quantize_params, source)
+    elif weights is not None:
+        raise pf.InvalidInputError(f"weights: expected None or 'int8', got {weights!r}")
+    shapes = jax.eval_shape(lambda p: generation.inference_params(p, config), source)
+
+    def struct(x: jax.ShapeDtypeStruct, placed: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed)
+
+    def unstacked(x: jax.ShapeDtypeStruct, placed: NamedSharding) -> jax.ShapeDtypeStruct:
+        return struct(x, NamedSharding(mesh, PartitionSpec(*placed.spec[1:])))
+
+    out = {name: jax.tree.map(struct, x, stacked[name]) for name, x in shapes.items()
+           if name != "layers"}  # fmt: skip
+    out["layers"] = [jax.tree.map(unstacked, layer, stacked["layers"])
+                     for layer in shapes["layers"]]  # fmt: skip
     return out
 
 

@@ -29,11 +29,13 @@ import time
 from collections.abc import Sequence
 
 import jax
+from jax.sharding import Mesh
 
 import pallas_flash as pf
 from pallas_flash_llama import data, distributed, sharding, tiny
-from pallas_flash_llama.config import REMAT_POLICIES, get_config
+from pallas_flash_llama.config import REMAT_POLICIES, LlamaConfig, get_config
 from pallas_flash_llama.generation import KV_CACHES, PAGE_SIZE, generate
+from pallas_flash_llama.int8_weights import quantize_params
 from pallas_flash_llama.kv_cache import CACHE_SPLITS
 from pallas_flash_llama.model import init_params
 from pallas_flash_llama.sampling import Sampling
@@ -78,11 +80,19 @@ def _init_tiny(args: argparse.Namespace) -> None:
     print(f"wrote a tiny LLaMa to {args.directory} (train on {args.directory}/{tiny.SAMPLE_FILE})")
 
 
-def _generate(args: argparse.Namespace) -> None:
-    mesh = _mesh(args.mesh)
+def _inference_model(args: argparse.Namespace, mesh: Mesh | None) -> tuple[LlamaConfig, dict]:
+    """The model of ``--model`` in ``--dtype``, its weights int8 with ``--weights int8``."""
     config, params = load_params(args.model, mesh=mesh)
     if args.dtype:
         config = config.replace(dtype=args.dtype)
+    if args.weights == "int8":
+        params = quantize_params(params, mesh, config)
+    return config, params
+
+
+def _generate(args: argparse.Namespace) -> None:
+    mesh = _mesh(args.mesh)
+    config, params = _inference_model(args, mesh)
     tokenizer = load_tokenizer(args.model)
     special = special_tokens(args.model, tokenizer, config)
     prompts = [encode(tokenizer, text, special) for text in args.prompt]
@@ -139,9 +149,7 @@ def _serve(args: argparse.Namespace) -> None:
             f"serve: {error} (pip install 'pallas-flash-llama[serve]')"
         ) from None
     mesh = _mesh(args.mesh)
-    config, params = load_params(args.model, mesh=mesh)
-    if args.dtype:
-        config = config.replace(dtype=args.dtype)
+    config, params = _inference_model(args, mesh)
     pages_per_sequence = -(-(args.max_len or config.max_len) // args.page_size)
     engine = Engine(
         params,
@@ -290,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(run=_init_tiny)
 
+    def weights(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--weights",
+            choices=["int8"],
+            help="int8: matmul weights quantized per output channel when loaded (half the "
+            "HBM); default: as the checkpoint holds them",
+        )
+
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--backend", help="pf.attention backend (default: the registry's)")
         sub.add_argument(
@@ -320,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache dtype: int8 (quantized, a scale per token and kv head); default: the "
         "compute dtype",
     )
+    weights(gen)
     gen.add_argument(
         "--page-size", type=int, default=PAGE_SIZE, help="positions per page of a paged cache"
     )
@@ -350,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-pages", type=int, help="pages in the cache (default: --slots full sequences)"
     )
     srv.add_argument("--kv-dtype", help="KV cache dtype: int8 (quantized); default: compute dtype")
+    weights(srv)
     srv.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",

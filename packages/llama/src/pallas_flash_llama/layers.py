@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.int8_weights import dot
 from pallas_flash_llama.rope import apply_rope
 from pallas_flash_llama.sharding import constrain
 
@@ -35,11 +36,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def mlp(x: jax.Array, p: dict[str, jax.Array], mesh: Mesh | None) -> jax.Array:
     """SwiGLU: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``; x ``[batch, seq, hidden]``."""
-    gate = jnp.einsum("bsd,df->bsf", x, p["w_gate"])
-    up = jnp.einsum("bsd,df->bsf", x, p["w_up"])
+    gate = dot("bsd,df->bsf", x, p["w_gate"])
+    up = dot("bsd,df->bsf", x, p["w_up"])
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
     hidden = constrain(hidden, ("batch", "seq", "act_mlp"), mesh)
-    return jnp.einsum("bsf,fd->bsd", hidden, p["w_down"])
+    return dot("bsf,fd->bsd", hidden, p["w_down"])
 
 
 def decoder_layer(
@@ -54,18 +55,19 @@ def decoder_layer(
 
     Args:
       x: ``[batch, seq, hidden]``.
-      p: the layer's parameters (`sharding.LAYER_AXES`), matmul weights in the compute dtype.
+      p: the layer's parameters (`sharding.LAYER_AXES`), matmul weights in the compute dtype
+        or int8 (`int8_weights.Int8Weight`).
       positions: ``[batch, seq]`` int32 RoPE positions.
     """
     h = rms_norm(x, p["attn_norm"], config.norm_eps)
-    q = checkpoint_name(jnp.einsum("bsd,dhk->bhsk", h, p["wq"]), "q")
-    k = checkpoint_name(jnp.einsum("bsd,dhk->bhsk", h, p["wk"]), "k")
-    v = checkpoint_name(jnp.einsum("bsd,dhk->bhsk", h, p["wv"]), "v")
+    q = checkpoint_name(dot("bsd,dhk->bhsk", h, p["wq"]), "q")
+    k = checkpoint_name(dot("bsd,dhk->bhsk", h, p["wk"]), "k")
+    v = checkpoint_name(dot("bsd,dhk->bhsk", h, p["wv"]), "v")
     q = constrain(apply_rope(q, positions, config), ("batch", "act_heads", "seq", "head_dim"), mesh)
     k = constrain(apply_rope(k, positions, config), ("batch", "act_heads", "seq", "head_dim"), mesh)
     v = constrain(v, ("batch", "act_heads", "seq", "head_dim"), mesh)
     out, aux = attend(q, k, v)
-    out = checkpoint_name(jnp.einsum("bhsk,hkd->bsd", out, p["wo"]), "attn_out")
+    out = checkpoint_name(dot("bhsk,hkd->bsd", out, p["wo"]), "attn_out")
     x = constrain(x + out, ("batch", "seq", "act_embed"), mesh)
     x = x + mlp(rms_norm(x, p["mlp_norm"], config.norm_eps), p, mesh)
     return constrain(x, ("batch", "seq", "act_embed"), mesh), aux

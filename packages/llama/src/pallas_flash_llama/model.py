@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from pallas_flash_llama import sharding
 from pallas_flash_llama.attention import self_attention
 from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.int8_weights import Int8Weight, dot
 from pallas_flash_llama.layers import decoder_layer, rms_norm
 
 Params = dict[str, Any]
@@ -101,9 +102,14 @@ def _fan_in(path: str, shape: tuple[int, ...]) -> int:
 
 
 def compute_params(params: Params, config: LlamaConfig) -> Params:
-    """``params`` with matmul weights (rank >= 2) in the compute dtype; norms unchanged."""
+    """``params`` with matmul weights (rank >= 2) in the compute dtype; norms and int8
+    weights (`int8_weights.Int8Weight`) unchanged."""
     dtype = jnp.dtype(config.dtype)
-    return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+
+    def cast(x: Any) -> Any:
+        return x if isinstance(x, Int8Weight) or x.ndim < 2 else x.astype(dtype)
+
+    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, Int8Weight))
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -124,7 +130,8 @@ def unembed(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
     """Float32 logits ``[..., vocab]`` of final hidden states ``x [..., hidden]``."""
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return jnp.einsum("...d,dv->...v", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    head = head if isinstance(head, Int8Weight) else head.astype(x.dtype)
+    return dot("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
 
 
 def hidden_states(
