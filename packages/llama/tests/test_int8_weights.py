@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_flash as pf
 from pallas_flash_llama import data, model
 from pallas_flash_llama.config import get_config
 from pallas_flash_llama.engine import Engine
@@ -95,6 +96,12 @@ def test_a_trained_model_s_greedy_tokens_mostly_agree(capsys) -> None:
     with capsys.disabled():
         print(f"\nint8 weights: greedy steps agreeing with bfloat16: {agree:.1%}")
     assert agree >= 0.9
+
+
+def test_training_int8_weights_is_refused() -> None:
+    params = quantize_params(model.init_params(get_config("tiny"), jax.random.key(0)))
+    with pytest.raises(pf.UnsupportedFeatureError, match=r"params: int8 weights .* inference"):
+        init_state(params, TrainConfig())
 
 
 def test_the_engine_serves_int8_weights_alone_batched_and_tensor_parallel() -> None:

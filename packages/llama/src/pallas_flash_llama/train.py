@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash_llama import distributed
 from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.int8_weights import Int8Weight
 from pallas_flash_llama.loss import next_token_loss
 from pallas_flash_llama.model import Params, hidden_states
 from pallas_flash_llama.sharding import BATCH_AXES, batch_parts
@@ -89,7 +90,16 @@ class TrainState:
 def init_state(params: Params, train_config: TrainConfig) -> TrainState:
     """The state at step 0. The optimiser state takes the parameters' shardings; what is not
     laid out over their mesh (the step, the optimiser's counts) is replicated over it, so a
-    state restored from a checkpoint into this one's shardings lies where the step expects."""
+    state restored from a checkpoint into this one's shardings lies where the step expects.
+
+    Raises:
+      pf.UnsupportedFeatureError: ``params`` holds int8 weights (inference only).
+    """
+    if any(isinstance(x, Int8Weight) for x in jax.tree.leaves(params, is_leaf=_is_int8)):
+        raise pf.UnsupportedFeatureError(
+            "params: int8 weights (int8_weights.quantize_params) are for inference; train the "
+            "floating-point parameters and quantize them after"
+        )
     opt_state = _optimizer_init(train_config)(params)
     state = TrainState(params, opt_state, jnp.zeros((), jnp.int32))
     meshes = {
@@ -102,6 +112,10 @@ def init_state(params: Params, train_config: TrainConfig) -> TrainState:
         lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
         state,
     )
+
+
+def _is_int8(x: object) -> bool:
+    return isinstance(x, Int8Weight)
 
 
 @functools.cache
