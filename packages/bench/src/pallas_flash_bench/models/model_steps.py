@@ -79,7 +79,8 @@ def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
                                      w.kv_dtype)  # fmt: skip
         step = engine_step.step_program(cache, config, w.decode_backend, mesh)
         batch = abstract.step_batch(slots, w.engine_bucket, pages, mesh)
-        return {"step": (step, (abstract.inference_params(config, mesh), cache, batch))}
+        params = abstract.inference_params(config, mesh, w.weights)
+        return {"step": (step, (params, cache, batch))}
     if w.step == "train":
         train_config = TrainConfig()
         step = make_train_step(config, train_config, backend=w.backend, mesh=mesh,
@@ -87,7 +88,7 @@ def _programs(w: ModelWorkload, mesh) -> dict[str, tuple]:
         args = (abstract.train_state(config, train_config, mesh),
                 abstract.batch(w.batch, w.seq_len, mesh))  # fmt: skip
         return {"train": (step, args)}
-    params = abstract.inference_params(config, mesh)
+    params = abstract.inference_params(config, mesh, w.weights)
     max_len = w.prompt_len + w.generate_len
     cache = abstract.contiguous_cache(config, w.batch, max_len, mesh, w.kv_dtype, w.cache_split)
     prefill_batch = min(w.prefill_batch, w.batch)

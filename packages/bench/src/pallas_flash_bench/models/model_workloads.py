@@ -55,7 +55,8 @@ class ModelWorkload:
     at a time (as JetStream's engine prefills requests and inserts them into the decode
     batch), then ``generate_len`` decode steps of the whole batch against a contiguous cache
     of ``prompt_len + generate_len`` positions (``kv_dtype``: None for the compute dtype, or
-    ``int8``), split over the mesh as ``cache_split`` says (`pallas_flash_llama.kv_cache`:
+    ``int8``; ``weights``: ``int8`` for int8 matmul weights, `pallas_flash_llama.int8_weights`),
+    split over the mesh as ``cache_split`` says (`pallas_flash_llama.kv_cache`:
     ``heads``, each chip its kv heads of every sequence; ``sequence``, each chip a share of
     every sequence's positions, the partials merged across chips).
 
@@ -96,6 +97,7 @@ class ModelWorkload:
     token_budget: int = 512
     page_size: int = 128
     cached_prefix: int = 0
+    weights: str | None = None
 
     @property
     def prefill_calls(self) -> int:
@@ -195,6 +197,8 @@ TRAINING = [
 SERVING = [
     _serve("serve llama-2-7b bf16", "llama-2-7b", 96),
     _serve("serve llama-2-7b int8", "llama-2-7b", 96, kv_dtype="int8"),
+    # int8 weights too, as the jetstream-pytorch measurement quantizes them
+    _serve("serve llama-2-7b int8 weights", "llama-2-7b", 96, kv_dtype="int8", weights="int8"),
     _serve("serve llama-3-8b bf16", "llama-3-8b", 128),
     # JetStream-MaxText's recipe: 11 sequences a chip, bfloat16 weights and cache, one
     # prompt a prefill
@@ -206,6 +210,7 @@ ENGINE = [
     _steady("engine llama-2-7b, maxtext settings", "llama-2-7b", 88),
     _steady("engine llama-2-7b bf16", "llama-2-7b", 96),
     _steady("engine llama-3-8b bf16", "llama-3-8b", 128),
+    _steady("engine llama-2-7b int8 weights", "llama-2-7b", 96, kv_dtype="int8", weights="int8"),
     # vLLM's mixed steps at its token budgets on TPU
     _engine("engine llama-3-8b vllm-512", "llama-3-8b", 65, mix="vllm-512"),
     _engine("engine llama-3-8b vllm-2048", "llama-3-8b", 131, mix="vllm-2048", token_budget=2048),
@@ -233,7 +238,9 @@ REFERENCES = {
         "openorca prompts (218 tokens in, 940 out on average)",
     ),
 }
-for _served in ("llama-2-7b, maxtext settings", "llama-2-7b bf16", "llama-3-8b bf16"):
+REFERENCES["serve llama-2-7b int8 weights"] = REFERENCES["serve llama-2-7b int8"]
+for _served in ("llama-2-7b, maxtext settings", "llama-2-7b bf16", "llama-3-8b bf16",
+                "llama-2-7b int8 weights"):  # fmt: skip
     REFERENCES[f"engine {_served}"] = REFERENCES[f"serve {_served}"]
 """Published figures by workload name; MaxText ships the Llama-2-7B config without one. An
 engine row's run is its serving row's, held against the same measurement."""
