@@ -17,7 +17,8 @@ than the sequence's length; blocks wholly before or after that range are never c
 Copies, all by manual DMA:
 - Queries and outputs: an item's ``block_q`` token rows are copied into a buffer
   double-buffered across items (the next item's rows start when an item begins), and its
-  ``count`` output rows copied back (a copy of that many rows, waited for two items later),
+  ``count`` output rows copied back (one copy of a static size for each power of two in
+  ``count``, waited for two items later),
   so no relayout of q or of the output runs around the kernel. The rows start at the item's
   first token, or at ``tokens - block_q`` where ``block_q`` rows would run past the batch (a
   batch of fewer tokens is padded to ``block_q``): rows before its first token are other
@@ -25,7 +26,8 @@ Copies, all by manual DMA:
   ``[group x block_q, head_dim]``, row ``g x block_q + t``: token ``t``, query head ``g``.
 - KV blocks: one copy per page that holds a position of the item's range, all ``H`` heads at
   once (table entries clipped into ``[0, num_pages)``; int8 scales one copy per block), into
-  a double-buffered VMEM block: block ``i + 1``'s copies start before block ``i`` is folded,
+  a double-buffered VMEM block (waited for once per array where all its pages are copied: a
+  DMA semaphore counts bytes): block ``i + 1``'s copies start before block ``i`` is folded,
   and an item's last block starts the copies of the next step's first block (the next item of
   the heads, else item 0 of the next ``H``: the grid runs in order, an SMEM count of folded
   blocks carrying the buffer parity), so no step waits for its first block but the grid's
@@ -52,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import interpret
+from pallas_flash import interpret, row_copies
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
@@ -137,6 +139,25 @@ def _kernel(
             src = cache[a].at[r.seq, kv, pl.ds(start, block_kv)]
             act(pltpu.make_async_copy(src, buffers[a].at[slot], sems.at[slot, a]))
 
+    def wait_block(r: ItemRange, block: jax.Array, slot: jax.Array) -> None:
+        """Waits for the copies of ``block`` of item range ``r`` into buffer ``slot``: where
+        every page of the block holds a position in ``[r.lo, r.hi]``, once per array for the
+        whole buffer (a DMA semaphore counts bytes: the pages' copies together fill it), so
+        no page's table entry and descriptor is made again; else page by page."""
+        first_page = block * pages_per_block
+        whole = ((first_page + 1) * page_size > r.lo) & (
+            (first_page + pages_per_block - 1) * page_size <= r.hi
+        )
+
+        @pl.when(whole)
+        def _whole() -> None:
+            for a, buffer in enumerate(buffers):
+                pltpu.make_async_copy(buffer.at[slot], buffer.at[slot], sems.at[slot, a]).wait()
+
+        @pl.when(jnp.logical_not(whole))
+        def _by_page() -> None:
+            copies(r, h, block, slot, lambda c: c.wait())
+
     def window_start(first: jax.Array) -> jax.Array:
         """The first of the ``block_q`` token rows copied for an item whose first token is row
         ``first``: that row, moved back where the rows would run past the batch (the rows
@@ -149,20 +170,26 @@ def _kernel(
         rows = q_hbm.at[pl.ds(window_start(first_ref[item]), block_q), head_group]
         return pltpu.make_async_copy(rows, q_buf.at[slot], row_sems.at[slot, 0])
 
-    def output_copy(slot: jax.Array, first: jax.Array, rows: jax.Array):
-        """The copy of ``rows`` output rows from buffer ``slot`` to token rows ``first`` on,
-        on kv head group ``h``."""
+    def output_copies(slot: jax.Array, first: jax.Array, rows: jax.Array, act) -> None:
+        """``act`` on the copies of ``rows`` (1 to ``block_q``) output rows from buffer
+        ``slot`` to token rows ``first`` on, on kv head group ``h`` (static sizes,
+        `row_copies`)."""
         offset = first - window_start(first)
-        src, dst = o_buf.at[slot, pl.ds(offset, rows)], o_hbm.at[pl.ds(first, rows), h]
-        return pltpu.make_async_copy(src, dst, row_sems.at[slot, 1])
+
+        def piece(start: jax.Array, size: int):
+            src = o_buf.at[slot, pl.ds(offset + start, size)]
+            dst = o_hbm.at[pl.ds(first + start, size), h]
+            return pltpu.make_async_copy(src, dst, row_sems.at[slot, 1])
+
+        row_copies.by_powers_of_two(rows, block_q, piece, act)
 
     def wait_output(slot: int | jax.Array) -> None:
-        """Waits for buffer ``slot``'s output copy, if one is in flight."""
+        """Waits for buffer ``slot``'s output copies, if some are in flight."""
         rows = pending[slot, 1]
 
         @pl.when(rows > 0)
         def _wait() -> None:
-            output_copy(slot, pending[slot, 0], rows).wait()
+            output_copies(slot, pending[slot, 0], rows, lambda c: c.wait())
             pending[slot, 1] = 0
 
     @pl.when((h == 0) & (w == 0))
@@ -205,7 +232,7 @@ def _kernel(
 
         def body(i: jax.Array, carry: None) -> None:
             block, slot = r.first_block + i, (base + i) & 1
-            copies(r, h, block, slot, lambda c: c.wait())
+            wait_block(r, block, slot)
 
             @pl.when(i + 1 < r.blocks)
             def _start_next() -> None:
@@ -232,7 +259,7 @@ def _kernel(
             out = finish_rows(sinks, m_ref.at[j], l_ref.at[j], acc_ref.at[j])
             rows = jnp.swapaxes(out.reshape(q_per_kv, block_q, -1), 0, 1)
             o_buf[row_slot, :, j * q_per_kv : (j + 1) * q_per_kv, :] = rows.astype(o_buf.dtype)
-        output_copy(row_slot, first_ref[w], count).start()
+        output_copies(row_slot, first_ref[w], count, lambda c: c.start())
         pending[row_slot, 0], pending[row_slot, 1] = first_ref[w], count
 
     @pl.when((h == head_groups - 1) & (w == items - 1))

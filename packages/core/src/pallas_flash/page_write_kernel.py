@@ -2,18 +2,19 @@
 `pallas_flash.cache_write.write_tokens` writes ``pf.ragged_attention``'s keys and values on
 TPU.
 
-XLA writes the tokens with one scatter, which XLA on TPU may run on a re-laid-out copy of the
-whole pool. This kernel touches only the chunks that hold a new token, the pool in HBM
+XLA writes the tokens with one scatter, which XLA on TPU may run on a re-laid-out copy of
+the whole pool. This kernel touches only the chunks that hold a new token, the pool in HBM
 aliased to the output. A pool's positions are a tiled axis (``[pages, kv_heads, page_size,
 head_dim]``: sublanes), so an HBM copy starts and ends on a tile: the kernel works in
 *chunks* of `chunk_positions` positions of one page (a whole number of tiles, or the whole
 page). A run of a sequence's new tokens that lies in one chunk is one *item*: its tokens are
-copied from the batch's own layout into VMEM at their rows of the chunk (one copy of that many
-rows, every kv head at once), the chunk copied into VMEM, the new rows patched in (kv heads
-brought first in VMEM) and the chunk copied back; an item that covers its whole chunk skips
-the read. Nothing is laid out for the kernel beforehand. No two sequences share a page, so no
-two items share a chunk. The grid takes `items_per_step` items a step, all their copies in
-flight at once.
+copied from the batch's own layout into VMEM at their rows of the chunk (every kv head at
+once, as copies of static sizes, `row_copies`), the chunk copied into VMEM, the new rows
+patched in (kv heads brought first in VMEM) and the chunk copied back; an item that covers
+its whole chunk skips the read. Nothing is laid out for the kernel beforehand. No two
+sequences write into one page (a page shared through a prefix cache is full, never written),
+so no two items share a chunk. The grid takes `items_per_step` items a step, all their
+copies in flight at once.
 
 Layouts: ``pool [num_pages, kv_heads, page_size, head_dim]`` (positions on sublanes) or
 ``[num_pages, kv_heads, page_size]`` (an int8 cache's scales, positions on lanes); ``values
@@ -34,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_flash import row_copies
 
 LANES = 128
 
@@ -174,22 +177,26 @@ def _kernel(
             return pltpu.make_async_copy(span, chunks.at[i], sems.at[1, i])
         return pltpu.make_async_copy(chunks.at[i], span, sems.at[2, i])
 
-    def token_rows(i: jax.Array):  # the item's tokens, to their rows of the chunk
+    def token_rows(i: jax.Array, act) -> None:  # the item's tokens, to their rows of the chunk
         item = first_item + i
-        n = tokens_ref[item]
-        src = values_ref.at[pl.ds(first_token_ref[item], n)]
-        return pltpu.make_async_copy(src, rows.at[i, pl.ds(first_row_ref[item], n)], sems.at[0, i])
+
+        def piece(start: jax.Array, size: int):
+            src = values_ref.at[pl.ds(first_token_ref[item] + start, size)]
+            dst = rows.at[i, pl.ds(first_row_ref[item] + start, size)]
+            return pltpu.make_async_copy(src, dst, sems.at[0, i])
+
+        row_copies.by_powers_of_two(tokens_ref[item], chunk, piece, act)
 
     def partial_chunk(i: jax.Array) -> jax.Array:  # the item leaves some of its chunk's rows
         return tokens_ref[first_item + i] < chunk
 
     def fetch(i: jax.Array, carry: None) -> None:
-        token_rows(i).start()
+        token_rows(i, lambda c: c.start())
         pl.when(partial_chunk(i))(lambda: copy(i, True).start())
         return carry
 
     def patch(i: jax.Array, carry: None) -> None:
-        token_rows(i).wait()
+        token_rows(i, lambda c: c.wait())
         pl.when(partial_chunk(i))(lambda: copy(i, True).wait())
         item = first_item + i
         wide = jnp.float32 if jnp.issubdtype(chunks.dtype, jnp.floating) else jnp.int32
