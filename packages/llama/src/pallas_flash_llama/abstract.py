@@ -65,13 +65,13 @@ def inference_params(config: LlamaConfig, mesh: Mesh, weights: str | None = None
     """`generation.inference_params`: the compute dtype (``weights="int8"``: the matmul
     weights `int8_weights.quantize_params`'s), one dict per layer, each array in its stacked
     parameter's sharding less the layer axis."""
-    stacked = param_shardings(config, mesh) if weights is None else int8_weights.shardings(
-        config, mesh)  # fmt: skip
+    if weights not in (None, "int8"):
+        raise pf.InvalidInputError(f"weights: expected None or 'int8', got {weights!r}")
     source = params(config, mesh)
+    stacked = param_shardings(config, mesh)
     if weights == "int8":
         source = jax.eval_shape(int8_weights.quantize_params, source)
-    elif weights is not None:
-        raise pf.InvalidInputError(f"weights: expected None or 'int8', got {weights!r}")
+        stacked = int8_weights.shardings(config, mesh)
     shapes = jax.eval_shape(lambda p: generation.inference_params(p, config), source)
 
     def struct(x: jax.ShapeDtypeStruct, placed: NamedSharding) -> jax.ShapeDtypeStruct:

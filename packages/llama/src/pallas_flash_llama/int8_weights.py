@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,17 +62,28 @@ def quantize(w: jax.Array, leading: int, inputs: int) -> Int8Weight:
     return Int8Weight(values, jnp.squeeze(scales, axes))
 
 
+def is_int8(x: object) -> bool:
+    """Whether ``x`` is an `Int8Weight` (an ``is_leaf`` for tree maps that stop at one)."""
+    return isinstance(x, Int8Weight)
+
+
+def _each_weight(tree: dict, weight: Callable[[Any, int, int], Any]) -> dict:
+    """``tree`` (shaped like the parameters) with ``weight(leaf, leading, inputs)`` in place
+    of each matmul weight of `INPUT_AXES` (``leading``: 1 for a layer's, stacked)."""
+    out = dict(tree)
+    if "lm_head" in tree:
+        out["lm_head"] = weight(tree["lm_head"], 0, INPUT_AXES["lm_head"])
+    out["layers"] = {name: weight(w, 1, INPUT_AXES[name]) if name in INPUT_AXES else w
+                     for name, w in tree["layers"].items()}  # fmt: skip
+    return out
+
+
 def quantize_params(params: dict, mesh: Mesh | None = None, config: LlamaConfig | None = None):
     """``params`` (`model.init_params`'s layout) with every weight of `INPUT_AXES` an
     `Int8Weight`; with ``mesh`` (and ``config``), placed as `shardings` says."""
 
     def convert(params: dict) -> dict:
-        out = dict(params)
-        if "lm_head" in params:
-            out["lm_head"] = quantize(params["lm_head"], 0, INPUT_AXES["lm_head"])
-        out["layers"] = {name: quantize(w, 1, INPUT_AXES[name]) if name in INPUT_AXES else w
-                         for name, w in params["layers"].items()}  # fmt: skip
-        return out
+        return _each_weight(params, quantize)
 
     if mesh is None:
         return jax.jit(convert)(params)
@@ -87,20 +100,11 @@ def shardings(config: LlamaConfig, mesh: Mesh) -> dict:
     """The sharding of every parameter of `quantize_params`'s output: an `Int8Weight`'s values
     as the weight's (`sharding.param_axes`), its scales as its output axes."""
 
-    def place(axes: tuple[str, ...]) -> NamedSharding:
-        return NamedSharding(mesh, sharding.spec(axes))
+    def split(axes: tuple[str, ...], leading: int, inputs: int) -> Int8Weight:
+        return Int8Weight(axes, (*axes[:leading], *axes[leading + inputs :]))
 
-    axes = sharding.param_axes(config)
-    out = jax.tree.map(place, axes, is_leaf=_is_axes)
-    for name, parent, leading in [("lm_head", axes, 0), *((n, axes["layers"], 1)
-                                                         for n in axes["layers"])]:  # fmt: skip
-        if name not in INPUT_AXES or name not in parent:
-            continue
-        full = parent[name]
-        outputs = (*full[:leading], *full[leading + INPUT_AXES[name] :])
-        quantized = Int8Weight(place(full), place(outputs))
-        (out if parent is axes else out["layers"])[name] = quantized
-    return out
+    axes = _each_weight(sharding.param_axes(config), split)
+    return jax.tree.map(lambda a: NamedSharding(mesh, sharding.spec(a)), axes, is_leaf=_is_axes)
 
 
 def dot(spec: str, x: jax.Array, w: jax.Array | Int8Weight, **kwargs) -> jax.Array:

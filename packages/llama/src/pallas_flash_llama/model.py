@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from pallas_flash_llama import sharding
 from pallas_flash_llama.attention import self_attention
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.int8_weights import Int8Weight, dot
+from pallas_flash_llama.int8_weights import dot, is_int8
 from pallas_flash_llama.layers import decoder_layer, rms_norm
 
 Params = dict[str, Any]
@@ -107,9 +107,9 @@ def compute_params(params: Params, config: LlamaConfig) -> Params:
     dtype = jnp.dtype(config.dtype)
 
     def cast(x: Any) -> Any:
-        return x if isinstance(x, Int8Weight) or x.ndim < 2 else x.astype(dtype)
+        return x if is_int8(x) or x.ndim < 2 else x.astype(dtype)
 
-    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, Int8Weight))
+    return jax.tree.map(cast, params, is_leaf=is_int8)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -130,7 +130,7 @@ def unembed(params: Params, x: jax.Array, config: LlamaConfig) -> jax.Array:
     """Float32 logits ``[..., vocab]`` of final hidden states ``x [..., hidden]``."""
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    head = head if isinstance(head, Int8Weight) else head.astype(x.dtype)
+    head = head if is_int8(head) else head.astype(x.dtype)
     return dot("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
 
 

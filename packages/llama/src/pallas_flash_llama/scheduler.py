@@ -201,9 +201,13 @@ class Scheduler:
 
     def _release(self, seq: _Sequence) -> None:
         """Frees ``seq``'s pages and slot."""
-        self.pool.release(seq.pages)
         self._free_slots.append(seq.slot)
         self._free_slots.sort()
+        self._drop_pages(seq)
+
+    def _drop_pages(self, seq: _Sequence) -> None:
+        """Lets go of ``seq``'s pages (cached ones stay cached); it holds no slot after."""
+        self.pool.release(seq.pages)
         seq.pages, seq.keys, seq.cached, seq.slot = [], [], 0, None
 
     def _match_prefix(self, seq: _Sequence) -> None:
@@ -257,8 +261,7 @@ class Scheduler:
             self._match_prefix(seq)
             found = self._chunk(seq, budget)
             if found is None:
-                self.pool.release(seq.pages)
-                seq.pages, seq.keys, seq.cached, seq.slot = [], [], 0, None
+                self._drop_pages(seq)
                 break
             self._free_slots.pop(0)
             self._waiting.popleft()

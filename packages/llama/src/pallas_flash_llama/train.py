@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash_llama import distributed
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.int8_weights import Int8Weight
+from pallas_flash_llama.int8_weights import is_int8
 from pallas_flash_llama.loss import next_token_loss
 from pallas_flash_llama.model import Params, hidden_states
 from pallas_flash_llama.sharding import BATCH_AXES, batch_parts
@@ -95,7 +95,7 @@ def init_state(params: Params, train_config: TrainConfig) -> TrainState:
     Raises:
       pf.UnsupportedFeatureError: ``params`` holds int8 weights (inference only).
     """
-    if any(isinstance(x, Int8Weight) for x in jax.tree.leaves(params, is_leaf=_is_int8)):
+    if any(is_int8(x) for x in jax.tree.leaves(params, is_leaf=is_int8)):
         raise pf.UnsupportedFeatureError(
             "params: int8 weights (int8_weights.quantize_params) are for inference; train the "
             "floating-point parameters and quantize them after"
@@ -112,10 +112,6 @@ def init_state(params: Params, train_config: TrainConfig) -> TrainState:
         lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
         state,
     )
-
-
-def _is_int8(x: object) -> bool:
-    return isinstance(x, Int8Weight)
 
 
 @functools.cache

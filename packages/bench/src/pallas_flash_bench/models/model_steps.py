@@ -155,9 +155,11 @@ def _engine_estimate(w: ModelWorkload, compiled: Compiled, target: Target) -> di
     if compiled.text is None:
         return compiled_estimate(compiled, occupancy, target, w.chips)
     comps = hlo.parse_computations(compiled.text)
+    # the sensitivity sweep for the row's way only: the others give their step alone
     by_way = {
         way: compiled_estimate(compiled, occupancy, target, w.chips,
-                               sampler_branches.branch_shares(comps, w.config.vocab, way))
+                               sampler_branches.branch_shares(comps, w.config.vocab, way),
+                               sensitivity=way == sampler_branches.ENGINE_SAMPLING)
         for way in sampler_branches.SAMPLINGS
     }  # fmt: skip
     found = by_way[sampler_branches.ENGINE_SAMPLING]

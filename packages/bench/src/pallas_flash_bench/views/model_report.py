@@ -250,7 +250,9 @@ def engine_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
 def _sampling_cell(by_way: Mapping[str, Mapping[str, float]] | None) -> str:
     if not by_way:
         return MISSING
-    return " / ".join(_ms(by_way[way]["scheduled"]) for way in ("greedy", "candidates", "sorted"))
+    from pallas_flash_bench.models.sampler_branches import SAMPLINGS
+
+    return " / ".join(_ms(by_way[way]["scheduled"]) for way in SAMPLINGS)
 
 
 def ablation_table(

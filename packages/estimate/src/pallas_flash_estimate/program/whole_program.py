@@ -244,16 +244,16 @@ def compiled_estimate(
     target: Target,
     chips: int,
     branch_shares: program_loops.BranchShares | None = None,
+    sensitivity: bool = True,
 ) -> dict:
     """What `aot.compiled.compile_program` recorded of a program, with its ``estimate``
     (`program_estimate` of its HLO and listings, each Pallas kernel charged as
-    ``kernel_workload`` says by op name); unchanged where it has no listings (it did not
-    compile, or no dump was asked for)."""
+    ``kernel_workload`` says by op name, the sensitivity sweep with ``sensitivity``);
+    unchanged where it has no listings (it did not compile, or no dump was asked for)."""
     if compiled.text is None or compiled.schedules is None:
         return compiled.result
-    found = program_estimate(
-        compiled.text, compiled.schedules, kernel_workload, target, chips, branch_shares
-    )
+    found = program_estimate(compiled.text, compiled.schedules, kernel_workload, target, chips,
+                             branch_shares, sensitivity)  # fmt: skip
     return {**compiled.result, "estimate": found}
 
 
