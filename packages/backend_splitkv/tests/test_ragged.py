@@ -183,14 +183,17 @@ def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
         RaggedBlocks(block_q=bad)
 
 
-@pytest.mark.parametrize(("window", "runs"), [(None, (3, 2 + 3)), (20, (2, 2 + 2))])
-def test_loop_runs_count_each_items_kv_blocks_per_group_of_kv_heads(
-    window: int | None, runs: tuple[int, int]
+@pytest.mark.parametrize(
+    ("window", "runs"), [(None, ((1, 2, 1), (3, 2, 1 + 1 + 1))), (20, ((1, 0, 2), (3, 0, 2 + 2)))]
+)
+def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_kv_heads(
+    window: int | None, runs: tuple[tuple[int, int, int], ...]
 ) -> None:
     # blocks of 16 positions (2 pages of 8) and 8 tokens, 2 query heads a kv head: the decode
-    # call takes a decode token at position 40 (3 blocks; with a window of 20, from 20: 2), the
-    # other call 9 new tokens at 5..13 (items of 8 and 1: 1 block each) and 3 new tokens at
-    # 45..47 (3 blocks; from 25: 2); an empty slot makes no item
+    # call takes a decode token at position 40 (3 blocks, the first 2 whole; with a window of
+    # 20, from 20: 2, none whole), the other call 9 new tokens at 5..13 (items of 8 and 1: 1
+    # masked block each) and 3 new tokens at 45..47 (3 blocks, 2 whole; from 25: 2, masked);
+    # an empty slot makes no item
     starts = jnp.asarray([0, 1, 1, 10, 13], jnp.int32)
     lengths = jnp.asarray([41, 7, 14, 48], jnp.int32)
     spec = pf.RaggedSpec(sm_scale=1.0, window=window)
@@ -201,11 +204,11 @@ def test_loop_runs_count_each_items_kv_blocks_per_group_of_kv_heads(
         for name in (ragged_kernel.DECODE_KERNEL_NAME, ragged_kernel.KERNEL_NAME)
     )
     assert got == runs  # both kv heads in one grid step
-    # one call for all, one kv head a grid step: each item's blocks once per kv head
+    # one call for all, one kv head a grid step: each item's steps and blocks once per kv head
     one_call = RaggedBlocks(block_q=8, pages_per_block=2, decode_block_q=8, kv_heads_per_step=1)
     whole = ragged_kernel.loop_runs(starts, lengths, kernel=ragged_kernel.KERNEL_NAME,
                                     blocks=one_call, **shapes)  # fmt: skip
-    assert whole == 2 * sum(runs)
+    assert whole == tuple(2 * (a + b) for a, b in zip(*runs, strict=True))
 
 
 def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:

@@ -208,9 +208,10 @@ def item_span(
     block_kv: int,
     max_len: int,
 ) -> tuple[jax.Array, ...]:
-    """``(p0, lo, hi, first_block, blocks)`` of `ItemRange` for a work item of ``count`` tokens
-    from row ``first`` of a sequence of ``length`` positions whose new tokens end at row
-    ``query_end``; scalars in the kernel, ``[items]`` arrays in `ragged_kernel.loop_runs`."""
+    """``(p0, lo, hi, first_block, blocks, whole)`` of `ItemRange` for a work item of
+    ``count`` tokens from row ``first`` of a sequence of ``length`` positions whose new tokens
+    end at row ``query_end``; scalars in the kernel, ``[items]`` arrays in
+    `ragged_kernel.loop_runs`."""
     length = jnp.clip(length, 0, max_len)
     p0 = length - query_end + first  # the first token's position
     hi = jnp.minimum(p0 + count - 1, length - 1)  # the last position any row sees
@@ -221,12 +222,19 @@ def item_span(
     last_block = lax.div(jnp.maximum(hi, 0), jnp.int32(block_kv))
     # at least one block, all masked where hi < lo (lengths below the new tokens, traced)
     blocks = jnp.maximum(last_block - first_block + 1, 1)
-    return p0, lo, hi, first_block, blocks
+    if window is None:  # the blocks up to the first token's position, every page copied
+        seen_by_all = jnp.maximum(jnp.minimum(p0, hi) + 1, 0)
+        whole = jnp.minimum(lax.div(seen_by_all, jnp.int32(block_kv)), blocks)
+    else:
+        whole = jnp.zeros_like(blocks)
+    return p0, lo, hi, first_block, blocks, whole
 
 
 class ItemRange(NamedTuple):
     """The positions one work item reads: its sequence, its first token's position ``p0``,
-    the positions ``[lo, hi]`` some row sees, and the kv blocks that hold them (at least 1)."""
+    the positions ``[lo, hi]`` some row sees, the kv blocks that hold them (at least 1), and
+    how many of those, the first ones, every row sees whole (``whole``: every position from
+    ``lo`` to ``p0``, so no mask; none with a window)."""
 
     seq: jax.Array
     p0: jax.Array
@@ -234,3 +242,4 @@ class ItemRange(NamedTuple):
     hi: jax.Array
     first_block: jax.Array
     blocks: jax.Array
+    whole: jax.Array

@@ -7,7 +7,8 @@ seen as ``[tokens, kv_heads / H, H x group, head_dim]`` (a free reshape) and lef
 sequence before the kernel: ``[seqs, kv_heads, positions]``, `_scales_by_sequence`) and the
 flat page table, scalar-prefetched with ``kv_lengths``, ``query_starts`` and the schedule.
 
-Grid ``(kv_heads / H, items)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`). Step ``(h,
+Grid ``(kv_heads / H,)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`); each step loops over
+the used work items (their count prefetched: no empty step). Item ``(h,
 w)`` takes item ``w``'s ``count`` tokens of sequence ``s`` at positions ``p0 .. p0 + count -
 1`` on kv heads ``h H`` to ``h H + H - 1`` and folds, by online softmax in float32
 (`ragged_fold`), the kv blocks (``pages_per_block`` pages of those heads) that hold a position
@@ -74,6 +75,7 @@ def _kernel(
     sequence_ref: jax.Ref,
     first_ref: jax.Ref,
     count_ref: jax.Ref,
+    used_ref: jax.Ref,
     q_hbm: jax.Ref,
     *refs: jax.Ref,
     spec: RaggedSpec,
@@ -84,7 +86,7 @@ def _kernel(
     quantized: bool,
     has_sinks: bool,
 ) -> None:
-    """One grid step ``(h, w)``: item ``w`` on kv heads ``h x H`` to ``h x H + H - 1`` (module
+    """One grid step ``h``: every used item ``w`` on kv heads ``h x H`` to ``h x H + H - 1`` (module
     doc). ``q_hbm`` and the output ``[tokens, kv_heads / H, H x group, head_dim]`` in HBM; refs
     after q: sinks ``[H, rows, 128]`` when given; the cache's arrays in HBM (k, v and, when
     quantized, their scales); the output's first value (aliased, unread); the output; scratch:
@@ -105,9 +107,8 @@ def _kernel(
     page_size = buffers[0].shape[2] // pages_per_block
     block_kv = pages_per_block * page_size
     max_len = pages_per_sequence * page_size
-    h, w = pl.program_id(0), pl.program_id(1)
-    items, head_groups = pl.num_programs(1), pl.num_programs(0)
-    count = count_ref[w]
+    h, head_groups = pl.program_id(0), pl.num_programs(0)
+    items = used_ref[0]
 
     def item_range(item: jax.Array) -> ItemRange:
         """The positions work item ``item`` reads (module doc)."""
@@ -148,15 +149,16 @@ def _kernel(
         whole = ((first_page + 1) * page_size > r.lo) & (
             (first_page + pages_per_block - 1) * page_size <= r.hi
         )
-
-        @pl.when(whole)
-        def _whole() -> None:
-            for a, buffer in enumerate(buffers):
-                pltpu.make_async_copy(buffer.at[slot], buffer.at[slot], sems.at[slot, a]).wait()
+        pl.when(whole)(lambda: wait_whole(slot))
 
         @pl.when(jnp.logical_not(whole))
         def _by_page() -> None:
             copies(r, h, block, slot, lambda c: c.wait())
+
+    def wait_whole(slot: jax.Array) -> None:
+        """Waits for every page's copies into buffer ``slot``, once per array."""
+        for a, buffer in enumerate(buffers):
+            pltpu.make_async_copy(buffer.at[slot], buffer.at[slot], sems.at[slot, a]).wait()
 
     def window_start(first: jax.Array) -> jax.Array:
         """The first of the ``block_q`` token rows copied for an item whose first token is row
@@ -192,24 +194,14 @@ def _kernel(
             output_copies(slot, pending[slot, 0], rows, lambda c: c.wait())
             pending[slot, 1] = 0
 
-    @pl.when((h == 0) & (w == 0))
-    def _first_step() -> None:  # the used items come first: item 0 is used if any is
-        folded[0], done[0] = 0, 0
-        pending[0, 1], pending[1, 1] = 0, 0
-
-        @pl.when(count > 0)
-        def _start_first() -> None:
-            r = item_range(0)
-            copies(r, 0, r.first_block, 0, lambda c: c.start())
-            query_copy(0, 0, 0).start()
-
-    @pl.when(count > 0)
-    def _item() -> None:
+    def item(w: jax.Array, carry: None) -> None:
+        """Work item ``w`` on kv head group ``h`` (module doc)."""
+        count = count_ref[w]
         r = item_range(w)
         row_slot = done[0] & 1
         # the next step that reads the cache: the next item of this head group, else item 0 of
-        # the next group (unused items are the last of each group's sweep)
-        same_group = (w + 1 < items) & (count_ref[jnp.minimum(w + 1, items - 1)] > 0)
+        # the next group
+        same_group = w + 1 < items
         next_group = jnp.where(same_group, h, h + 1)
         next_item = jnp.where(same_group, w + 1, 0)
         query_copy(w, h, row_slot).wait()
@@ -229,28 +221,34 @@ def _kernel(
         row = lax.broadcasted_iota(jnp.int32, (q_per_kv * block_q, 1), 0)
         q_pos = r.p0 - offset + (row & (block_q - 1))
         base = folded[0]
+        after = item_range(next_item)
 
-        def body(i: jax.Array, carry: None) -> None:
+        def body(i: jax.Array, carry: None, masked: bool) -> None:
             block, slot = r.first_block + i, (base + i) & 1
-            wait_block(r, block, slot)
+            if masked:
+                wait_block(r, block, slot)
+            else:  # every page of the block copied
+                wait_whole(slot)
+            # the next block's copies: this item's, or after its last the next step's first
+            # (one region whichever it is, so that no step's schedule holds both)
+            last = i + 1 == r.blocks
+            ahead = ItemRange(*(jnp.where(last, a, b) for a, b in zip(after, r, strict=True)))
+            ahead_group = jnp.where(last, next_group, h)
+            ahead_block = jnp.where(last, after.first_block, block + 1)
 
-            @pl.when(i + 1 < r.blocks)
+            @pl.when(ahead_group < head_groups)
             def _start_next() -> None:
-                copies(r, h, block + 1, 1 - slot, lambda c: c.start())
-
-            @pl.when((i + 1 == r.blocks) & (next_group < head_groups))
-            def _start_next_item() -> None:
-                after = item_range(next_item)
-                copies(after, next_group, after.first_block, 1 - slot, lambda c: c.start())
+                copies(ahead, ahead_group, ahead_block, 1 - slot, lambda c: c.start())
 
             first = block * block_kv
             for j in range(heads):  # each kv head of the group: its own 2-D matmuls
                 views = [buffer.at[slot, j] for buffer in buffers]
                 fold_block(qs_ref.at[j], views, m_ref.at[j], l_ref.at[j], acc_ref.at[j], q_pos,
-                           first, r.lo, r.hi, spec)  # fmt: skip
+                           first, r.lo, r.hi, spec, masked)  # fmt: skip
             return carry
 
-        lax.fori_loop(0, r.blocks, body, None)
+        lax.fori_loop(0, r.whole, functools.partial(body, masked=False), None)
+        lax.fori_loop(r.whole, r.blocks, functools.partial(body, masked=True), None)
         folded[0] = base + r.blocks
         done[0] = done[0] + 1
         wait_output(row_slot)  # this buffer's copy of two items ago
@@ -261,8 +259,22 @@ def _kernel(
             o_buf[row_slot, :, j * q_per_kv : (j + 1) * q_per_kv, :] = rows.astype(o_buf.dtype)
         output_copies(row_slot, first_ref[w], count, lambda c: c.start())
         pending[row_slot, 0], pending[row_slot, 1] = first_ref[w], count
+        return carry
 
-    @pl.when((h == head_groups - 1) & (w == items - 1))
+    @pl.when(h == 0)
+    def _first_step() -> None:
+        folded[0], done[0] = 0, 0
+        pending[0, 1], pending[1, 1] = 0, 0
+
+        @pl.when(items > 0)
+        def _start_first() -> None:
+            r = item_range(0)
+            copies(r, 0, r.first_block, 0, lambda c: c.start())
+            query_copy(0, 0, 0).start()
+
+    lax.fori_loop(0, items, item, None)
+
+    @pl.when(h == head_groups - 1)
     def _last_step() -> None:
         wait_output(0)
         wait_output(1)
@@ -315,7 +327,8 @@ def _ragged_kernel(
     out = jnp.zeros(by_group, q.dtype)  # padding rows stay zeros
     for call in calls:
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
-        prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan]
+        used = jnp.sum(plan.count > 0, dtype=jnp.int32)[None]  # the items the loop takes
+        prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan, used]
         out = _call(q_rows, out, prefetch, arrays, sinks, spec, call, per_block, heads,
                     pages_per_sequence, num_pages, interpret)  # fmt: skip
     return out.reshape(rows, q_heads, head_dim)[:tokens]
@@ -346,7 +359,7 @@ def _call(
     if sinks is not None:
         per_row = jnp.repeat(sinks.astype(_F32).reshape(-1, group), call.block_q, axis=1)
         inputs.append(jnp.broadcast_to(per_row[..., None], (*per_row.shape, LANES)))
-        in_specs.append(pl.BlockSpec((heads, rows, LANES), lambda h, w, *refs: (h, 0, 0)))
+        in_specs.append(pl.BlockSpec((heads, rows, LANES), lambda h, *refs: (h, 0, 0)))
     block_kv = per_block * arrays[0].shape[2]
     row_block = (2, call.block_q, head_rows, head_dim)
     scratch = [
@@ -375,13 +388,15 @@ def _call(
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
-            grid=(head_groups, call.items),
+            grid=(head_groups,),
             in_specs=[*in_specs, *[hbm] * len(arrays), hbm],
             out_specs=hbm,
             scratch_shapes=scratch,
         ),
         input_output_aliases={aliased: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), disable_bounds_checks=True
+        ),
         interpret=False if interpret is None else interpret,
         name=call.name,
     )(*prefetch, *inputs, *arrays, out)
@@ -418,21 +433,26 @@ def loop_runs(
     pages_per_sequence: int,
     spec: RaggedSpec,
     blocks: RaggedBlocks,
-) -> int:
-    """How often the loop over kv blocks of the call named ``kernel`` (`ragged_blocks.
-    KERNEL_NAME` or `ragged_blocks.DECODE_KERNEL_NAME`) runs over its whole grid on a batch:
-    every used work item's blocks, once per group of kv heads a grid step takes
-    (`RaggedBlocks.heads_for`; 0 for a call the batch does not make).
-    Its trip count is read from SMEM, so a static schedule needs it given (the bench's
-    ``Subject.loop_trips``)."""
+) -> tuple[int, int, int]:
+    """How often the loops of the call named ``kernel`` (`ragged_blocks.KERNEL_NAME` or
+    `ragged_blocks.DECODE_KERNEL_NAME`) run on a batch, in program order: its item loop (every
+    used work item once per group of kv heads a grid step takes, `RaggedBlocks.heads_for`),
+    then its two loops over kv blocks (the blocks folded whole and the masked ones,
+    `ItemRange.whole`, likewise per group of kv heads); zeros for a call the batch does not
+    make. These trip counts are read from memory, so a static schedule needs them given (the
+    bench's ``Subject.loop_trips``)."""
     block_kv = blocks.pages_for(page_size, pages_per_sequence) * page_size
     head_groups = kv_heads // blocks.heads_for(kv_heads)
     calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
-    runs = 0
+    steps = whole = masked = 0
     for call in (c for c in calls if c.name == kernel):
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
         seq = plan.sequence
-        span = item_span(kv_lengths[seq], query_starts[seq + 1], plan.first, plan.count,
-                         spec.window, block_kv, pages_per_sequence * page_size)  # fmt: skip
-        runs += head_groups * int(jnp.sum(jnp.where(plan.count > 0, span[-1], 0)))
-    return runs
+        r = ItemRange(seq, *item_span(kv_lengths[seq], query_starts[seq + 1], plan.first,
+                                      plan.count, spec.window, block_kv,
+                                      pages_per_sequence * page_size))  # fmt: skip
+        used = plan.count > 0
+        steps += head_groups * int(jnp.sum(used))
+        whole += head_groups * int(jnp.sum(jnp.where(used, r.whole, 0)))
+        masked += head_groups * int(jnp.sum(jnp.where(used, r.blocks - r.whole, 0)))
+    return steps, whole, masked

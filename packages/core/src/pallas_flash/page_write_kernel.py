@@ -258,7 +258,9 @@ def write_tokens_kernel(
             ],
         ),
         input_output_aliases={len(plan) + 1: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), disable_bounds_checks=True
+        ),
         cost_estimate=pl.CostEstimate(
             flops=0, transcendentals=0, bytes_accessed=3 * bound * _chunk_bytes(pool)
         ),

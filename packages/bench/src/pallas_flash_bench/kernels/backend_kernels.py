@@ -6,7 +6,8 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
   from memory, which a static schedule counts once per grid step, a lower bound. Core's write
   of the new tokens into their pages (`pallas_flash.page_write_kernel`) runs three loops over
   each grid step's items; splitkv's ragged attention (`pallas_flash_splitkv.ragged_kernel`: a
-  call for the decoding sequences, one for the others) one loop over each item's kv blocks.
+  call for the decoding sequences, one for the others) a grid sized at run time (its used work
+  items) and, inside it, two loops over each item's kv blocks (those folded whole, the masked).
 - HBM bytes (``Subject.min_hbm_bytes``): the page write moves whole chunks of the pool (the
   rows beside a decode token's, read and written back), more than the least a step must move
   (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops.
@@ -51,7 +52,7 @@ def loop_trips(
     ragged_kernel = _splitkv_ragged(backend)
     if ragged_kernel is not None and stem in (ragged_kernel.KERNEL_NAME,
                                               ragged_kernel.DECODE_KERNEL_NAME):  # fmt: skip
-        return (_ragged_runs(ragged_kernel, workload, stem, tokens),)
+        return _ragged_runs(ragged_kernel, workload, stem, tokens)
     return None
 
 
@@ -136,7 +137,7 @@ def _blocks():
     return pf.get_backend("splitkv").ragged_blocks
 
 
-def _ragged_runs(ragged_kernel, w: Workload, kernel: str, tokens: int) -> int:
+def _ragged_runs(ragged_kernel, w: Workload, kernel: str, tokens: int) -> tuple[int, ...]:
     """`ragged_kernel.loop_runs` of the call named ``kernel`` on ``tokens`` rows."""
     starts, lengths = _arrays(w)
     spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5)
