@@ -3,12 +3,13 @@ blocks (which sequence and which token rows each grid step takes) and the cache 
 kv blocks each of them reads (`item_span`).
 
 A ragged batch packs the new tokens of many sequences into one axis
-(`pallas_flash.ragged_batch`). The kernel's grid walks *work items*: item ``w`` is up to
+(`pallas_flash.ragged_batch`). The kernel loops over *work items*: item ``w`` is up to
 ``block_q`` consecutive tokens of one sequence (a sequence of ``n`` new tokens gives
-``ceil(n / block_q)`` items, an empty one none), so every step masks one sequence's causal
-range and streams only that sequence's pages. The number of items is data-dependent; the grid
-has the static bound ``ceil(tokens / block_q) + seqs`` (each sequence adds at most one partly
-filled item) and the steps past the last item do nothing.
+``ceil(n / block_q)`` items, an empty one none), so every item masks one sequence's causal
+range and streams only that sequence's pages. The number of items is data-dependent: the
+schedule's arrays have the static bound ``ceil(tokens / block_q) + seqs`` (each sequence adds
+at most one partly filled item), the used items come first, and the kernel's loop takes only
+those.
 
 A decoding sequence (one new token) fills one row of an item's ``block_q`` per query head, so
 the decoding sequences get a kernel call of their own with items of `decode_block_q` tokens,

@@ -7,9 +7,9 @@ seen as ``[tokens, kv_heads / H, H x group, head_dim]`` (a free reshape) and lef
 sequence before the kernel: ``[seqs, kv_heads, positions]``, `_scales_by_sequence`) and the
 flat page table, scalar-prefetched with ``kv_lengths``, ``query_starts`` and the schedule.
 
-Grid ``(kv_heads / H,)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`); each step loops over
-the used work items (their count prefetched: no empty step). Item ``(h,
-w)`` takes item ``w``'s ``count`` tokens of sequence ``s`` at positions ``p0 .. p0 + count -
+Grid ``(kv_heads / H,)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`); each step loops
+over the used work items (their count prefetched: no empty step). Item ``w`` of step ``h``
+takes item ``w``'s ``count`` tokens of sequence ``s`` at positions ``p0 .. p0 + count -
 1`` on kv heads ``h H`` to ``h H + H - 1`` and folds, by online softmax in float32
 (`ragged_fold`), the kv blocks (``pages_per_block`` pages of those heads) that hold a position
 some row sees: from ``p0 - window`` (0 without a window) to ``p0 + count - 1``, no further
@@ -444,7 +444,7 @@ def loop_runs(
     block_kv = blocks.pages_for(page_size, pages_per_sequence) * page_size
     head_groups = kv_heads // blocks.heads_for(kv_heads)
     calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
-    steps = whole = masked = 0
+    items = whole = masked = 0
     for call in (c for c in calls if c.name == kernel):
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
         seq = plan.sequence
@@ -452,7 +452,7 @@ def loop_runs(
                                       plan.count, spec.window, block_kv,
                                       pages_per_sequence * page_size))  # fmt: skip
         used = plan.count > 0
-        steps += head_groups * int(jnp.sum(used))
+        items += head_groups * int(jnp.sum(used))
         whole += head_groups * int(jnp.sum(jnp.where(used, r.whole, 0)))
         masked += head_groups * int(jnp.sum(jnp.where(used, r.blocks - r.whole, 0)))
-    return steps, whole, masked
+    return items, whole, masked
