@@ -141,8 +141,9 @@ def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
     # pages of 16 (bfloat16: chunks of 16): each decode token and each chunk of 6 (positions
     # 10..15) is one item in part of its chunk; one kv block of 64 positions each, masked
     # (none is seen whole by every row), both kv heads in one grid step: (items, blocks seen
-    # whole, masked blocks)
-    assert backend_kernels.loop_trips("xla", STEP, "pallas_flash_write_pages.3") == (5, 5, 5)
+    # whole, masked blocks); the page write's 5 items in one group: (groups, reads, patches,
+    # writes' waits)
+    assert backend_kernels.loop_trips("xla", STEP, "pallas_flash_write_pages.3") == (1, 5, 5, 5)
     ragged = "pallas_flash_ragged_paged_attention.1"  # the chunks' call, 4 query heads / kv
     assert backend_kernels.loop_trips("splitkv", STEP, ragged) == (2, 0, 2)
     decoding = "pallas_flash_ragged_paged_attention_decode.2"  # the 3 decodes'

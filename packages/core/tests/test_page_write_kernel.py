@@ -54,7 +54,7 @@ def _batch(page_size: int, num_pages: int) -> tuple[jnp.ndarray, jnp.ndarray]:
 def test_writes_what_one_scatter_writes(
     monkeypatch: pytest.MonkeyPatch, page_size: int, dtype: str, head_dim: int | None
 ) -> None:
-    monkeypatch.setattr(page_write_kernel, "MAX_ITEMS_PER_STEP", 4)  # several grid steps
+    monkeypatch.setattr(page_write_kernel, "MAX_ITEMS_PER_GROUP", 4)  # several groups
     num_pages, kv_heads = 24, 2
     pages, rows = _batch(page_size, num_pages)
     tail = () if head_dim is None else (head_dim,)
@@ -66,12 +66,18 @@ def test_writes_what_one_scatter_writes(
     interpret = pltpu.InterpretParams(detect_races=True)
     with recorded_races() as races:
         got = page_write_kernel.write_tokens_kernel(
-            pool, values, pages, rows, sequences=len(NEW_TOKENS), interpret=interpret
+            (pool, pool + 1),
+            (values, values - 1),
+            pages,
+            rows,
+            sequences=len(NEW_TOKENS),
+            interpret=interpret,
         )
     assert [state.races_found for state in races] == [False]
-    expected = cache_write._scatter_tokens(pool, values, pages, rows)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-    assert not np.array_equal(np.asarray(got), np.asarray(pool))
+    for written, before, new in zip(got, (pool, pool + 1), (values, values - 1), strict=True):
+        expected = cache_write._scatter_tokens(before, new, pages, rows)
+        np.testing.assert_array_equal(np.asarray(written), np.asarray(expected))
+        assert not np.array_equal(np.asarray(written), np.asarray(before))
 
 
 def test_items_are_runs_of_one_chunk() -> None:
@@ -117,7 +123,8 @@ def test_fits_paged_pools_and_takes_items_within_the_vmem_budget() -> None:
     assert not page_write_kernel.fits(jnp.zeros((4, 128), jnp.bfloat16), 8)
     assert not page_write_kernel.fits(jnp.zeros((4, 1, 16), jnp.float32), 8)  # scales: lanes
     big = jnp.zeros((1, 64, 16, 128), jnp.bfloat16)  # 256 KiB a chunk
-    assert page_write_kernel.items_per_step(big, 512) == 16  # its rows and its chunk: 8 MiB
-    assert page_write_kernel.items_per_step(jnp.zeros((1, 8, 16, 128), jnp.bfloat16), 5) == 5
-    huge = jnp.zeros((1, 2048, 16, 128), jnp.bfloat16)  # 8 MiB a chunk
+    assert page_write_kernel.items_per_group(big, 512) == 16  # its rows and its chunk: 8 MiB
+    assert page_write_kernel.items_per_group(big, 512, pools=2) == 8  # keys' and values'
+    assert page_write_kernel.items_per_group(jnp.zeros((1, 8, 16, 128), jnp.bfloat16), 5) == 5
+    huge = jnp.zeros((1, 1024, 16, 128), jnp.bfloat16)  # 4 MiB a chunk: keys' and values' 16
     assert not page_write_kernel.fits(huge, 1)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash.ragged_batch import new_tokens
+from pallas_flash.ragged_batch import count_at_most, lookup, new_tokens
 
 KERNEL_NAME = "pallas_flash_ragged_paged_attention"
 DECODE_KERNEL_NAME = "pallas_flash_ragged_paged_attention_decode"
@@ -185,14 +185,14 @@ def schedule(
     """The work items of the batch with ``query_starts [seqs + 1]`` (of the sequences in
     ``include``, default all), padded to ``items``."""
     per_sequence = _items_per_sequence(query_starts, block_q, include)
-    ends = jnp.cumsum(per_sequence)
+    ends = jnp.cumsum(per_sequence, dtype=jnp.int32)
     w = jnp.arange(items, dtype=jnp.int32)
     seqs = per_sequence.shape[0]
-    sequence = jnp.clip(jnp.searchsorted(ends, w, side="right"), 0, seqs - 1).astype(jnp.int32)
+    sequence = jnp.minimum(count_at_most(ends, w), seqs - 1)
     used = w < ends[-1]
-    within = w - (ends[sequence] - per_sequence[sequence])
-    first = query_starts[sequence] + within * block_q
-    count = jnp.clip(query_starts[sequence + 1] - first, 0, block_q)
+    # the item's first row: its sequence's first row, plus block_q per item before it there
+    first = lookup(query_starts[:-1] - block_q * (ends - per_sequence), sequence) + w * block_q
+    count = jnp.clip(lookup(query_starts[1:], sequence) - first, 0, block_q)
     return Schedule(
         jnp.where(used, sequence, 0),
         jnp.where(used, first, 0).astype(jnp.int32),

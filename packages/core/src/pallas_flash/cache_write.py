@@ -9,15 +9,15 @@ over a mesh (a contiguous cache's sequence axis, a paged cache's pages) is writt
 no cache data between devices (left to XLA's partitioner, a dynamic index on a partitioned
 axis gathers the cache). `write_pages` writes whole pages of a paged pool (a prompt's K/V),
 `write_tokens` a ragged batch's tokens into their pages (several may share a page; on TPU by
-one Pallas kernel per array, `pallas_flash.page_write_kernel`), and
-`write_kv` writes a layer's keys and values with any of these, quantized to int8 with their
-scales when the cache is int8.
+one Pallas kernel for keys and values, `pallas_flash.page_write_kernel`), and `write_kv`
+(`write_kv_pairs`) writes a layer's keys and values with any of these, quantized to int8
+with their scales when the cache is int8.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -168,15 +168,29 @@ def write_kv(
       v: new values, shaped as ``k``.
       write: writes values into one array of the cache and returns it.
     """
+
+    def write_pair(arrays: Pair, values: Pair) -> Pair:
+        return write(arrays[0], values[0]), write(arrays[1], values[1])
+
+    return write_kv_pairs(cache, k, v, write_pair)
+
+
+Pair = tuple[jax.Array, jax.Array]
+
+
+def write_kv_pairs(
+    cache: DecodeCache, k: jax.Array, v: jax.Array, write_pair: Callable[[Pair, Pair], Pair]
+) -> DecodeCache:
+    """`write_kv`, ``write_pair((k_array, v_array), (k_values, v_values))`` writing an array of
+    keys and its array of values at once (`write_tokens`): ``k`` and ``v``, then an int8
+    cache's scales."""
     if not cache.quantized:
-        return cache._replace(k=write(cache.k, k), v=write(cache.v, v))
+        k_pool, v_pool = write_pair((cache.k, cache.v), (k, v))
+        return cache._replace(k=k_pool, v=v_pool)
     (k8, k_scales), (v8, v_scales) = quantize_int8(k), quantize_int8(v)
-    return cache._replace(
-        k=write(cache.k, k8),
-        v=write(cache.v, v8),
-        k_scales=write(cache.k_scales, k_scales),
-        v_scales=write(cache.v_scales, v_scales),
-    )
+    k_pool, v_pool = write_pair((cache.k, cache.v), (k8, v8))
+    k_scales, v_scales = write_pair((cache.k_scales, cache.v_scales), (k_scales, v_scales))
+    return cache._replace(k=k_pool, v=v_pool, k_scales=k_scales, v_scales=v_scales)
 
 
 def write_token(
@@ -203,27 +217,31 @@ def write_token(
 
 
 def write_tokens(
-    pool: jax.Array,
-    values: jax.Array,
+    pools: Sequence[jax.Array],
+    values: Sequence[jax.Array],
     pages: jax.Array,
     rows: jax.Array,
     *,
     sequences: int | None = None,
-) -> jax.Array:
-    """``pool [num_pages, kv_heads, page_size, ...]`` with each ``values[i] [kv_heads, ...]``
-    written at ``[pages[i], :, rows[i]]``; a token whose page is outside ``[0, num_pages)`` is
-    written nowhere. A ragged batch's tokens, any number of them in one page, a sequence's at
-    consecutive rows and positions (``...``: ``head_dim``, or nothing for scales); donate
-    ``pool`` for the write to be in place.
+) -> tuple[jax.Array, ...]:
+    """Each of ``pools [num_pages, kv_heads, page_size, ...]`` with its ``values[i] [kv_heads,
+    ...]`` written at ``[pages[i], :, rows[i]]``; a token whose page is outside ``[0,
+    num_pages)`` is written nowhere. A ragged batch's tokens, any number of them in one page, a
+    sequence's at consecutive rows and positions (``...``: ``head_dim``, or nothing for
+    scales); the pools of one cache, of one shape and dtype (keys and values, or their
+    scales); donate them for the writes to be in place.
 
-    On TPU one Pallas kernel writes the chunks that hold a new token
-    (`pallas_flash.page_write_kernel`, where it fits); otherwise one scatter, which XLA on TPU
-    may run on a re-laid-out copy of the pool. Both write the same values. ``sequences``: how
-    many sequences the tokens belong to, if known (it bounds the kernel's work)."""
+    On TPU one Pallas kernel writes the chunks that hold a new token, in every pool at once
+    (`pallas_flash.page_write_kernel`, where it fits); otherwise one scatter per pool, which
+    XLA on TPU may run on a re-laid-out copy of the pool. Both write the same values.
+    ``sequences``: how many sequences the tokens belong to, if known (it bounds the kernel's
+    work)."""
     mosaic = interpret.interpret_params() is None
-    if mosaic and page_write_kernel.fits(pool, values.shape[0]):
-        return page_write_kernel.write_tokens_kernel(pool, values, pages, rows, sequences=sequences)
-    return _scatter_tokens(pool, values, pages, rows)
+    if mosaic and page_write_kernel.fits(pools[0], values[0].shape[0]):
+        return page_write_kernel.write_tokens_kernel(
+            pools, values, pages, rows, sequences=sequences
+        )
+    return tuple(_scatter_tokens(p, x, pages, rows) for p, x in zip(pools, values, strict=True))
 
 
 def _scatter_tokens(

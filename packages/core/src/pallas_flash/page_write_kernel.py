@@ -13,8 +13,9 @@ once, as copies of static sizes, `row_copies`), the chunk copied into VMEM, the 
 patched in (kv heads brought first in VMEM) and the chunk copied back; an item that covers
 its whole chunk skips the read. Nothing is laid out for the kernel beforehand. No two
 sequences write into one page (a page shared through a prefix cache is full, never written),
-so no two items share a chunk. The grid takes `items_per_step` items a step, all their
-copies in flight at once.
+so no two items share a chunk. One call writes the pools of one cache together (keys and
+values, or their scales), one item at a time for all of them, in groups of `items_per_group`
+items whose copies are all in flight at once.
 
 Layouts: ``pool [num_pages, kv_heads, page_size, head_dim]`` (positions on sublanes) or
 ``[num_pages, kv_heads, page_size]`` (an int8 cache's scales, positions on lanes); ``values
@@ -29,7 +30,8 @@ consecutive too; a page is in the pool for all of them or for none.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import row_copies
+from pallas_flash.ragged_batch import count_at_most, lookup
 
 LANES = 128
 
@@ -44,11 +47,11 @@ KERNEL_NAME = "pallas_flash_write_pages"
 SCALES_KERNEL_NAME = "pallas_flash_write_page_scales"
 """The kernel's name on a pool of values, and on an int8 cache's scales (their chunks differ)."""
 
-MAX_STEP_BYTES = 8 << 20
-"""VMEM one grid step's chunks may take: the items' token rows and the chunks read."""
+MAX_GROUP_BYTES = 8 << 20
+"""VMEM one group of items may take: their token rows and the chunks read, every pool's."""
 
-MAX_ITEMS_PER_STEP = 32
-"""Items one grid step takes at most (their copies in flight at once)."""
+MAX_ITEMS_PER_GROUP = 32
+"""Items whose copies are in flight at once, at most."""
 
 
 def chunk_positions(pool: jax.Array | jax.ShapeDtypeStruct) -> int:
@@ -69,18 +72,19 @@ def kernel_name(pool: jax.Array | jax.ShapeDtypeStruct) -> str:
     return SCALES_KERNEL_NAME if len(pool.shape) == 3 else KERNEL_NAME
 
 
-def items_per_step(pool: jax.Array, bound: int) -> int:
-    """Items one grid step writes: up to `MAX_ITEMS_PER_STEP`, two chunks' worth each (the
-    token rows, the chunk read) within `MAX_STEP_BYTES`, at most ``bound`` (the batch's
-    `max_items`)."""
-    return max(1, min(MAX_ITEMS_PER_STEP, bound, MAX_STEP_BYTES // (2 * _chunk_bytes(pool))))
+def items_per_group(pool: jax.Array, bound: int, pools: int = 1) -> int:
+    """Items whose copies the kernel keeps in flight at once: up to `MAX_ITEMS_PER_GROUP`, two
+    chunks' worth each per pool of ``pools`` like ``pool`` (the token rows, the chunk read)
+    within `MAX_GROUP_BYTES`, at most ``bound`` (the batch's `max_items`)."""
+    per_item = 2 * pools * _chunk_bytes(pool)
+    return max(1, min(MAX_ITEMS_PER_GROUP, bound, MAX_GROUP_BYTES // per_item))
 
 
 def fits(pool: jax.Array, tokens: int) -> bool:
     """Whether the kernel can write ``tokens`` tokens into ``pool``: a paged layout (scales:
     pages of whole lane tiles, the offset of a shorter page in HBM being one Mosaic cannot
-    prove aligned), and one item's chunks within `MAX_STEP_BYTES`."""
-    if pool.ndim not in (3, 4) or tokens == 0 or 2 * _chunk_bytes(pool) > MAX_STEP_BYTES:
+    prove aligned), and one item's chunks, for keys and values, within `MAX_GROUP_BYTES`."""
+    if pool.ndim not in (3, 4) or tokens == 0 or 4 * _chunk_bytes(pool) > MAX_GROUP_BYTES:
         return False
     return pool.ndim == 4 or pool.shape[2] % LANES == 0
 
@@ -118,7 +122,8 @@ def items(
 ) -> Items:
     """The items of tokens at ``pages``, ``rows`` ``[tokens]`` (module doc), at most ``bound``
     (`max_items`; default ``tokens``): a token starts an item when the token before it is not
-    written, or writes another chunk."""
+    written, or writes another chunk. Found by comparing every item with every token
+    (`ragged_batch.lookup`), no scatter: XLA on TPU scatters element by element."""
     tokens = pages.shape[0]
     bound = tokens if bound is None else bound
     written = (pages >= 0) & (pages < num_pages)
@@ -127,20 +132,24 @@ def items(
         ~_previous(written, False) | (_previous(pages, -1) != pages)
         | (_previous(start, -1) != start)
     )  # fmt: skip
-    item = jnp.cumsum(begins.astype(jnp.int32)) - 1
+    begun = jnp.cumsum(begins, dtype=jnp.int32)  # [tokens]: items begun up to each token
+    item = jnp.arange(bound, dtype=jnp.int32)
+    used = item < begun[-1]
+    first = jnp.minimum(count_at_most(begun, item), tokens - 1)  # the token beginning item i
+    # an item's tokens: the written ones from its first on, up to the next item's first
+    mine = written[None, :] & (begun[None, :] == item[:, None] + 1)
+    count = jnp.sum(mine, axis=1, dtype=jnp.int32)
 
-    def per_item(x: jax.Array, owners: jax.Array, add: bool = False) -> jax.Array:
-        at = jnp.where(owners, item, bound)  # past the end: dropped
-        empty = jnp.zeros((bound,), jnp.int32).at[at]
-        return empty.add(x, mode="drop") if add else empty.set(x, mode="drop")
+    def per_item(x: jax.Array) -> jax.Array:
+        return jnp.where(used, lookup(x, first), 0)
 
     return Items(
-        page=per_item(pages, begins),
-        start=per_item(start, begins),
-        first_row=per_item(rows - start, begins),
-        first_token=per_item(jnp.arange(tokens, dtype=jnp.int32), begins),
-        tokens=per_item(jnp.ones_like(pages), written, add=True),
-        count=jnp.sum(begins, dtype=jnp.int32)[None],
+        page=per_item(pages),
+        start=per_item(start),
+        first_row=per_item(rows - start),
+        first_token=jnp.where(used, first, 0),
+        tokens=jnp.where(used, count, 0),
+        count=begun[-1:],
     )
 
 
@@ -159,111 +168,160 @@ def moved_bytes(plan: Items, pool: jax.Array | jax.ShapeDtypeStruct) -> int:
 
 
 def _kernel(
-    page_ref, start_ref, first_row_ref, first_token_ref, tokens_ref, count_ref,
-    values_ref, _, pool_ref, rows, chunks, sems, *, per_step: int, chunk: int,
+    page_ref, start_ref, first_row_ref, first_token_ref, tokens_ref, count_ref, *refs,
+    pools: int, per_group: int, chunk: int,
 ):  # fmt: skip
-    """One grid step: items ``s x per_step`` to ``s x per_step + per_step - 1``. Refs: the
-    items (SMEM); ``values [tokens, kv_heads, ...]`` and the pool twice (the input, aliased to
-    the output, which is written), all in HBM; scratch: the items' token rows ``[per_step,
-    chunk, kv_heads, ...]`` at their rows of the chunk, ``chunks [per_step, kv_heads, chunk,
-    ...]`` and DMA semaphores ``[3, per_step]`` (rows, chunk reads, chunk writes)."""
-    first_item = pl.program_id(0) * per_step
-    used = jnp.clip(count_ref[0] - first_item, 0, per_step)
+    """The one grid step: the used items in groups of ``per_group``, each group's copies all
+    in flight at once. Refs: the items (SMEM); for each of the ``pools`` pools, its ``values
+    [tokens, kv_heads, ...]``, then each pool twice (the inputs, aliased to the outputs, which
+    are written), all in HBM; scratch: per pool the items' token rows ``[per_group, chunk,
+    kv_heads, ...]`` at their rows of the chunk, then per pool ``chunks [per_group, kv_heads,
+    chunk, ...]``, and DMA semaphores ``[3, per_group]`` (rows, chunk reads, chunk writes; a
+    pool's copies of one item share them, a semaphore counting bytes)."""
+    values_refs, pool_refs = refs[:pools], refs[2 * pools : 3 * pools]
+    row_bufs, chunk_bufs, sems = refs[3 * pools : 4 * pools], refs[4 * pools : 5 * pools], refs[-1]
 
-    def copy(i: jax.Array, into_vmem: bool):
-        item = first_item + i
-        span = pool_ref.at[page_ref[item], :, pl.ds(pl.multiple_of(start_ref[item], chunk), chunk)]
-        if into_vmem:
-            return pltpu.make_async_copy(span, chunks.at[i], sems.at[1, i])
-        return pltpu.make_async_copy(chunks.at[i], span, sems.at[2, i])
+    def group(g: jax.Array, carry: None) -> None:
+        first_item = g * per_group
 
-    def token_rows(i: jax.Array, act) -> None:  # the item's tokens, to their rows of the chunk
-        item = first_item + i
+        def copies(i: jax.Array, into_vmem: bool) -> list:
+            item = first_item + i
+            at = pl.ds(pl.multiple_of(start_ref[item], chunk), chunk)
+            spans = [pool.at[page_ref[item], :, at] for pool in pool_refs]
+            if into_vmem:
+                return [pltpu.make_async_copy(span, buf.at[i], sems.at[1, i])
+                        for span, buf in zip(spans, chunk_bufs, strict=True)]  # fmt: skip
+            return [pltpu.make_async_copy(buf.at[i], span, sems.at[2, i])
+                    for span, buf in zip(spans, chunk_bufs, strict=True)]  # fmt: skip
 
-        def piece(start: jax.Array, size: int):
-            src = values_ref.at[pl.ds(first_token_ref[item] + start, size)]
-            dst = rows.at[i, pl.ds(first_row_ref[item] + start, size)]
-            return pltpu.make_async_copy(src, dst, sems.at[0, i])
+        def token_rows(i: jax.Array, act) -> None:  # the item's tokens, to their chunk rows
+            item = first_item + i
 
-        row_copies.by_powers_of_two(tokens_ref[item], chunk, piece, act)
+            def pieces(start: jax.Array, size: int) -> list:
+                rows_at = pl.ds(first_row_ref[item] + start, size)
+                tokens_at = pl.ds(first_token_ref[item] + start, size)
+                return [pltpu.make_async_copy(values.at[tokens_at], buf.at[i, rows_at],
+                                              sems.at[0, i])
+                        for values, buf in zip(values_refs, row_bufs, strict=True)]  # fmt: skip
 
-    def partial_chunk(i: jax.Array) -> jax.Array:  # the item leaves some of its chunk's rows
-        return tokens_ref[first_item + i] < chunk
+            row_copies.by_powers_of_two(tokens_ref[item], chunk, pieces, lambda cs: _each(act, cs))
 
-    def fetch(i: jax.Array, carry: None) -> None:
-        token_rows(i, lambda c: c.start())
-        pl.when(partial_chunk(i))(lambda: copy(i, True).start())
+        def partial_chunk(i: jax.Array) -> jax.Array:  # the item leaves some of its chunk's rows
+            return tokens_ref[first_item + i] < chunk
+
+        def fetch(i: jax.Array, carry: None) -> None:
+            token_rows(i, _start)
+            pl.when(partial_chunk(i))(lambda: _each(_start, copies(i, True)))
+            return carry
+
+        def patch(i: jax.Array, carry: None) -> None:
+            token_rows(i, _wait)
+            pl.when(partial_chunk(i))(lambda: _each(_wait, copies(i, True)))
+            item = first_item + i
+            for rows, chunks in zip(row_bufs, chunk_bufs, strict=True):
+                wide = jnp.float32 if jnp.issubdtype(chunks.dtype, jnp.floating) else jnp.int32
+                new = jnp.swapaxes(rows[i].astype(wide), 0, 1)  # [kv_heads, chunk, ...]
+                position = jax.lax.broadcasted_iota(jnp.int32, new.shape, 1) - first_row_ref[item]
+                here = (position >= 0) & (position < tokens_ref[item])  # rows not copied: unread
+                old = chunks[i].astype(wide)  # unread (and unused) when the item covers the chunk
+                chunks[i] = jnp.where(here, new, old).astype(chunks.dtype)
+            _each(_start, copies(i, False))
+            return carry
+
+        def drain(i: jax.Array, carry: None) -> None:
+            _each(_wait, copies(i, False))
+            return carry
+
+        used = jnp.minimum(count_ref[0] - first_item, per_group)
+        for phase in (fetch, patch, drain):
+            jax.lax.fori_loop(0, used, phase, None)
         return carry
 
-    def patch(i: jax.Array, carry: None) -> None:
-        token_rows(i, lambda c: c.wait())
-        pl.when(partial_chunk(i))(lambda: copy(i, True).wait())
-        item = first_item + i
-        wide = jnp.float32 if jnp.issubdtype(chunks.dtype, jnp.floating) else jnp.int32
-        new = jnp.swapaxes(rows[i].astype(wide), 0, 1)  # [kv_heads, chunk, ...]
-        position = jax.lax.broadcasted_iota(jnp.int32, new.shape, 1) - first_row_ref[item]
-        here = (position >= 0) & (position < tokens_ref[item])  # rows not copied: unread
-        old = chunks[i].astype(wide)  # unread (and unused) when the item covers the chunk
-        chunks[i] = jnp.where(here, new, old).astype(chunks.dtype)
-        copy(i, False).start()
-        return carry
+    # lax.div, not //: Mosaic lowers a signed // through `sign`, which asks the default device
+    # for the TPU's generation (an AOT compile on a CPU host has none)
+    groups = jax.lax.div(count_ref[0] + per_group - 1, jnp.int32(per_group))
+    jax.lax.fori_loop(0, groups, group, None)
 
-    def drain(i: jax.Array, carry: None) -> None:
-        copy(i, False).wait()
-        return carry
 
-    for phase in (fetch, patch, drain):
-        jax.lax.fori_loop(0, used, phase, None)
+def _start(copy) -> None:
+    copy.start()
+
+
+def _wait(copy) -> None:
+    copy.wait()
+
+
+def _each(act: Callable[[Any], None], copies: list) -> None:
+    for copy in copies:
+        act(copy)
 
 
 def write_tokens_kernel(
-    pool: jax.Array,
-    values: jax.Array,
+    pools: Sequence[jax.Array],
+    values: Sequence[jax.Array],
     pages: jax.Array,
     rows: jax.Array,
     *,
     sequences: int | None = None,
     interpret: pltpu.InterpretParams | bool | None = None,
-) -> jax.Array:
-    """``pool`` with ``values[t]`` written at ``[pages[t], :, rows[t]]`` for every token whose
-    page is in the pool, the others writing nothing (layouts in the module doc; `fits` must
-    hold). Donate ``pool`` to the enclosing jit for the write to happen in place.
+) -> tuple[jax.Array, ...]:
+    """Each of ``pools`` with its ``values[t]`` written at ``[pages[t], :, rows[t]]`` for
+    every token whose page is in the pool, the others writing nothing (layouts in the module
+    doc; `fits` must hold): the pools of one cache (keys and values, or their scales) at once,
+    one plan and one item loop for all. Donate the pools to the enclosing jit for the writes
+    to happen in place.
 
     Args:
+      pools: pools of one shape and dtype.
+      values: ``[tokens, kv_heads, ...]`` each, one per pool.
       sequences: how many sequences the tokens belong to (None: unknown), which bounds the
-        items (`max_items`) and so the grid.
+        items (`max_items`).
       interpret: the interpreter's settings, or None for Mosaic.
 
-    Its declared cost is what it moves at most: each item's chunk read and written, and its
-    tokens. Each grid step runs three loops, over its items (`Items.count`): the reads, the
-    patches, the writes' waits; the steps past the last item copy nothing.
+    Its declared cost is what it moves at most: each item's chunks read and written, and its
+    tokens. It runs one grid step: a loop over groups of items (`items_per_group`), and in
+    each group three loops over its items (`Items.count`): the reads, the patches, the writes'
+    waits.
     """
-    tokens, chunk = values.shape[0], chunk_positions(pool)
+    pool = pools[0]
+    if len(values) != len(pools) or any(
+        (p.shape, p.dtype) != (pool.shape, pool.dtype) for p in pools
+    ):
+        raise ValueError(
+            "write_tokens_kernel: expected pools of one shape and dtype and one values array "
+            f"each, got pools {[(p.shape, str(p.dtype)) for p in pools]} and "
+            f"{len(values)} values"
+        )
+    tokens, chunk = values[0].shape[0], chunk_positions(pool)
     bound = max_items(tokens, sequences, chunk)
-    per_step = items_per_step(pool, bound)
+    per_group = items_per_group(pool, bound, len(pools))
     plan = items(pages.astype(jnp.int32), rows.astype(jnp.int32), pool.shape[0], chunk, bound)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)  # never VMEM, however small
-    return pl.pallas_call(
-        functools.partial(_kernel, per_step=per_step, chunk=chunk),
-        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+    n = len(pools)
+    token_rows = pltpu.VMEM((per_group, chunk, *values[0].shape[1:]), pool.dtype)
+    chunks = pltpu.VMEM((per_group, pool.shape[1], chunk, *pool.shape[3:]), pool.dtype)
+    written = pl.pallas_call(
+        functools.partial(_kernel, pools=n, per_group=per_group, chunk=chunk),
+        out_shape=[jax.ShapeDtypeStruct(pool.shape, pool.dtype)] * n,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(plan),
-            grid=(-(-bound // per_step),),
-            in_specs=[hbm, hbm],
-            out_specs=hbm,
+            grid=(1,),
+            in_specs=[hbm] * (2 * n),
+            out_specs=[hbm] * n,
             scratch_shapes=[
-                pltpu.VMEM((per_step, chunk, *values.shape[1:]), pool.dtype),
-                pltpu.VMEM((per_step, pool.shape[1], chunk, *pool.shape[3:]), pool.dtype),
-                pltpu.SemaphoreType.DMA((3, per_step)),
+                *[token_rows] * n,
+                *[chunks] * n,
+                pltpu.SemaphoreType.DMA((3, per_group)),
             ],
         ),
-        input_output_aliases={len(plan) + 1: 0},
+        input_output_aliases={len(plan) + n + i: i for i in range(n)},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), disable_bounds_checks=True
         ),
         cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=3 * bound * _chunk_bytes(pool)
+            flops=0, transcendentals=0, bytes_accessed=3 * n * bound * _chunk_bytes(pool)
         ),
         interpret=False if interpret is None else interpret,
         name=kernel_name(pool),
-    )(*plan, values.astype(pool.dtype), pool)
+    )(*plan, *(v.astype(pool.dtype) for v in values), *pools)
+    return tuple(written)

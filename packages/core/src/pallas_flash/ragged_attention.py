@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import validation
-from pallas_flash.cache_write import write_kv, write_tokens
+from pallas_flash.cache_write import Pair, write_kv_pairs, write_tokens
 from pallas_flash.capabilities import Capability
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.ragged_batch import token_places
@@ -116,10 +116,10 @@ def write_new_tokens(
     pages, rows = token_pages(cache.page_table, page_size, query_starts, kv_lengths, k.shape[0])
     seqs = kv_lengths.shape[0]
 
-    def write(array: jax.Array, values: jax.Array) -> jax.Array:
-        return write_tokens(array, values, pages, rows, sequences=seqs)
+    def write_pair(arrays: Pair, values: Pair) -> Pair:
+        return write_tokens(arrays, values, pages, rows, sequences=seqs)
 
-    return write_kv(cache, k, v, write)
+    return write_kv_pairs(cache, k, v, write_pair)
 
 
 def token_pages(

@@ -40,11 +40,26 @@ def token_places(query_starts: jax.Array, kv_lengths: jax.Array, tokens: int) ->
     """
     rows = jnp.arange(tokens, dtype=jnp.int32)
     seqs = kv_lengths.shape[0]
-    sequence = jnp.searchsorted(query_starts[1:], rows, side="right").astype(jnp.int32)
     valid = rows < query_starts[-1]
-    sequence = jnp.clip(sequence, 0, seqs - 1)
-    position = kv_lengths[sequence] - query_starts[sequence + 1] + rows
+    sequence = jnp.minimum(count_at_most(query_starts[1:], rows), seqs - 1)
+    position = lookup(kv_lengths - query_starts[1:], sequence) + rows
     return TokenPlaces(sequence, jnp.where(valid, position, 0), valid)
+
+
+def count_at_most(ends: jax.Array, values: jax.Array) -> jax.Array:
+    """``[n]`` int32: how many of ``ends [m]`` (non-decreasing) are at most each of ``values
+    [n]``, i.e. ``searchsorted(ends, values, side="right")``, by comparing all ``n x m`` pairs
+    at once. XLA lowers a TPU searchsorted as a loop of gathers (about 6 cycles an element a
+    step); the ``[n, m]`` compares of the batches here fill a few hundred vregs at most."""
+    return jnp.sum(ends[None, :] <= values[:, None], axis=1, dtype=jnp.int32)
+
+
+def lookup(table: jax.Array, index: jax.Array) -> jax.Array:
+    """``table[index]`` for a short ``table [m]`` and ``index [n]`` in ``[0, m)``, by a
+    one-hot ``[n, m]`` select and sum: XLA's TPU gather fetches element by element (about 6
+    cycles each), which dominates the few ``[tokens]`` or ``[items]`` lookups of a step."""
+    hot = index[:, None] == jnp.arange(table.shape[0], dtype=index.dtype)[None, :]
+    return jnp.sum(jnp.where(hot, table[None, :], 0), axis=1, dtype=table.dtype)
 
 
 def new_tokens(query_starts: jax.Array) -> jax.Array:

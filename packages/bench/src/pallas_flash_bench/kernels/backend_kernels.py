@@ -4,10 +4,11 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
 
 - Loop trips (a backend subject's ``Subject.loop_trips``): loops whose trip counts are read
   from memory, which a static schedule counts once per grid step, a lower bound. Core's write
-  of the new tokens into their pages (`pallas_flash.page_write_kernel`) runs three loops over
-  each grid step's items; splitkv's ragged attention (`pallas_flash_splitkv.ragged_kernel`: a
-  call for the decoding sequences, one for the others) a grid sized at run time (its used work
-  items) and, inside it, two loops over each item's kv blocks (those folded whole, the masked).
+  of the new tokens into their pages (`pallas_flash.page_write_kernel`, keys and values in one
+  call) runs a loop over groups of items and, in it, three loops over the group's items;
+  splitkv's ragged attention (`pallas_flash_splitkv.ragged_kernel`: a call for the decoding
+  sequences, one for the others) a loop over its used work items and, inside it, two loops
+  over each item's kv blocks (those folded whole, the masked).
 - HBM bytes (``Subject.min_hbm_bytes``): the page write moves whole chunks of the pool (the
   rows beside a decode token's, read and written back), more than the least a step must move
   (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops.
@@ -47,8 +48,7 @@ def loop_trips(
     stem = kernel.split(".")[0]
     tokens = workload.tokens if tokens is None else tokens
     if stem == page_write_kernel.KERNEL_NAME:
-        items = int(_page_write_items(workload, tokens).count[0])
-        return (items, items, items)  # reads, patches, writes' waits
+        return _page_write_runs(workload, tokens)
     ragged_kernel = _splitkv_ragged(backend)
     if ragged_kernel is not None and stem in (ragged_kernel.KERNEL_NAME,
                                               ragged_kernel.DECODE_KERNEL_NAME):  # fmt: skip
@@ -130,6 +130,16 @@ def _page_write_items(w: Workload, tokens: int | None = None) -> page_write_kern
     chunk = page_write_kernel.chunk_positions(_pool(w))
     bound = page_write_kernel.max_items(tokens, lengths.shape[0], chunk)
     return page_write_kernel.items(pages, rows, w.num_pages, chunk, bound)
+
+
+def _page_write_runs(w: Workload, tokens: int) -> tuple[int, ...]:
+    """The page write's loops on the step padded to ``tokens``: its groups of items, then its
+    reads, patches and writes' waits, each once per item (keys and values in one call)."""
+    pool, sequences = _pool(w), len(ragged_step.kv_lengths(w))
+    bound = page_write_kernel.max_items(tokens, sequences, page_write_kernel.chunk_positions(pool))
+    items = int(_page_write_items(w, tokens).count[0])
+    groups = -(-items // page_write_kernel.items_per_group(pool, bound, pools=2))
+    return (groups, items, items, items)
 
 
 def _blocks():
