@@ -1,8 +1,9 @@
-"""The ragged paged attention kernel (`ragged_kernel`), in TPU interpret mode, against the xla
-backend's dense reference on the same written cache: decode tokens, prefill chunks and both
-mixed, empty sequences, padding rows, chunks crossing pages and kv blocks, GQA, softcap,
-sliding window, sinks, int8 and bfloat16, with blocks small enough that a sequence spans
-several query and kv blocks (the conformance suite runs the default blocks, MQA and MHA)."""
+"""The ragged paged attention kernel (`ragged_attention`, `ragged_kernel`), in TPU interpret
+mode, against the xla backend's dense reference on the same written cache: decode tokens,
+prefill chunks and both mixed, empty sequences, padding rows, chunks crossing pages and kv
+blocks, GQA, softcap, sliding window, sinks, int8 and bfloat16, with blocks small enough that a
+sequence spans several query and kv blocks (the conformance suite runs the default blocks, MQA
+and MHA)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash_conformance.parity import FORWARD_TOLERANCE, assert_close
-from pallas_flash_splitkv import RaggedBlocks, SplitKvBackend, ragged_kernel
+from pallas_flash_splitkv import RaggedBlocks, SplitKvBackend, ragged_attention, ragged_blocks
 from pallas_flash_splitkv.ragged_blocks import kernel_calls, schedule
 
 HEAD_DIM, PAGE_SIZE, PAGES_PER_SEQUENCE = 128, 8, 6
@@ -146,6 +147,26 @@ def test_kv_heads_a_grid_step_in_groups() -> None:
         _check(*got, 1e-4)
 
 
+def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
+    """The decode call's kv blocks of 3 pages beside the other call's 2 (an int8 cache's
+    scales laid out in whole blocks of both), against the dense reference; and the default:
+    `ragged_blocks.DECODE_KV_BLOCK_POSITIONS` for the decode call unless pages are given."""
+    blocks = RaggedBlocks(block_q=8, pages_per_block=2, decode_pages_per_block=3)
+    got = _call([1, 9, 1, 2], [17, 25, 48, 40], int8=True,
+                backend=SplitKvBackend(ragged_blocks=blocks))  # fmt: skip
+    _check(*got, 1e-4)
+    decode = ragged_attention.DECODE_KERNEL_NAME
+    assert blocks.pages_for(PAGE_SIZE, PAGES_PER_SEQUENCE, decode) == 3
+    assert blocks.pages_for(PAGE_SIZE, PAGES_PER_SEQUENCE) == 2
+    assert SMALL.ragged_blocks.pages_for(PAGE_SIZE, PAGES_PER_SEQUENCE, decode) == 2
+    default = RaggedBlocks()
+    assert default.pages_for(128, 64, decode) == ragged_blocks.DECODE_KV_BLOCK_POSITIONS // 128
+    assert default.pages_for(128, 64) == ragged_blocks.KV_BLOCK_POSITIONS // 128
+    assert default.pages_for(128, 3, decode) == 3  # at most a sequence's pages
+    with pytest.raises(ValueError, match="decode_pages_per_block"):
+        RaggedBlocks(decode_pages_per_block=0)
+
+
 def test_int8_cache() -> None:
     actual, expected, valid = _call([1, 10, 4], [17, 25, 44], int8=True, sinks=True)
     _check(actual, expected, valid, 1e-4)
@@ -200,13 +221,15 @@ def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_
     shapes = dict(tokens=16, q_heads=4, kv_heads=2, page_size=PAGE_SIZE,
                   pages_per_sequence=PAGES_PER_SEQUENCE, spec=spec)  # fmt: skip
     got = tuple(
-        ragged_kernel.loop_runs(starts, lengths, kernel=name, blocks=SMALL.ragged_blocks, **shapes)
-        for name in (ragged_kernel.DECODE_KERNEL_NAME, ragged_kernel.KERNEL_NAME)
+        ragged_attention.loop_runs(
+            starts, lengths, kernel=name, blocks=SMALL.ragged_blocks, **shapes
+        )
+        for name in (ragged_attention.DECODE_KERNEL_NAME, ragged_attention.KERNEL_NAME)
     )
     assert got == runs  # both kv heads in one grid step
     # one call for all, one kv head a grid step: each item's steps and blocks once per kv head
     one_call = RaggedBlocks(block_q=8, pages_per_block=2, decode_block_q=8, kv_heads_per_step=1)
-    whole = ragged_kernel.loop_runs(starts, lengths, kernel=ragged_kernel.KERNEL_NAME,
+    whole = ragged_attention.loop_runs(starts, lengths, kernel=ragged_attention.KERNEL_NAME,
                                     blocks=one_call, **shapes)  # fmt: skip
     assert whole == tuple(2 * (a + b) for a, b in zip(*runs, strict=True))
 

@@ -16,7 +16,7 @@ import pytest
 import pallas_flash as pf
 from pallas_flash import page_write_kernel
 from pallas_flash_estimate.read import hlo_ops
-from pallas_flash_splitkv.ragged_kernel import DECODE_KERNEL_NAME, KERNEL_NAME
+from pallas_flash_splitkv.ragged_attention import DECODE_KERNEL_NAME, KERNEL_NAME
 
 pytestmark = [
     pytest.mark.skipif(

@@ -190,7 +190,7 @@ def test_the_tensor_parallel_engine_step_compiles_for_a_v5e_slice(v5e_devices) -
     is updated in place."""
     from pallas_flash import page_write_kernel
     from pallas_flash_llama import engine_step
-    from pallas_flash_splitkv import ragged_kernel
+    from pallas_flash_splitkv import ragged_attention
 
     config = get_config("llama-3.2-1b")
     mesh = make_mesh(1, 1, 4, devices=v5e_devices)
@@ -203,7 +203,7 @@ def test_the_tensor_parallel_engine_step_compiles_for_a_v5e_slice(v5e_devices) -
     compiled = step.trace(params, cache, batch).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
     calls = [call.name.split(".")[0] for call in hlo_ops.kernel_calls(text)]
-    ragged = (ragged_kernel.KERNEL_NAME, ragged_kernel.DECODE_KERNEL_NAME)
+    ragged = (ragged_attention.KERNEL_NAME, ragged_attention.DECODE_KERNEL_NAME)
     assert sum(calls.count(name) for name in ragged) == 2 * config.layers, calls
     assert calls.count(page_write_kernel.KERNEL_NAME) == config.layers  # K and V in one call
     chip_q = budget * config.q_heads * config.head_dim * 2 // 4

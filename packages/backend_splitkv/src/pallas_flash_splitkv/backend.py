@@ -7,14 +7,14 @@ import jax
 import pallas_flash as pf
 from pallas_flash_splitkv.blocks import DecodeBlocks
 from pallas_flash_splitkv.decode import split_kv_decode
+from pallas_flash_splitkv.ragged_attention import ragged_attention
 from pallas_flash_splitkv.ragged_blocks import RaggedBlocks
-from pallas_flash_splitkv.ragged_kernel import ragged_attention
 
 
 class SplitKvBackend(pf.Backend):
     """Decoding (one query token per sequence) with a Pallas Split-KV kernel, and ragged
     attention (decode tokens and prefill chunks of many sequences in one flat batch) against a
-    paged cache with `ragged_kernel`.
+    paged cache with `ragged_kernel` (its calls: `pallas_flash_splitkv.ragged_attention`).
 
     With ``mesh=None`` the cache is decoded where it is: on its one device, or over the mesh
     of a ``NamedSharding`` that splits only its sequence axis (`placement.follow`); pass a

@@ -46,6 +46,14 @@ KV_BLOCK_POSITIONS = 512
 """Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic:
 with head_dim 128 in bfloat16, 128 KiB of K and 128 KiB of V, double-buffered in VMEM."""
 
+DECODE_KV_BLOCK_POSITIONS = 1024
+"""The same for the decoding sequences' call when ``decode_pages_per_block`` is automatic. A
+decode item's rows are one token's query heads, so a kv block's work is mostly one dependent
+chain (``q k^T``, its row max across lanes, ``exp``, ``p v``) whose latency the MXU and
+cross-lane units set, not its size: fewer, larger blocks make fewer chains (v5e, static,
+Llama-3-8B's step at one chip: the decode call's critical path 322k cycles at 512 positions,
+217k at 1024, its schedule 136k and 148k)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RaggedBlocks:
@@ -62,6 +70,9 @@ class RaggedBlocks:
       decode_block_q: tokens per work item of the decoding sequences' call (a power of two;
         only the first row of each query head is a token). None: the least that makes whole
         tiles of 8 rows (`decode_rows_for`); at ``block_q`` or more, one call takes them all.
+      decode_pages_per_block: pages per kv block of the decoding sequences' call. None:
+        ``pages_per_block`` where that is given, else `DECODE_KV_BLOCK_POSITIONS` positions'
+        worth (at least 1), at most a sequence's pages.
       kv_heads_per_step: kv heads one grid step takes, each page copied for all of them at
         once (one DMA per page and array). None: the most that divides the kv heads, up to
         `KV_HEADS_PER_STEP` (`heads_for`).
@@ -71,14 +82,16 @@ class RaggedBlocks:
     pages_per_block: int | None = None
     decode_block_q: int | None = None
     kv_heads_per_step: int | None = None
+    decode_pages_per_block: int | None = None
 
     def __post_init__(self) -> None:
         q = self.block_q
         if isinstance(q, bool) or not isinstance(q, int) or q < 8 or q & (q - 1):
             raise ValueError(f"RaggedBlocks.block_q must be a power of two >= 8, got {q!r}")
-        p = self.pages_per_block
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
-            raise ValueError(f"RaggedBlocks.pages_per_block must be a positive int, got {p!r}")
+        for name in ("pages_per_block", "decode_pages_per_block"):
+            p = getattr(self, name)
+            if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
+                raise ValueError(f"RaggedBlocks.{name} must be a positive int, got {p!r}")
         h = self.kv_heads_per_step
         if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h <= 0):
             raise ValueError(f"RaggedBlocks.kv_heads_per_step must be a positive int, got {h!r}")
@@ -107,11 +120,15 @@ class RaggedBlocks:
             tokens *= 2
         return tokens
 
-    def pages_for(self, page_size: int, pages_per_sequence: int) -> int:
-        """Pages per kv block for pages of ``page_size`` positions."""
-        per_block = self.pages_per_block
+    def pages_for(self, page_size: int, pages_per_sequence: int, kernel: str = KERNEL_NAME) -> int:
+        """Pages per kv block of the call named ``kernel`` (`KERNEL_NAME` or
+        `DECODE_KERNEL_NAME`) for pages of ``page_size`` positions."""
+        per_block, positions = self.pages_per_block, KV_BLOCK_POSITIONS
+        if kernel == DECODE_KERNEL_NAME:
+            per_block = self.decode_pages_per_block or per_block
+            positions = DECODE_KV_BLOCK_POSITIONS
         if per_block is None:
-            per_block = max(1, KV_BLOCK_POSITIONS // page_size)
+            per_block = max(1, positions // page_size)
         return min(per_block, pages_per_sequence)
 
     def items_for(self, tokens: int, seqs: int) -> int:
@@ -212,7 +229,7 @@ def item_span(
     """``(p0, lo, hi, first_block, blocks, whole)`` of `ItemRange` for a work item of
     ``count`` tokens from row ``first`` of a sequence of ``length`` positions whose new tokens
     end at row ``query_end``; scalars in the kernel, ``[items]`` arrays in
-    `ragged_kernel.loop_runs`."""
+    `ragged_attention.loop_runs`."""
     length = jnp.clip(length, 0, max_len)
     p0 = length - query_end + first  # the first token's position
     hi = jnp.minimum(p0 + count - 1, length - 1)  # the last position any row sees

@@ -4,7 +4,7 @@ chunks mixed) against their sequences' paged cache, float or int8.
 Layouts: the query and the output as the batch holds them, ``[tokens, q_heads, head_dim]``,
 seen as ``[tokens, kv_heads / H, H x group, head_dim]`` (a free reshape) and left in HBM; pages
 ``[num_pages, kv_heads, page_size, head_dim]`` (int8 with float32 scales, gathered per
-sequence before the kernel: ``[seqs, kv_heads, positions]``, `_scales_by_sequence`) and the
+sequence before the kernel: ``[seqs, kv_heads, positions]``, `ragged_attention`) and the
 flat page table, scalar-prefetched with ``kv_lengths``, ``query_starts`` and the schedule.
 
 Grid ``(kv_heads / H,)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`); each step loops
@@ -39,10 +39,8 @@ one per kv head of the step (GQA reads each page once per item). Sinks join each
 denominator at the end. Rows that see no position give zeros, and so do padding rows (the
 first call's output starts as zeros).
 
-A batch makes two calls of the kernel (`ragged_blocks.kernel_calls`): the decoding sequences',
-whose items hold one token in the fewest rows that fill whole tiles (``DECODE_KERNEL_NAME``),
-and the other sequences', with ``block_q`` tokens an item (``KERNEL_NAME``); the second writes
-its tokens' rows into the first's output (aliased).
+One `kernel_call` is one call of the kernel; `pallas_flash_splitkv.ragged_attention` makes a
+batch's calls.
 """
 
 from __future__ import annotations
@@ -55,17 +53,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import interpret, row_copies
-from pallas_flash.decode_cache import DecodeCache
+from pallas_flash import row_copies
 from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
 from pallas_flash_splitkv.blocks import LANES
-from pallas_flash_splitkv.ragged_blocks import ItemRange, RaggedBlocks, item_span
+from pallas_flash_splitkv.ragged_blocks import ItemRange, item_span
 from pallas_flash_splitkv.ragged_fold import finish_rows, fold_block
 
 _F32 = jnp.float32
-
-KERNEL_NAME, DECODE_KERNEL_NAME = ragged_blocks.KERNEL_NAME, ragged_blocks.DECODE_KERNEL_NAME
 
 
 def _kernel(
@@ -280,61 +275,7 @@ def _kernel(
         wait_output(1)
 
 
-def _scales_by_sequence(scales: jax.Array, page_table: jax.Array, columns: int) -> jax.Array:
-    """Scales ``[num_pages, kv_heads, page_size]`` per sequence: ``[seqs, kv_heads, columns x
-    page_size]`` through the page table (entries clipped into the pool), padded with page 0
-    to ``columns`` pages. A page's scales of one kv head (64 bytes at 16 positions) are too
-    short for a DMA (Mosaic wants 512-byte runs), a kv block's of one sequence are not; this
-    gather reads ``seqs x pages_per_sequence`` pages' scales, 1/32 of their int8 K or V at
-    head_dim 128."""
-    num_pages, kv_heads, page_size = scales.shape
-    seqs, pages_per_sequence = page_table.shape
-    table = jnp.clip(page_table, 0, num_pages - 1)
-    table = jnp.pad(table, ((0, 0), (0, columns - pages_per_sequence)))
-    by_sequence = scales[table]  # [seqs, columns, kv_heads, page_size]
-    return by_sequence.transpose(0, 2, 1, 3).reshape(seqs, kv_heads, columns * page_size)
-
-
-def _ragged_kernel(
-    q: jax.Array,
-    cache: DecodeCache,
-    query_starts: jax.Array,
-    kv_lengths: jax.Array,
-    sinks: jax.Array | None,
-    *,
-    spec: RaggedSpec,
-    blocks: RaggedBlocks,
-    interpret: pltpu.InterpretParams | bool | None,
-) -> jax.Array:
-    """`ragged_attention` with the interpreter's settings, or None for Mosaic: one kernel call
-    per `ragged_blocks.kernel_calls` (the decoding sequences', the others'), each writing its
-    own tokens' rows of the one output in place."""
-    tokens, q_heads, head_dim = q.shape
-    num_pages, kv_heads, page_size, _ = cache.k.shape
-    pages_per_sequence = cache.page_table.shape[1]
-    per_block = blocks.pages_for(page_size, pages_per_sequence)
-    heads = blocks.heads_for(kv_heads)
-    arrays = [cache.k, cache.v]
-    if cache.quantized:
-        columns = -(-pages_per_sequence // per_block) * per_block
-        arrays += [_scales_by_sequence(x, cache.page_table, columns)
-                   for x in (cache.k_scales, cache.v_scales)]  # fmt: skip
-    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
-    # an item copies block_q rows: a batch of fewer tokens is padded to one item's rows
-    rows = max(tokens, *(call.block_q for call in calls))
-    by_group = (rows, kv_heads // heads, heads * (q_heads // kv_heads), head_dim)
-    q_rows = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, 0))).reshape(by_group)
-    out = jnp.zeros(by_group, q.dtype)  # padding rows stay zeros
-    for call in calls:
-        plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
-        used = jnp.sum(plan.count > 0, dtype=jnp.int32)[None]  # the items the loop takes
-        prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan, used]
-        out = _call(q_rows, out, prefetch, arrays, sinks, spec, call, per_block, heads,
-                    pages_per_sequence, num_pages, interpret)  # fmt: skip
-    return out.reshape(rows, q_heads, head_dim)[:tokens]
-
-
-def _call(
+def kernel_call(
     q_rows: jax.Array,
     out: jax.Array,
     prefetch: list[jax.Array],
@@ -400,59 +341,3 @@ def _call(
         interpret=False if interpret is None else interpret,
         name=call.name,
     )(*prefetch, *inputs, *arrays, out)
-
-
-_jitted = interpret.jit_kernel(_ragged_kernel, ("spec", "blocks"), fold_vmap=False)
-
-
-def ragged_attention(
-    q: jax.Array,
-    cache: DecodeCache,
-    query_starts: jax.Array,
-    kv_lengths: jax.Array,
-    *,
-    spec: RaggedSpec,
-    blocks: RaggedBlocks,
-    sinks: jax.Array | None = None,
-) -> jax.Array:
-    """``pf.Backend.ragged_attention`` of validated inputs: ``[tokens, q_heads, head_dim]`` in
-    q's dtype, zeros for padding rows. Runs as Mosaic or interpreted, as
-    `pallas_flash.interpret` decides."""
-    return _jitted(q, cache, query_starts, kv_lengths, sinks, spec=spec, blocks=blocks)
-
-
-def loop_runs(
-    query_starts: jax.Array,
-    kv_lengths: jax.Array,
-    *,
-    kernel: str,
-    tokens: int,
-    q_heads: int,
-    kv_heads: int,
-    page_size: int,
-    pages_per_sequence: int,
-    spec: RaggedSpec,
-    blocks: RaggedBlocks,
-) -> tuple[int, int, int]:
-    """How often the loops of the call named ``kernel`` (`ragged_blocks.KERNEL_NAME` or
-    `ragged_blocks.DECODE_KERNEL_NAME`) run on a batch, in program order: its item loop (every
-    used work item once per group of kv heads a grid step takes, `RaggedBlocks.heads_for`),
-    then its two loops over kv blocks (the blocks folded whole and the masked ones,
-    `ItemRange.whole`, likewise per group of kv heads); zeros for a call the batch does not
-    make. These trip counts are read from memory, so a static schedule needs them given (the
-    bench's ``Subject.loop_trips``)."""
-    block_kv = blocks.pages_for(page_size, pages_per_sequence) * page_size
-    head_groups = kv_heads // blocks.heads_for(kv_heads)
-    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
-    items = whole = masked = 0
-    for call in (c for c in calls if c.name == kernel):
-        plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
-        seq = plan.sequence
-        r = ItemRange(seq, *item_span(kv_lengths[seq], query_starts[seq + 1], plan.first,
-                                      plan.count, spec.window, block_kv,
-                                      pages_per_sequence * page_size))  # fmt: skip
-        used = plan.count > 0
-        items += head_groups * int(jnp.sum(used))
-        whole += head_groups * int(jnp.sum(jnp.where(used, r.whole, 0)))
-        masked += head_groups * int(jnp.sum(jnp.where(used, r.blocks - r.whole, 0)))
-    return items, whole, masked

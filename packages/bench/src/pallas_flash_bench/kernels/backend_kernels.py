@@ -6,7 +6,7 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
   from memory, which a static schedule counts once per grid step, a lower bound. Core's write
   of the new tokens into their pages (`pallas_flash.page_write_kernel`, keys and values in one
   call) runs a loop over groups of items and, in it, three loops over the group's items;
-  splitkv's ragged attention (`pallas_flash_splitkv.ragged_kernel`: a call for the decoding
+  splitkv's ragged attention (`pallas_flash_splitkv.ragged_attention`: a call for the decoding
   sequences, one for the others) a loop over its used work items and, inside it, two loops
   over each item's kv blocks (those folded whole, the masked).
 - HBM bytes (``Subject.min_hbm_bytes``): the page write moves whole chunks of the pool (the
@@ -49,10 +49,9 @@ def loop_trips(
     tokens = workload.tokens if tokens is None else tokens
     if stem == page_write_kernel.KERNEL_NAME:
         return _page_write_runs(workload, tokens)
-    ragged_kernel = _splitkv_ragged(backend)
-    if ragged_kernel is not None and stem in (ragged_kernel.KERNEL_NAME,
-                                              ragged_kernel.DECODE_KERNEL_NAME):  # fmt: skip
-        return _ragged_runs(ragged_kernel, workload, stem, tokens)
+    ragged = _splitkv_ragged(backend)
+    if ragged is not None and stem in (ragged.KERNEL_NAME, ragged.DECODE_KERNEL_NAME):
+        return _ragged_runs(ragged, workload, stem, tokens)
     return None
 
 
@@ -75,12 +74,12 @@ def occupancy(
 
 
 def _splitkv_ragged(backend: str):
-    """splitkv's ``ragged_kernel`` module where ``backend`` is splitkv and installed."""
+    """splitkv's ``ragged_attention`` module where ``backend`` is splitkv and installed."""
     if backend != "splitkv" or importlib.util.find_spec("pallas_flash_splitkv") is None:
         return None
-    from pallas_flash_splitkv import ragged_kernel
+    from pallas_flash_splitkv import ragged_attention
 
-    return ragged_kernel
+    return ragged_attention
 
 
 def _pool_shares(backend: str, w: Workload, tokens: int) -> dict[str, float]:
@@ -147,11 +146,11 @@ def _blocks():
     return pf.get_backend("splitkv").ragged_blocks
 
 
-def _ragged_runs(ragged_kernel, w: Workload, kernel: str, tokens: int) -> tuple[int, ...]:
-    """`ragged_kernel.loop_runs` of the call named ``kernel`` on ``tokens`` rows."""
+def _ragged_runs(ragged, w: Workload, kernel: str, tokens: int) -> tuple[int, ...]:
+    """`ragged_attention.loop_runs` of the call named ``kernel`` on ``tokens`` rows."""
     starts, lengths = _arrays(w)
     spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5)
-    return ragged_kernel.loop_runs(
+    return ragged.loop_runs(
         starts, lengths, kernel=kernel, tokens=tokens, q_heads=w.q_heads, kv_heads=w.kv_heads,
         page_size=w.page_size,
         pages_per_sequence=w.seq_len // w.page_size, spec=spec, blocks=_blocks(),
