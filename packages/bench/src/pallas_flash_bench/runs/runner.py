@@ -60,7 +60,7 @@ class BenchOptions:
     """What the run left out and why (a package not installed), for the report's notes."""
 
 
-ROW_FORMAT = 14
+ROW_FORMAT = 13
 """The version of a kernel row as the bench's worker records it (`worker.analyse_row`): bump
 it when that changes, and cached rows are recompiled. (How rows are costed is the
 estimator's: its version is `pallas_flash_estimate.ANALYSIS_VERSION`.)"""
