@@ -119,8 +119,11 @@ def test_empty_sequences_and_padding_rows_give_zeros() -> None:
     _check(actual, expected, valid, F32)
 
 
-def test_stale_nan_slots_are_never_seen() -> None:
-    _check(*_call([1, 6, 2], [13, 19, 40], stale_nan=True), F32)
+# the stale rows are zeroed per page (f32: pages of whole tiles), per block (bf16: shorter pages)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_stale_nan_slots_are_never_seen(dtype: jnp.dtype) -> None:
+    actual, expected, valid = _call([1, 6, 2], [13, 19, 40], dtype=dtype, stale_nan=True)
+    _check(actual, expected, valid, FORWARD_TOLERANCE[jnp.dtype(dtype).name])
 
 
 @pytest.mark.parametrize("unused", [-1, 10**6])

@@ -2,11 +2,16 @@
 query rows' running max, sum and accumulator (float32), and the rows' normalised output.
 
 A row sees the positions up to its own (inside the window); in a *masked* block, positions
-outside the item's range ``[lo, hi]`` (stale pages, unwritten slots) are masked and their V
-rows (int8: V scales) zeroed, since a stale NaN would poison ``p @ v``. A block every row sees
-whole (its positions from ``lo`` to the item's first token, every page copied) is folded
-unmasked: no position mask, no V rows zeroed. An int8 block is converted to q's dtype and its
-scales applied to the scores (K) and to the probabilities (V).
+outside the item's range ``[lo, hi]`` (stale pages, unwritten slots) are masked. A stale NaN in
+V would still poison ``p @ v`` (``0 x NaN``), so the V buffers hold no NaN: the kernel zeroes
+them once before its first copy, and a masked block zeroes the rows past ``hi`` of ``hi``'s
+page, `zero_stale_rows`: the only stale rows a copy brings (the rows before ``lo`` of
+``lo``'s page are the sequence's own, written; a page before ``lo`` or after ``hi`` is not
+copied, and its rows in the buffer are an earlier copy's, already clean).
+An int8 block's V rows are never NaN; its V scales outside the range are zeroed instead. A
+block every row sees whole (its positions from ``lo`` to the item's first token, every page
+copied) is folded unmasked: no position mask, no rows zeroed. An int8 block is converted to
+q's dtype and its scales applied to the scores (K) and to the probabilities (V).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_flash.masking import apply_softcap
 from pallas_flash.specs import RaggedSpec
@@ -33,18 +39,21 @@ def fold_block(
     hi: jax.Array,
     spec: RaggedSpec,
     masked: bool,
+    page_size: int,
 ) -> None:
     """Folds one kv block (``views``: k, v ``[block_kv, head_dim]`` and, for int8, their
     scales ``[block_kv]``) at position ``first`` into the running max and sum ``[rows, 128]``
     and accumulator ``[rows, head_dim]`` of the query rows ``q_ref [rows, head_dim]``.
     ``q_pos [rows, 1]``: each row's position; ``[lo, hi]``: the positions any row sees;
     ``masked``: False for a block every row sees whole (module doc; then the positions are
-    not read)."""
+    not read); ``page_size``: positions per page of the block."""
     q = q_ref[...]
     dtype = q.dtype
     precision = lax.Precision.HIGHEST if dtype == _F32 else None
     k_view, v_view = views[0], views[1]
     block_kv = k_view.shape[0]
+    if masked and len(views) == 2:  # first: off the scores' dependent chain
+        zero_stale_rows(v_view, hi - first, page_size)
     k = k_view[...].astype(dtype)
     scores = lax.dot_general(
         q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32, precision=precision
@@ -69,20 +78,30 @@ def fold_block(
     if len(views) == 4:
         v_scales = views[3][...].reshape(1, block_kv)
         p = p * (jnp.where(seen, v_scales, 0.0) if masked else v_scales)
-        v = v_view[...].astype(dtype)
-    elif not masked:
-        v = v_view[...].astype(dtype)
-    else:
-        # rows lo - first to hi - first, compared as unsigned: one compare a row
-        row = lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0) - (lo - first)
-        span = jnp.maximum(hi - lo + 1, 0)
-        seen_rows = row.astype(jnp.uint32) < span.astype(jnp.uint32)
-        v = jnp.where(seen_rows, v_view[...], jnp.zeros((), v_view.dtype)).astype(dtype)
+    v = v_view[...].astype(dtype)
     pv = lax.dot_general(
         p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32,
         precision=precision,
     )  # fmt: skip
     acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+
+def zero_stale_rows(v_ref: jax.Ref, last: jax.Array, page_size: int) -> None:
+    """Zeroes the rows of ``v_ref [block_kv, head_dim]`` after row ``last`` (the range's last
+    position) in its page: the page's stale slots, copied with it (module doc). Pages shorter
+    than a sublane tile of ``v_ref``'s dtype are not aligned in VMEM: then the rows after
+    ``last`` in the whole block are zeroed (those of later pages were never copied; zeroing
+    them changes nothing that is read)."""
+    block_kv = v_ref.shape[0]
+    tile = 32 // jnp.dtype(v_ref.dtype).itemsize
+    window = page_size if page_size % tile == 0 else block_kv
+
+    @pl.when((last >= 0) & (last < block_kv - 1))
+    def _zero() -> None:
+        start = pl.multiple_of(lax.div(last, window) * window, window)  # last >= 0
+        rows = v_ref[pl.ds(start, window)]
+        row = start + lax.broadcasted_iota(jnp.int32, (window, 1), 0)
+        v_ref[pl.ds(start, window)] = jnp.where(row <= last, rows, jnp.zeros((), rows.dtype))
 
 
 def finish_rows(

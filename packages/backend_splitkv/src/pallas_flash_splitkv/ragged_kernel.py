@@ -32,7 +32,8 @@ Copies, all by manual DMA:
   and an item's last block starts the copies of the next step's first block (the next item of
   the heads, else item 0 of the next ``H``: the grid runs in order, an SMEM count of folded
   blocks carrying the buffer parity), so no step waits for its first block but the grid's
-  first.
+  first. A float cache's V buffers start as zeros: no stale NaN ever sits in them
+  (`ragged_fold`).
 
 All ``group`` query heads of a kv head share one ``[rows, block] @ [block, head_dim]`` matmul,
 one per kv head of the step (GQA reads each page once per item). Sinks join each row's
@@ -239,7 +240,7 @@ def _kernel(
             for j in range(heads):  # each kv head of the group: its own 2-D matmuls
                 views = [buffer.at[slot, j] for buffer in buffers]
                 fold_block(qs_ref.at[j], views, m_ref.at[j], l_ref.at[j], acc_ref.at[j], q_pos,
-                           first, r.lo, r.hi, spec, masked)  # fmt: skip
+                           first, r.lo, r.hi, spec, masked, page_size)  # fmt: skip
             return carry
 
         lax.fori_loop(0, r.whole, functools.partial(body, masked=False), None)
@@ -260,6 +261,8 @@ def _kernel(
     def _first_step() -> None:
         folded[0], done[0] = 0, 0
         pending[0, 1], pending[1, 1] = 0, 0
+        if not quantized:  # no NaN in the V buffers, ever (`ragged_fold`)
+            buffers[1][...] = jnp.zeros(buffers[1].shape, buffers[1].dtype)
 
         @pl.when(items > 0)
         def _start_first() -> None:
