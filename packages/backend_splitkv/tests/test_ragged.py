@@ -153,7 +153,8 @@ def test_kv_heads_a_grid_step_in_groups() -> None:
 def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
     """The decode call's kv blocks of 3 pages beside the other call's 2 (an int8 cache's
     scales laid out in whole blocks of both), against the dense reference; and the default:
-    `ragged_blocks.DECODE_KV_BLOCK_POSITIONS` for the decode call unless pages are given."""
+    `ragged_blocks.DECODE_KV_BLOCK_POSITIONS` for the decode call unless pages are given, fewer
+    at several kv heads a grid step."""
     blocks = RaggedBlocks(block_q=8, pages_per_block=2, decode_pages_per_block=3)
     got = _call([1, 9, 1, 2], [17, 25, 48, 40], int8=True,
                 backend=SplitKvBackend(ragged_blocks=blocks))  # fmt: skip
@@ -164,6 +165,8 @@ def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
     assert SMALL.ragged_blocks.pages_for(PAGE_SIZE, PAGES_PER_SEQUENCE, decode) == 2
     default = RaggedBlocks()
     assert default.pages_for(128, 64, decode) == ragged_blocks.DECODE_KV_BLOCK_POSITIONS // 128
+    most = ragged_blocks.DECODE_KV_BLOCK_HEAD_POSITIONS  # over a grid step's kv heads
+    assert default.pages_for(128, 64, decode, heads=8) == most // 8 // 128
     assert default.pages_for(128, 64) == ragged_blocks.KV_BLOCK_POSITIONS // 128
     assert default.pages_for(128, 3, decode) == 3  # at most a sequence's pages
     with pytest.raises(ValueError, match="decode_pages_per_block"):

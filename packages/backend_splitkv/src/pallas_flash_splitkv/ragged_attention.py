@@ -67,8 +67,10 @@ def _ragged_kernel(
     num_pages, kv_heads, page_size, _ = cache.k.shape
     pages_per_sequence = cache.page_table.shape[1]
     calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
-    per_block = {c.name: blocks.pages_for(page_size, pages_per_sequence, c.name) for c in calls}
     heads = blocks.heads_for(kv_heads)
+    per_block = {
+        c.name: blocks.pages_for(page_size, pages_per_sequence, c.name, heads) for c in calls
+    }
     arrays = [cache.k, cache.v]
     if cache.quantized:  # scales by sequence in whole kv blocks of every call
         most = math.lcm(*per_block.values())
@@ -128,8 +130,9 @@ def loop_runs(
     `ItemRange.whole`, likewise per group of kv heads); zeros for a call the batch does not
     make. These trip counts are read from memory, so a static schedule needs them given (the
     bench's ``Subject.loop_trips``)."""
-    block_kv = blocks.pages_for(page_size, pages_per_sequence, kernel) * page_size
-    head_groups = kv_heads // blocks.heads_for(kv_heads)
+    heads = blocks.heads_for(kv_heads)
+    block_kv = blocks.pages_for(page_size, pages_per_sequence, kernel, heads) * page_size
+    head_groups = kv_heads // heads
     calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
     items = whole = masked = 0
     for call in (c for c in calls if c.name == kernel):

@@ -46,13 +46,18 @@ KV_BLOCK_POSITIONS = 512
 """Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic:
 with head_dim 128 in bfloat16, 128 KiB of K and 128 KiB of V, double-buffered in VMEM."""
 
-DECODE_KV_BLOCK_POSITIONS = 1024
-"""The same for the decoding sequences' call when ``decode_pages_per_block`` is automatic. A
-decode item's rows are one token's query heads, so a kv block's work is mostly one dependent
-chain (``q k^T``, its row max across lanes, ``exp``, ``p v``) whose latency the MXU and
-cross-lane units set, not its size: fewer, larger blocks make fewer chains (v5e, static,
-Llama-3-8B's step at one chip: the decode call's critical path 322k cycles at 512 positions,
-217k at 1024, its schedule 136k and 148k)."""
+DECODE_KV_BLOCK_POSITIONS = 2048
+"""The same for the decoding sequences' call when ``decode_pages_per_block`` is automatic, at
+one kv head a grid step; at ``H`` heads a step, `DECODE_KV_BLOCK_HEAD_POSITIONS` ``/ H`` when
+that is fewer. A decode item's rows are one token's query heads, so a kv block's work is mostly
+one dependent chain (``q k^T``, its row max across lanes, ``exp``, ``p v``) whose latency the
+MXU and cross-lane units set, not its size: fewer, larger blocks make fewer chains (v5e,
+static, Llama-3-8B's step at one chip: the decode call's critical path 322k cycles at 512
+positions, 217k at 1024, 149k at 2048)."""
+
+DECODE_KV_BLOCK_HEAD_POSITIONS = 8192
+"""Positions times kv heads of one decode kv block at most: 8 MiB of VMEM for bfloat16 K and
+V of head_dim 128, double-buffered (v5e's default scoped VMEM is 16 MiB)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +77,7 @@ class RaggedBlocks:
         tiles of 8 rows (`decode_rows_for`); at ``block_q`` or more, one call takes them all.
       decode_pages_per_block: pages per kv block of the decoding sequences' call. None:
         ``pages_per_block`` where that is given, else `DECODE_KV_BLOCK_POSITIONS` positions'
-        worth (at least 1), at most a sequence's pages.
+        worth (fewer at several kv heads a step; at least 1), at most a sequence's pages.
       kv_heads_per_step: kv heads one grid step takes, each page copied for all of them at
         once (one DMA per page and array). None: the most that divides the kv heads, up to
         `KV_HEADS_PER_STEP` (`heads_for`).
@@ -120,13 +125,16 @@ class RaggedBlocks:
             tokens *= 2
         return tokens
 
-    def pages_for(self, page_size: int, pages_per_sequence: int, kernel: str = KERNEL_NAME) -> int:
+    def pages_for(
+        self, page_size: int, pages_per_sequence: int, kernel: str = KERNEL_NAME, heads: int = 1
+    ) -> int:
         """Pages per kv block of the call named ``kernel`` (`KERNEL_NAME` or
-        `DECODE_KERNEL_NAME`) for pages of ``page_size`` positions."""
+        `DECODE_KERNEL_NAME`) for pages of ``page_size`` positions, ``heads`` kv heads a grid
+        step (`heads_for`)."""
         per_block, positions = self.pages_per_block, KV_BLOCK_POSITIONS
         if kernel == DECODE_KERNEL_NAME:
             per_block = self.decode_pages_per_block or per_block
-            positions = DECODE_KV_BLOCK_POSITIONS
+            positions = min(DECODE_KV_BLOCK_POSITIONS, DECODE_KV_BLOCK_HEAD_POSITIONS // heads)
         if per_block is None:
             per_block = max(1, positions // page_size)
         return min(per_block, pages_per_sequence)
