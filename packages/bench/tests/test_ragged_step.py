@@ -138,7 +138,7 @@ def test_the_serving_sweep_with_ops_ragged_is_the_mixed_steps() -> None:
 
 
 def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
-    # pages of 16 (bfloat16: chunks of 16): each decode token and each chunk of 6 (positions
+    # pages of 16 (bfloat16: chunks of 8): each decode token and each chunk of 6 (positions
     # 10..15) is one item in part of its chunk; one kv block of 64 positions each, masked
     # (none is seen whole by every row), both kv heads in one grid step: (items, blocks seen
     # whole, masked blocks); the page write's 5 items in one group: (groups, reads, patches,
@@ -151,7 +151,7 @@ def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
     assert backend_kernels.loop_trips("xla", STEP, ragged) is None
     decode = Workload("decode", 64, batch=2, cache="paged", page_size=16)
     assert backend_kernels.loop_trips("splitkv", decode, "pallas_flash_write_pages") is None
-    chunk = 2 * 16 * 8 * 2  # kv heads x positions x head_dim x bytes
+    chunk = 2 * 8 * 8 * 2  # kv heads x positions x head_dim x bytes
     moved = 2 * (2 * 5 + 5) * chunk  # K and V: every chunk written and read, its patch read
     new_rows = STEP.tokens * STEP.cache_bytes_per_token
     assert backend_kernels.min_hbm_bytes(STEP) == STEP.min_hbm_bytes + moved - new_rows

@@ -16,7 +16,7 @@ from pallas_flash.interpret import recorded_races
 
 NEW_TOKENS = (1, 37, 0, 2, 16, 1)
 """New tokens per sequence: decoding, a prefill chunk crossing chunks and pages, an empty slot,
-two tokens, a whole chunk of bfloat16, decoding."""
+two tokens, two whole chunks of bfloat16, decoding."""
 CACHED = (5, 14, 3, 31, 32, 0)
 """Positions each sequence holds before its new tokens."""
 PADDING = 3
@@ -116,15 +116,15 @@ def test_max_items_bounds_the_items_of_any_batch(chunk: int) -> None:
 
 
 def test_fits_paged_pools_and_takes_items_within_the_vmem_budget() -> None:
-    assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 64, 128), jnp.bfloat16)) == 16
+    assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 64, 128), jnp.bfloat16)) == 8
     assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 16, 128), jnp.int8)) == 16
     assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 64, 128), jnp.int8)) == 32
     assert page_write_kernel.chunk_positions(jnp.zeros((1, 1, 256), jnp.float32)) == 128
     assert not page_write_kernel.fits(jnp.zeros((4, 128), jnp.bfloat16), 8)
     assert not page_write_kernel.fits(jnp.zeros((4, 1, 16), jnp.float32), 8)  # scales: lanes
-    big = jnp.zeros((1, 64, 16, 128), jnp.bfloat16)  # 256 KiB a chunk
+    big = jnp.zeros((1, 128, 16, 128), jnp.bfloat16)  # 256 KiB a chunk (8 rows)
     assert page_write_kernel.items_per_group(big, 512) == 16  # its rows and its chunk: 8 MiB
     assert page_write_kernel.items_per_group(big, 512, pools=2) == 8  # keys' and values'
     assert page_write_kernel.items_per_group(jnp.zeros((1, 8, 16, 128), jnp.bfloat16), 5) == 5
-    huge = jnp.zeros((1, 1024, 16, 128), jnp.bfloat16)  # 4 MiB a chunk: keys' and values' 16
+    huge = jnp.zeros((1, 2048, 16, 128), jnp.bfloat16)  # 4 MiB a chunk: keys' and values' 16
     assert not page_write_kernel.fits(huge, 1)

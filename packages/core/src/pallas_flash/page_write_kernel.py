@@ -55,10 +55,10 @@ MAX_ITEMS_PER_GROUP = 32
 
 
 def chunk_positions(pool: jax.Array | jax.ShapeDtypeStruct) -> int:
-    """Positions per chunk of ``pool``: one HBM tile (16 rows of bfloat16, 32 of int8, 8 of
-    float32; 128 lanes of scales) when its pages are a whole number of tiles, else the page."""
+    """Positions per chunk of ``pool``: one tile of its HBM layout (`row_copies.hbm_tile_rows`;
+    128 lanes of scales) when its pages are a whole number of tiles, else the page."""
     page_size = pool.shape[2]
-    tile = LANES if len(pool.shape) == 3 else 32 // jnp.dtype(pool.dtype).itemsize
+    tile = LANES if len(pool.shape) == 3 else row_copies.hbm_tile_rows(pool.dtype)
     return tile if page_size % tile == 0 else page_size
 
 

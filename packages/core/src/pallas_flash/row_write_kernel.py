@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_flash import row_copies
+
 LANES = 128
 
 KERNEL_NAME = "pallas_flash_write_rows"
@@ -35,9 +37,9 @@ MAX_CHUNK_BYTES = 8 << 20
 
 
 def chunk_positions(cache: jax.Array) -> int:
-    """Positions per chunk the kernel copies of ``cache``: a whole number of its HBM tiles
-    (8 rows of 32-bit values, 16 of 16-bit, 32 of 8-bit; 128 lanes of scales)."""
-    return LANES if cache.ndim == 3 else 32 // cache.dtype.itemsize
+    """Positions per chunk the kernel copies of ``cache``: one of its HBM tiles
+    (`row_copies.hbm_tile_rows`; 128 lanes of scales)."""
+    return LANES if cache.ndim == 3 else row_copies.hbm_tile_rows(cache.dtype)
 
 
 def _chunk_bytes(cache: jax.Array) -> int:
