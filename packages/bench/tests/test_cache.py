@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from pallas_flash_bench.runs import workers
 from pallas_flash_bench.runs.cache import ResultCache
 
 JOB = {"id": 3, "kind": "row", "subject": "jax-flash[blocks 512]", "version": "0.10.2",
@@ -64,3 +67,24 @@ def test_a_whole_program_job_is_keyed_by_the_code_it_compiles(tmp_path, monkeypa
     assert context_key() == before
     monkeypatch.setattr(subjects, "_sources_digest", lambda package: "edited")
     assert context_key() != before
+
+
+def test_a_run_stopped_midway_keeps_the_results_it_had(tmp_path, monkeypatch) -> None:
+    """Each result is cached as it arrives: a run stopped after its first job (here by an
+    interrupt) keeps that job's result; a job error is never cached."""
+
+    jobs = [{**JOB, "id": i, "workload": {"op": "forward", "seq_len": 1024 * (i + 1)}}
+            for i in range(3)]  # fmt: skip
+
+    def stopped_after_two(todo, count, progress, on_result):
+        on_result(todo[0]["id"], {"compiled": True})
+        on_result(todo[1]["id"], {"job_error": "worker exited early"})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers, "run_workers", stopped_after_two)
+    cache = ResultCache(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        workers.run_cached(jobs, VERSIONS, cache, 1, "test")
+    held = [cache.holds(ResultCache.key(job, VERSIONS)) for job in jobs]
+    assert held == [True, False, False]
+    assert cache.get(ResultCache.key(jobs[0], VERSIONS)) == {"compiled": True}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -28,8 +29,9 @@ def run_cached(
     *, compile_missing: bool = True,
 ) -> dict[int, dict | None]:  # fmt: skip
     """Each job's result by id: from ``cache``, else run in workers (with ``compile_missing``,
-    else left out) and cached. A result is None where the subject does not support the
-    workload, which is cached too (a cached run starts no worker); a job error is not."""
+    else left out) and cached as it arrives, so that a run stopped midway keeps what it
+    compiled. A result is None where the subject does not support the workload, which is
+    cached too (a cached run starts no worker); a job error is not."""
     results: dict[int, dict | None] = {}
     todo = []
     for job in jobs:
@@ -38,19 +40,27 @@ def run_cached(
             results[job["id"]] = cache.get(key)
         elif compile_missing:
             todo.append(job)
-    with tqdm(total=len(jobs), initial=len(results), desc=desc, unit="job") as progress:
-        fresh = run_workers(todo, workers, progress)
-    for job in todo:
-        result = fresh[job["id"]]
+    keys = {job["id"]: ResultCache.key(job, versions) for job in todo}
+
+    def keep(job_id: int, result: dict | None) -> None:
         if result is None or "job_error" not in result:
-            cache.put(ResultCache.key(job, versions), result)
+            cache.put(keys[job_id], result)
+
+    with tqdm(total=len(jobs), initial=len(results), desc=desc, unit="job") as progress:
+        fresh = run_workers(todo, workers, progress, on_result=keep)
     return results | fresh
 
 
-def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dict | None]:
+def run_workers(
+    jobs: list[dict],
+    workers: int,
+    progress: tqdm,
+    on_result: Callable[[int, dict | None], None] | None = None,
+) -> dict[int, dict | None]:
     """Runs jobs in worker processes (rows with LLO dumps, fits without); returns results by
-    id. The scratch folder (job lists, dumps, logs) is removed, or only its dumps when a
-    worker exited early (its logs say why)."""
+    id, each also given to ``on_result`` (job id, result) as it arrives. The scratch folder
+    (job lists, dumps, logs) is removed, or only its dumps when a worker exited early (its
+    logs say why)."""
     results: dict[int, dict | None] = {}
     if not jobs:
         return results
@@ -86,6 +96,8 @@ def run_workers(jobs: list[dict], workers: int, progress: tqdm) -> dict[int, dic
             continue
         message = json.loads(line[len(RESULT_PREFIX) :])
         results[message["job"]] = message["result"]
+        if on_result is not None:
+            on_result(message["job"], message["result"])
         progress.update(1)
     for process, log in processes:
         process.wait()
