@@ -33,14 +33,14 @@ def run_cached(
     compiled. A result is None where the subject does not support the workload, which is
     cached too (a cached run starts no worker); a job error is not."""
     results: dict[int, dict | None] = {}
-    todo = []
+    todo, keys = [], {}
     for job in jobs:
         key = ResultCache.key(job, versions)
         if cache.holds(key):
             results[job["id"]] = cache.get(key)
         elif compile_missing:
             todo.append(job)
-    keys = {job["id"]: ResultCache.key(job, versions) for job in todo}
+            keys[job["id"]] = key
 
     def keep(job_id: int, result: dict | None) -> None:
         if result is None or "job_error" not in result:
