@@ -43,10 +43,23 @@ def test_its_blocks_are_vllms_heuristic_and_a_small_search() -> None:
     assert vllm.mixed_of(w) == MixedBlocks(256, 1024, 128, 512)
     assert rpa_reference.decode_blocks(serving_step("vllm-512", 32, 32)) == (1024, 1024)
     assert vllm in rpa_mixed.BLOCKS["default"]
-    assert set(rpa_mixed.BLOCKS["quick"]) <= set(rpa_mixed.BLOCKS["default"])
+    assert {b._replace(unless=None) for b in rpa_mixed.BLOCKS["quick"]} <= set(
+        rpa_mixed.BLOCKS["default"]
+    )
     assert len(rpa_mixed.BLOCKS["default"]) >= 3
     assert vllm.label == "step: decode vLLM's; mixed vLLM's"
     assert all(rpa_mixed.applies(b, w) for b in rpa_mixed.BLOCKS["default"])
+    # quick: exactly one configuration on every step, vLLM's heuristic where the sequences
+    # are shorter than its decode blocks of 2048 (1024 shared + 256 tokens of its own)
+    quick, fallback = rpa_mixed.BLOCKS["quick"]
+    short = Workload(
+        "ragged", 1280, q_heads=32, kv_heads=8, batch=4, lengths=(100, 1000), cache="paged",
+        page_size=128, prefill=(1, 256), prefill_context=1024,
+    )  # fmt: skip
+    assert rpa_mixed.applies(quick, w) and not rpa_mixed.applies(fallback, w)
+    assert not rpa_mixed.applies(quick, short) and rpa_mixed.applies(fallback, short)
+    assert fallback.label.endswith("where step: decode kv blocks 2048, compute 1024; mixed "
+                                   "vLLM's does not apply")  # fmt: skip
     assert not rpa_mixed.applies(vllm, Workload("decode", 8192))
     # its decode subjects do not take a step, nor its step subjects a decode batch
     assert not rpa_reference.applies(DecodeBlocks(2048, 1024), w)
@@ -87,7 +100,7 @@ def test_a_chunk_across_kv_blocks_writes_the_pages_of_each() -> None:
 @needs_rpa
 def test_it_compiles_for_v5e_and_charges_both_kernels_their_runs(run_row) -> None:
     assert rpa_mixed.applies(rpa_mixed.BLOCKS["quick"][0], SMALL)
-    (subject,) = [s for s in references.reference_subjects("quick") if s.config.startswith("step")]
+    subject, _ = [s for s in references.reference_subjects("quick") if s.config.startswith("step")]
     row = run_row(subject, SMALL)
     assert row["compiled"], row["error"]
     decode, mixed = row["kernels"]

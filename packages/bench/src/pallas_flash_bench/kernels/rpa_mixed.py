@@ -43,16 +43,19 @@ class MixedBlocks(NamedTuple):
 
 class StepBlocks(NamedTuple):
     """Its blocks on a step: the decode kernel's and the mixed kernel's, None for vLLM's
-    heuristic (`rpa_reference.decode_blocks`, `rpa_reference.mixed_blocks`)."""
+    heuristic (`rpa_reference.decode_blocks`, `rpa_reference.mixed_blocks`); ``unless``:
+    blocks that take precedence, where they apply (a sweep's fallback)."""
 
     decode: DecodeBlocks | None
     mixed: MixedBlocks | None
+    unless: StepBlocks | None = None
 
     @property
     def label(self) -> str:
         decode = self.decode.label if self.decode else "vLLM's"
         mixed = self.mixed.label if self.mixed else "vLLM's"
-        return f"step: decode {decode}; mixed {mixed}"
+        unless = f" where {self.unless.label} does not apply" if self.unless else ""
+        return f"step: decode {decode}; mixed {mixed}{unless}"
 
     def decode_of(self, workload: Workload) -> DecodeBlocks:
         return self.decode or rpa_reference.decode_blocks(workload)
@@ -61,8 +64,9 @@ class StepBlocks(NamedTuple):
         return self.mixed or MixedBlocks(*rpa_reference.mixed_blocks(workload))
 
 
+_QUICK = StepBlocks(DecodeBlocks(2048, 1024), None)
 BLOCKS = {
-    "quick": [StepBlocks(DecodeBlocks(2048, 1024), None)],
+    "quick": [_QUICK, StepBlocks(None, None, unless=_QUICK)],
     "default": [
         StepBlocks(None, None),
         StepBlocks(DecodeBlocks(2048, 1024), None),
@@ -80,16 +84,18 @@ analyse (2 cores shared with other jobs). On that step (v5e-4, static cycles: RP
 the other ops) vLLM's blocks took 834,252 + 135,742 + 23,838, decode blocks of 2048 with
 chunks of 1024 645,102 + 135,742 + 23,838, and with mixed query blocks of 128 645,102 +
 139,826 + 23,838; all below its HBM time (1.47 ms, 2.2M cycles). Quick: decode blocks of 2048
-with chunks of 1024, vLLM's mixed blocks."""
+with chunks of 1024, vLLM's mixed blocks; vLLM's heuristic for both on the steps whose
+sequences hold fewer than 2048 positions (the shared-prefix rows), which those blocks do not
+take."""
 
 
 def applies(blocks: StepBlocks, workload: Workload) -> bool:
     """Whether it takes the workload in this configuration: a ragged step (paged, floating
     point, one chip: `Workload`'s checks), blocks that are whole pages, a query block the
     compute block divides, kv blocks no longer than a sequence's capacity, and both kernels'
-    blocks within the core's VMEM."""
+    blocks within the core's VMEM; never where its ``unless`` blocks apply."""
     w = workload
-    if w.op != "ragged":
+    if w.op != "ragged" or (blocks.unless is not None and applies(blocks.unless, w)):
         return False
     size = rpa_reference.page_size(w)
     decode, mixed = blocks.decode_of(w), blocks.mixed_of(w)
