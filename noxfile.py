@@ -99,9 +99,17 @@ PINNED_ONLY = {
         "across processes is the conformance suite's `test_across_processes` on this stack",
 }  # fmt: skip
 """Test files the newest stack does not repeat -> why. Every other test of kernels, models,
-compiles and APIs runs on both stacks but the heaviest compiles (`HEAVY_COMPILES`). The race
-detector runs on the pinned stack only too: races are a property of the kernels' DMAs and
-semaphores, the same code on either stack."""
+compiles and APIs runs on both stacks (on the newest, a share of its cases:
+`NEWEST_EVERY_NTH_CASE`) but the heaviest compiles (`HEAVY_COMPILES`). The race detector runs
+on the pinned stack only too: races are a property of the kernels' DMAs and semaphores, the
+same code on either stack."""
+
+
+NEWEST_EVERY_NTH_CASE = 3
+"""The newest stack runs the first and every third case of each parametrized test
+(``--every-nth-case``, `pallas_flash_conformance.case_share`): every test's code runs on the
+newest releases, for CI's time, while the pinned stack runs every case. The cases are the
+same on every run of a commit."""
 
 
 HEAVY_COMPILES = (
@@ -155,6 +163,12 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+def _sampled_cases(session: nox.Session) -> list[str]:
+    """The newest stack's share of the cases (`NEWEST_EVERY_NTH_CASE`); every case when the
+    session was given arguments (a developer's own selection)."""
+    return [] if session.posargs else [f"--every-nth-case={NEWEST_EVERY_NTH_CASE}"]
+
+
 @nox.session
 @ON_STACKS
 def tests(session: nox.Session, stack: str) -> None:
@@ -187,6 +201,7 @@ def tests(session: nox.Session, stack: str) -> None:
     if stack != "pinned":
         once += [f"--ignore={ROOT / path}" for path in PINNED_ONLY]
         once += [f"--deselect={test}" for test in HEAVY_COMPILES]
+        once += _sampled_cases(session)
     env = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **_compilation_cache(stack)}
     session.run("pytest", *PARALLEL, "--durations=15", *test_dirs, *once, *session.posargs, env=env)
     llama_tests = str(PACKAGES / "llama" / "tests")
@@ -206,9 +221,10 @@ def conformance(session: nox.Session, backend: str, stack: str) -> None:
     if backend in MULTI_DEVICE:
         env["XLA_FLAGS"] = HOST_DEVICES_FLAG
     raced = RACE_CHECKED.get(backend) if not session.posargs and stack == "pinned" else None
+    sampled = _sampled_cases(session) if stack != "pinned" else []
     # Each test runs once: the race-checked ones with the detector on (numerics checked too).
-    session.run(*suite, *PARALLEL, *(("-k", f"not ({raced})") if raced else ()), *session.posargs,
-                env=env)  # fmt: skip
+    session.run(*suite, *PARALLEL, *(("-k", f"not ({raced})") if raced else ()), *sampled,
+                *session.posargs, env=env)  # fmt: skip
     if raced:
         # A test whose kernels the detector reports racing fails (the suite's plugin).
         session.run(*suite, *PARALLEL, "-k", raced, env=env | {DETECT_RACES_ENV_VAR: "1"})
