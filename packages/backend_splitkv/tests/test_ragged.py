@@ -224,8 +224,9 @@ def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_
     starts = jnp.asarray([0, 1, 1, 10, 13], jnp.int32)
     lengths = jnp.asarray([41, 7, 14, 48], jnp.int32)
     spec = pf.RaggedSpec(sm_scale=1.0, window=window)
-    shapes = dict(tokens=16, q_heads=4, kv_heads=2, page_size=PAGE_SIZE,
-                  pages_per_sequence=PAGES_PER_SEQUENCE, spec=spec)  # fmt: skip
+    shapes = dict(tokens=16, q_heads=4, kv_heads=2, head_dim=128, dtype=jnp.float32,
+                  page_size=PAGE_SIZE, pages_per_sequence=PAGES_PER_SEQUENCE,
+                  spec=spec)  # fmt: skip
     got = tuple(
         ragged_attention.loop_runs(
             starts, lengths, kernel=name, blocks=SMALL.ragged_blocks, **shapes
@@ -240,15 +241,28 @@ def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_
     assert whole == tuple(2 * (a + b) for a, b in zip(*runs, strict=True))
 
 
+def test_prefill_items_hold_at_most_half_a_mebibyte_of_queries() -> None:
+    automatic = RaggedBlocks()
+    # 32 query rows a token (8 kv heads of 4) in bfloat16 at head_dim 128: 64 tokens, 512 KiB
+    assert automatic.block_q_for(32, 256) == 64
+    assert automatic.block_q_for(4, 256) == 256  # one kv head of 4: capped at 256 tokens
+    assert automatic.block_q_for(32, 512) == 32  # float32 or head_dim 256: half as many
+    assert automatic.block_q_for(1024, 1024) == 8  # at least 8
+    assert RaggedBlocks(block_q=16).block_q_for(4, 256) == 16
+
+
 def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:
     blocks = RaggedBlocks()
     assert [blocks.decode_rows_for(g) for g in (1, 2, 3, 4, 8, 16)] == [8, 4, 8, 2, 1, 1]
     assert RaggedBlocks(decode_block_q=4).decode_rows_for(4) == 4
     starts = jnp.asarray([0, 1, 7, 8], jnp.int32)
-    decode, rest = kernel_calls(starts, tokens=8, group=4, blocks=blocks)
+    bf16 = 128 * 2  # a query row's bytes at head_dim 128
+    decode, rest = kernel_calls(starts, tokens=8, group=4, blocks=blocks, heads=1, row_bytes=bf16)
     assert (decode.block_q, decode.items, decode.include.tolist()) == (2, 3, [True, False, True])
-    assert (rest.block_q, rest.items, rest.include.tolist()) == (16, 1 + 3, [False, True, False])
-    (whole,) = kernel_calls(starts, tokens=8, group=1, blocks=RaggedBlocks(block_q=8))
+    # the prefill call's items: the most tokens whose rows stay within 512 KiB, at most 256
+    assert (rest.block_q, rest.items, rest.include.tolist()) == (256, 1 + 3, [False, True, False])
+    (whole,) = kernel_calls(starts, tokens=8, group=1, blocks=RaggedBlocks(block_q=8), heads=1,
+                            row_bytes=bf16)  # fmt: skip
     assert whole.include is None
     with pytest.raises(ValueError, match="decode_block_q must be a power of two"):
         RaggedBlocks(decode_block_q=3)

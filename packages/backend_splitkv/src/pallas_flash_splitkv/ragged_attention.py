@@ -66,8 +66,10 @@ def _ragged_kernel(
     tokens, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = cache.k.shape
     pages_per_sequence = cache.page_table.shape[1]
-    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
     heads = blocks.heads_for(kv_heads)
+    row_bytes = head_dim * q.dtype.itemsize
+    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks,
+                                       heads=heads, row_bytes=row_bytes)  # fmt: skip
     per_block = {
         c.name: blocks.pages_for(page_size, pages_per_sequence, c.name, heads) for c in calls
     }
@@ -118,13 +120,16 @@ def loop_runs(
     tokens: int,
     q_heads: int,
     kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
     page_size: int,
     pages_per_sequence: int,
     spec: RaggedSpec,
     blocks: RaggedBlocks,
 ) -> tuple[int, int, int]:
     """How often the loops of the call named ``kernel`` (`ragged_blocks.KERNEL_NAME` or
-    `ragged_blocks.DECODE_KERNEL_NAME`) run on a batch, in program order: its item loop (every
+    `ragged_blocks.DECODE_KERNEL_NAME`) run on a batch of queries ``[tokens, q_heads,
+    head_dim]`` in ``dtype``, in program order: its item loop (every
     used work item once per group of kv heads a grid step takes, `RaggedBlocks.heads_for`),
     then its two loops over kv blocks (the blocks folded whole and the masked ones,
     `ItemRange.whole`, likewise per group of kv heads); zeros for a call the batch does not
@@ -133,7 +138,9 @@ def loop_runs(
     heads = blocks.heads_for(kv_heads)
     block_kv = blocks.pages_for(page_size, pages_per_sequence, kernel, heads) * page_size
     head_groups = kv_heads // heads
-    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks)
+    row_bytes = head_dim * jnp.dtype(dtype).itemsize
+    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks,
+                                       heads=heads, row_bytes=row_bytes)  # fmt: skip
     items = whole = masked = 0
     for call in (c for c in calls if c.name == kernel):
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)

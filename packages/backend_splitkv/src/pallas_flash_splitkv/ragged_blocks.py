@@ -42,6 +42,19 @@ KV_HEADS_PER_STEP = 8
 """KV heads one grid step takes when ``kv_heads_per_step`` is automatic: each kv block's pages
 are copied for all of them at once, and the step's matmuls run per head (unrolled)."""
 
+Q_BLOCK_BYTES = 512 * 1024
+"""Bytes of one work item's query rows (``block_q`` tokens x a grid step's query heads x
+head_dim) at most when ``block_q`` is automatic: 2048 rows of bfloat16 at head_dim 128, which
+with their output, statistics and float32 accumulator fit v5e's default scoped VMEM beside the
+kv blocks (4096 rows at 32 query heads a step did not). An item re-reads its sequence's kv
+blocks, so larger items read each page for more tokens (v5e, static, the prefill call's
+cycles at 16 tokens an item against 64: vLLM's 512-token step 258k against 192k, its
+2048-token step 564k against 416k, a 1143-token chunk at 4 query heads over 1 kv head 88k
+against 57k, and 54k at 256)."""
+
+MAX_BLOCK_Q = 256
+"""Tokens per work item at most when ``block_q`` is automatic."""
+
 KV_BLOCK_POSITIONS = 512
 """Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic:
 with head_dim 128 in bfloat16, 128 KiB of K and 128 KiB of V, double-buffered in VMEM."""
@@ -65,10 +78,11 @@ class RaggedBlocks:
     """The ragged kernel's tiling.
 
     Attributes:
-      block_q: tokens of one sequence per work item (a power of two, at least 8): the
-        kernel's rows are ``block_q x group`` (the query heads of one kv head folded in).
-        Small blocks waste fewer rows on decode tokens; large ones read each page for more
-        tokens of a prefill chunk.
+      block_q: tokens of one sequence per work item of the prefill chunks' call (a power of
+        two, at least 8): the kernel's rows are ``block_q x group`` per kv head (its query
+        heads folded in). Large items read each page for more tokens of a chunk; a chunk's
+        last item may be mostly empty rows. None: the largest that keeps an item's query
+        rows within `Q_BLOCK_BYTES`, 8 to `MAX_BLOCK_Q` tokens (`block_q_for`).
       pages_per_block: pages per kv block (one inner-loop step, copied by manual DMA, double
         buffered). None: `KV_BLOCK_POSITIONS` positions' worth (at least 1), at most a
         sequence's pages.
@@ -83,7 +97,7 @@ class RaggedBlocks:
         `KV_HEADS_PER_STEP` (`heads_for`).
     """
 
-    block_q: int = 16
+    block_q: int | None = None
     pages_per_block: int | None = None
     decode_block_q: int | None = None
     kv_heads_per_step: int | None = None
@@ -91,7 +105,8 @@ class RaggedBlocks:
 
     def __post_init__(self) -> None:
         q = self.block_q
-        if isinstance(q, bool) or not isinstance(q, int) or q < 8 or q & (q - 1):
+        bad_q = isinstance(q, bool) or not isinstance(q, int) or q < 8 or q & (q - 1)
+        if q is not None and bad_q:
             raise ValueError(f"RaggedBlocks.block_q must be a power of two >= 8, got {q!r}")
         for name in ("pages_per_block", "decode_pages_per_block"):
             p = getattr(self, name)
@@ -114,6 +129,17 @@ class RaggedBlocks:
                 f"RaggedBlocks.kv_heads_per_step must divide the kv heads ({kv_heads}), got {most}"
             )
         return max(h for h in range(1, min(most, kv_heads) + 1) if kv_heads % h == 0)
+
+    def block_q_for(self, step_rows: int, row_bytes: int) -> int:
+        """Tokens per work item of the prefill chunks' call when a token holds ``step_rows``
+        query rows in a grid step (its kv heads' query heads) of ``row_bytes`` each
+        (`block_q`)."""
+        if self.block_q is not None:
+            return self.block_q
+        tokens = 8
+        while tokens < MAX_BLOCK_Q and 2 * tokens * step_rows * row_bytes <= Q_BLOCK_BYTES:
+            tokens *= 2
+        return tokens
 
     def decode_rows_for(self, group: int) -> int:
         """Tokens per decode work item at ``group`` query heads per kv head: `decode_block_q`,
@@ -138,11 +164,6 @@ class RaggedBlocks:
         if per_block is None:
             per_block = max(1, positions // page_size)
         return min(per_block, pages_per_sequence)
-
-    def items_for(self, tokens: int, seqs: int) -> int:
-        """The static bound on work items of a batch of ``tokens`` rows and ``seqs``
-        sequences (module doc)."""
-        return -(-tokens // self.block_q) + seqs
 
 
 class Schedule(NamedTuple):
@@ -176,15 +197,24 @@ class KernelCall(NamedTuple):
 
 
 def kernel_calls(
-    query_starts: jax.Array, tokens: int, group: int, blocks: RaggedBlocks
+    query_starts: jax.Array,
+    tokens: int,
+    group: int,
+    blocks: RaggedBlocks,
+    *,
+    heads: int,
+    row_bytes: int,
 ) -> list[KernelCall]:
     """The kernel calls of a batch of ``tokens`` rows (``query_starts [seqs + 1]``) at
-    ``group`` query heads per kv head: the decoding sequences' and the others', or one for all
-    where decode items would be no smaller."""
+    ``group`` query heads per kv head, ``heads`` kv heads a grid step (`RaggedBlocks.heads_for`)
+    and query rows of ``row_bytes``: the decoding sequences' and the others', or one for all
+    where decode items would be no smaller. Each has the static bound on its work items (module
+    doc)."""
     seqs = query_starts.shape[0] - 1
     decode_q = blocks.decode_rows_for(group)
-    whole = KernelCall(KERNEL_NAME, blocks.block_q, blocks.items_for(tokens, seqs), None)
-    if decode_q >= blocks.block_q:
+    block_q = blocks.block_q_for(heads * group, row_bytes)
+    whole = KernelCall(KERNEL_NAME, block_q, -(-tokens // block_q) + seqs, None)
+    if decode_q >= block_q:
         return [whole]
     decoding = new_tokens(query_starts) == 1
     return [

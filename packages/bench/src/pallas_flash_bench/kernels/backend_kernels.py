@@ -92,7 +92,12 @@ def _pool_shares(backend: str, w: Workload, tokens: int) -> dict[str, float]:
     starts, lengths = _arrays(w)
     pages = np.ceil(np.asarray(lengths) / w.page_size)
     shares = {}
-    for call in ragged_blocks.kernel_calls(starts, tokens, w.q_heads // w.kv_heads, _blocks()):
+    blocks = _blocks()
+    calls = ragged_blocks.kernel_calls(
+        starts, tokens, w.q_heads // w.kv_heads, blocks, heads=blocks.heads_for(w.kv_heads),
+        row_bytes=w.head_dim * jnp.dtype(w.dtype).itemsize,
+    )  # fmt: skip
+    for call in calls:
         taken = np.ones(len(pages), bool) if call.include is None else np.asarray(call.include)
         shares[call.name] = float(pages[taken].sum()) / w.num_pages
     return shares
@@ -152,6 +157,6 @@ def _ragged_runs(ragged, w: Workload, kernel: str, tokens: int) -> tuple[int, ..
     spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5)
     return ragged.loop_runs(
         starts, lengths, kernel=kernel, tokens=tokens, q_heads=w.q_heads, kv_heads=w.kv_heads,
-        page_size=w.page_size,
+        head_dim=w.head_dim, dtype=w.dtype, page_size=w.page_size,
         pages_per_sequence=w.seq_len // w.page_size, spec=spec, blocks=_blocks(),
     )  # fmt: skip
