@@ -69,7 +69,9 @@ def test_the_ragged_calls_read_their_own_sequences_pages_and_the_write_its_items
     assert decode.copied + other.copied == pytest.approx(1.0)  # the pool: the pages used
     assert decode.loop_trips[0] > 0 and other.loop_trips[0] > 0
     write = of("pallas_flash_write_pages.1")
-    assert write.copied is None and len(write.loop_trips) == 4  # groups, then per item
+    # groups of chunk items, then per item; the same for the pages a prompt chunk fills
+    assert write.copied is None and len(write.loop_trips) == 8
+    assert write.loop_trips[4] > 0 and write.loop_trips[5] > 0
     assert of("some_other_kernel").loop_trips is None
 
 

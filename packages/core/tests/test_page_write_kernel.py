@@ -1,7 +1,8 @@
 """`pallas_flash.page_write_kernel` in the TPU interpreter (DMAs simulated, races detected):
 the same pool as one scatter of the tokens, for bfloat16 and int8 pages and float32 scales,
-pages of one chunk and of several, runs that cross chunks and pages, chunks written whole and
-in part, tokens written nowhere (padding, no page) and more items than one grid step takes."""
+pages of one chunk and of several, runs that cross chunks and pages, chunks and pages written
+whole and in part, tokens written nowhere (padding, no page) and more items than one group
+takes."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import cache_write, page_write_kernel
+from pallas_flash import cache_write, page_write_kernel, page_write_plan
 from pallas_flash.interpret import recorded_races
 
-NEW_TOKENS = (1, 37, 0, 2, 16, 1)
+NEW_TOKENS = (1, 37, 0, 2, 16, 1, 70)
 """New tokens per sequence: decoding, a prefill chunk crossing chunks and pages, an empty slot,
-two tokens, two whole chunks of bfloat16, decoding."""
-CACHED = (5, 14, 3, 31, 32, 0)
+two tokens, two whole chunks of bfloat16 (a whole page of 16), decoding, a prefill chunk
+that fills a page of 64 (and four of 16)."""
+CACHED = (5, 14, 3, 31, 32, 0, 60)
 """Positions each sequence holds before its new tokens."""
 PADDING = 3
 
@@ -40,6 +42,16 @@ def _batch(page_size: int, num_pages: int) -> tuple[jnp.ndarray, jnp.ndarray]:
     return jnp.asarray(pages, jnp.int32), jnp.asarray(rows, jnp.int32)
 
 
+WHOLE_PAGES = {
+    (16, "bfloat16"): 7,  # the second sequence's 2, the fifth's 1 and the last's 4
+    (64, "bfloat16"): 1,
+    (16, "int8"): 0,  # pages of one chunk: a chunk item copies them whole
+    (64, "int8"): 1,
+    (256, "float32"): 0,  # scales
+}
+"""Pages the batch writes whole, by page size and dtype of the pool."""
+
+
 @pytest.mark.parametrize(
     ("page_size", "dtype", "head_dim"),
     [
@@ -55,7 +67,7 @@ def test_writes_what_one_scatter_writes(
     monkeypatch: pytest.MonkeyPatch, page_size: int, dtype: str, head_dim: int | None
 ) -> None:
     monkeypatch.setattr(page_write_kernel, "MAX_ITEMS_PER_GROUP", 4)  # several groups
-    num_pages, kv_heads = 24, 2
+    num_pages, kv_heads = 32, 2
     pages, rows = _batch(page_size, num_pages)
     tail = () if head_dim is None else (head_dim,)
     shape = (num_pages, kv_heads, page_size, *tail)
@@ -63,6 +75,9 @@ def test_writes_what_one_scatter_writes(
     values_shape = (pages.shape[0], kv_heads, *tail)
     values = (jnp.arange(np.prod(values_shape)) % 97 + 10).reshape(values_shape).astype(dtype)
     assert page_write_kernel.fits(pool, pages.shape[0])
+    chunk_items, wholes = page_write_kernel.plan(pool, pages, rows, len(NEW_TOKENS), pools=2)
+    assert int(chunk_items.count[0]) > 4  # several groups of chunk items
+    assert int(wholes.count[0]) == WHOLE_PAGES[page_size, dtype]
     interpret = pltpu.InterpretParams(detect_races=True)
     with recorded_races() as races:
         got = page_write_kernel.write_tokens_kernel(
@@ -83,7 +98,7 @@ def test_writes_what_one_scatter_writes(
 def test_items_are_runs_of_one_chunk() -> None:
     pages = jnp.asarray([3, 3, 3, 3, 5, -1, 7, 7, 9, 24], jnp.int32)  # 24: past a 24-page pool
     rows = jnp.asarray([14, 15, 16, 17, 0, 1, 2, 3, 0, 0], jnp.int32)
-    plan = page_write_kernel.items(pages, rows, num_pages=24, chunk=16)
+    plan = page_write_plan.items(pages, rows, num_pages=24, chunk=16)
     used = int(plan.count[0])
     assert used == 5
     assert plan.page.tolist()[:used] == [3, 3, 5, 7, 9]
@@ -93,10 +108,23 @@ def test_items_are_runs_of_one_chunk() -> None:
     assert plan.tokens.tolist()[:used] == [2, 2, 1, 2, 1]
 
 
+def test_whole_pages_are_the_runs_that_fill_a_page() -> None:
+    # pages of 4: page 3 filled by tokens 1-4, page 5 by 5-7 only (row 3 is not new), page 7
+    # filled across two runs of one sequence is impossible; page 9's run is cut by padding
+    pages = jnp.asarray([2, 3, 3, 3, 3, 5, 5, 5, 9, 9, 9, 24, 8, 8, 8, 8], jnp.int32)
+    rows = jnp.asarray([3, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
+    whole = page_write_plan.whole(pages, rows, num_pages=24, page_size=4)
+    assert whole.tolist() == [False] + [True] * 4 + [False] * 7 + [True] * 4
+    plan = page_write_plan.whole_pages(pages, rows, 24, 4, whole)
+    assert int(plan.count[0]) == 2
+    assert plan.page.tolist()[:2] == [3, 8]
+    assert plan.first_token.tolist()[:2] == [1, 12]
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 16])
 def test_max_items_bounds_the_items_of_any_batch(chunk: int) -> None:
     rng = np.random.default_rng(chunk)
-    count = jax.jit(lambda p, r: page_write_kernel.items(p, r, 1000, chunk).count[0])
+    count = jax.jit(lambda p, r: page_write_plan.items(p, r, 1000, chunk).count[0])
     for _ in range(40):
         new = rng.integers(0, 3 * chunk + 2, size=rng.integers(1, 9))
         cached = rng.integers(0, 4 * chunk + 2, size=new.shape)
@@ -112,7 +140,7 @@ def test_max_items_bounds_the_items_of_any_batch(chunk: int) -> None:
         pages += [-1] * (padded - len(pages))
         rows += [0] * (padded - len(rows))
         items = int(count(jnp.asarray(pages, jnp.int32), jnp.asarray(rows, jnp.int32)))
-        assert items <= page_write_kernel.max_items(tokens, len(new), chunk) <= tokens
+        assert items <= page_write_plan.max_items(tokens, len(new), chunk) <= tokens
 
 
 def test_fits_paged_pools_and_takes_items_within_the_vmem_budget() -> None:
@@ -128,3 +156,21 @@ def test_fits_paged_pools_and_takes_items_within_the_vmem_budget() -> None:
     assert page_write_kernel.items_per_group(jnp.zeros((1, 8, 16, 128), jnp.bfloat16), 5) == 5
     huge = jnp.zeros((1, 2048, 16, 128), jnp.bfloat16)  # 4 MiB a chunk: keys' and values' 16
     assert not page_write_kernel.fits(huge, 1)
+
+
+def test_writes_pages_whole_where_they_hold_several_chunks_and_fit_a_group() -> None:
+    pool = jnp.zeros((1, 1, 128, 128), jnp.bfloat16)  # a page: 32 KiB, 16 chunks of 8 rows
+    assert page_write_kernel.whole_pages_per_group(pool, 1270, 128, pools=2) == 9  # 1270 // 128
+    assert page_write_kernel.whole_pages_per_group(pool, 127, pools=2) == 0  # no page filled
+    # 1 MiB a page, 64 KiB a chunk: 32 chunk items take 8 MiB, which leaves one page's 4 MiB
+    wide = jnp.zeros((1, 32, 128, 128), jnp.bfloat16)
+    assert page_write_kernel.whole_pages_per_group(wide, 4096, pools=2) == 1
+    assert page_write_kernel.whole_pages_per_group(wide, 4096, 2, pools=2) == 1
+    assert page_write_kernel.whole_pages_per_group(wide, 4096, pools=1) == 4  # 8 MiB
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(page_write_kernel, "MAX_KERNEL_BYTES", 11 << 20)
+        assert page_write_kernel.whole_pages_per_group(wide, 4096, pools=2) == 0  # 3 MiB left
+    assert page_write_kernel.whole_pages_per_group(jnp.zeros((1, 1, 8, 128)), 64) == 0
+    assert page_write_kernel.whole_pages_per_group(jnp.zeros((1, 1, 256)), 512) == 0  # scales
+    bf16_page = jnp.zeros((1, 1, 8, 128), jnp.bfloat16)  # one chunk
+    assert page_write_kernel.whole_pages_per_group(bf16_page, 64) == 0

@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import row_copies
-from pallas_flash.ragged_batch import count_at_most, lookup
+from pallas_flash import page_write_plan, row_copies
 
 LANES = 128
 
@@ -52,6 +51,10 @@ MAX_GROUP_BYTES = 8 << 20
 
 MAX_ITEMS_PER_GROUP = 32
 """Items whose copies are in flight at once, at most."""
+
+MAX_KERNEL_BYTES = 12 << 20
+"""VMEM the kernel's groups take together, at most: a group of chunk items and one of pages
+written whole, within v5e's default scoped VMEM (16 MiB)."""
 
 
 def chunk_positions(pool: jax.Array | jax.ShapeDtypeStruct) -> int:
@@ -89,97 +92,94 @@ def fits(pool: jax.Array, tokens: int) -> bool:
     return pool.ndim == 4 or pool.shape[2] % LANES == 0
 
 
-class Items(NamedTuple):
-    """The chunks a batch writes, ``[max_items]`` int32 each (item ``i`` for ``i < count[0]``;
-    the rest unused).
+def whole_pages_per_group(
+    pool: jax.Array | jax.ShapeDtypeStruct,
+    tokens: int,
+    sequences: int | None = None,
+    pools: int = 1,
+) -> int:
+    """Pages written whole whose copies the kernel keeps in flight at once: up to
+    `MAX_ITEMS_PER_GROUP`, two pages' worth each per pool of ``pools`` like ``pool`` (the
+    tokens, the page) within `MAX_GROUP_BYTES` and what the group of chunk items of
+    ``tokens`` tokens of ``sequences`` sequences (`items_per_group`) leaves of
+    `MAX_KERNEL_BYTES`, at most the pages ``tokens`` tokens can fill; 0 where the kernel
+    writes no page whole: pages of one chunk (a chunk item copies them whole already), of
+    scales, of rows that are not whole VMEM tiles (``32 / itemsize``) or too large for a
+    group."""
+    if len(pool.shape) != 4:
+        return 0
+    page_size, chunk = pool.shape[2], chunk_positions(pool)
+    per_page = 2 * pools * _chunk_bytes(pool) * (page_size // chunk)
+    items = items_per_group(pool, page_write_plan.max_items(tokens, sequences, chunk), pools)
+    budget = min(MAX_GROUP_BYTES, MAX_KERNEL_BYTES - items * 2 * pools * _chunk_bytes(pool))
+    vmem_tile = 32 // jnp.dtype(pool.dtype).itemsize
+    if page_size == chunk or page_size % vmem_tile or per_page > budget:
+        return 0
+    bound = page_write_plan.max_whole_pages(tokens, page_size)
+    return max(0, min(MAX_ITEMS_PER_GROUP, bound, budget // per_page))
 
-    Attributes:
-      page: the item's page.
-      start: its chunk's first position in the page.
-      first_row: its first new row within the chunk.
-      first_token: its first token in the batch.
-      tokens: its number of tokens (consecutive rows of the chunk).
-      count: ``[1]``: how many items are used.
-    """
 
-    page: jax.Array
-    start: jax.Array
-    first_row: jax.Array
-    first_token: jax.Array
-    tokens: jax.Array
-    count: jax.Array
-
-
-def max_items(tokens: int, sequences: int | None, chunk: int) -> int:
-    """The most items ``tokens`` tokens of ``sequences`` sequences (None: unknown) can make: a
-    run of ``n`` consecutive positions lies in at most ``ceil(n / chunk) + 1`` chunks, and no
-    more than ``n``, so all of them in fewer than ``tokens / chunk + 2 x sequences``."""
-    return tokens if sequences is None else max(1, min(tokens, tokens // chunk + 2 * sequences))
-
-
-def items(
-    pages: jax.Array, rows: jax.Array, num_pages: int, chunk: int, bound: int | None = None
-) -> Items:
-    """The items of tokens at ``pages``, ``rows`` ``[tokens]`` (module doc), at most ``bound``
-    (`max_items`; default ``tokens``): a token starts an item when the token before it is not
-    written, or writes another chunk. Found by comparing every item with every token
-    (`ragged_batch.lookup`), no scatter: XLA on TPU scatters element by element."""
-    tokens = pages.shape[0]
-    bound = tokens if bound is None else bound
-    written = (pages >= 0) & (pages < num_pages)
-    start = rows - rows % chunk
-    begins = written & (
-        ~_previous(written, False) | (_previous(pages, -1) != pages)
-        | (_previous(start, -1) != start)
-    )  # fmt: skip
-    begun = jnp.cumsum(begins, dtype=jnp.int32)  # [tokens]: items begun up to each token
-    item = jnp.arange(bound, dtype=jnp.int32)
-    used = item < begun[-1]
-    first = jnp.minimum(count_at_most(begun, item), tokens - 1)  # the token beginning item i
-    # an item's tokens: the written ones from its first on, up to the next item's first
-    mine = written[None, :] & (begun[None, :] == item[:, None] + 1)
-    count = jnp.sum(mine, axis=1, dtype=jnp.int32)
-
-    def per_item(x: jax.Array) -> jax.Array:
-        return jnp.where(used, lookup(x, first), 0)
-
-    return Items(
-        page=per_item(pages),
-        start=per_item(start),
-        first_row=per_item(rows - start),
-        first_token=jnp.where(used, first, 0),
-        tokens=jnp.where(used, count, 0),
-        count=begun[-1:],
+def plan(
+    pool: jax.Array | jax.ShapeDtypeStruct,
+    pages: jax.Array,
+    rows: jax.Array,
+    sequences: int | None = None,
+    pools: int = 1,
+) -> tuple[page_write_plan.Items, page_write_plan.WholePages]:
+    """The kernel's work on tokens at ``pages``, ``rows`` ``[tokens]`` of ``sequences``
+    sequences (None: unknown) written into ``pools`` pools like ``pool``: the pages it
+    writes whole (none where `whole_pages_per_group` is 0) and the chunk items of the other
+    tokens."""
+    num_pages, page_size = pool.shape[0], pool.shape[2]
+    pages, rows = pages.astype(jnp.int32), rows.astype(jnp.int32)
+    tokens, chunk = pages.shape[0], chunk_positions(pool)
+    whole_tokens = page_write_plan.whole(pages, rows, num_pages, page_size)
+    if whole_pages_per_group(pool, tokens, sequences, pools) == 0:
+        whole_tokens = jnp.zeros_like(whole_tokens)
+    wholes = page_write_plan.whole_pages(pages, rows, num_pages, page_size, whole_tokens)
+    bound = page_write_plan.max_items(tokens, sequences, chunk)
+    chunk_items = page_write_plan.items(
+        jnp.where(whole_tokens, -1, pages), rows, num_pages, chunk, bound
     )
+    return chunk_items, wholes
 
 
-def _previous(x: jax.Array, fill: bool | int) -> jax.Array:
-    """``x [tokens]`` shifted one token on, ``fill`` first."""
-    return jnp.concatenate([jnp.full((1,), fill, x.dtype), x[:-1]])
-
-
-def moved_bytes(plan: Items, pool: jax.Array | jax.ShapeDtypeStruct) -> int:
-    """HBM bytes the kernel moves on a concrete ``plan``: each item's tokens read (at most a
-    chunk's) and its chunk written, and the chunk read first where the item leaves rows of
-    it."""
-    used = int(plan.count[0])
-    partial = int(jnp.sum(plan.tokens[:used] < chunk_positions(pool)))
-    return (2 * used + partial) * _chunk_bytes(pool)
+def moved_bytes(
+    work: tuple[page_write_plan.Items, page_write_plan.WholePages],
+    pool: jax.Array | jax.ShapeDtypeStruct,
+) -> int:
+    """HBM bytes the kernel moves on a concrete plan (`plan`): each chunk item's tokens read
+    (at most a chunk's) and its chunk written, and the chunk read first where the item
+    leaves rows of it; each page written whole, its tokens read and the page written."""
+    chunk_items, wholes = work
+    used = int(chunk_items.count[0])
+    partial = int(jnp.sum(chunk_items.tokens[:used] < chunk_positions(pool)))
+    page_bytes = _chunk_bytes(pool) * pool.shape[2] // chunk_positions(pool)
+    return (2 * used + partial) * _chunk_bytes(pool) + 2 * int(wholes.count[0]) * page_bytes
 
 
 def _kernel(
-    page_ref, start_ref, first_row_ref, first_token_ref, tokens_ref, count_ref, *refs,
-    pools: int, per_group: int, chunk: int,
+    page_ref, start_ref, first_row_ref, first_token_ref, tokens_ref, count_ref,
+    whole_page_ref, whole_first_ref, whole_count_ref, *refs,
+    pools: int, per_group: int, pages_per_group: int, chunk: int,
 ):  # fmt: skip
-    """The one grid step: the used items in groups of ``per_group``, each group's copies all
-    in flight at once. Refs: the items (SMEM); for each of the ``pools`` pools, its ``values
-    [tokens, kv_heads, ...]``, then each pool twice (the inputs, aliased to the outputs, which
-    are written), all in HBM; scratch: per pool the items' token rows ``[per_group, chunk,
-    kv_heads, ...]`` at their rows of the chunk, then per pool ``chunks [per_group, kv_heads,
-    chunk, ...]``, and DMA semaphores ``[3, per_group]`` (rows, chunk reads, chunk writes; a
-    pool's copies of one item share them, a semaphore counting bytes)."""
+    """The one grid step: the used chunk items in groups of ``per_group``, then the pages
+    written whole in groups of ``pages_per_group``, each group's copies all in flight at
+    once. Refs: the chunk items, then the whole pages (SMEM); for each of the ``pools`` pools,
+    its ``values [tokens, kv_heads, ...]``, then each pool twice (the inputs, aliased to the
+    outputs, which are written), all in HBM; scratch: per pool the items' token rows
+    ``[per_group, chunk, kv_heads, ...]`` at their rows of the chunk, then per pool ``chunks
+    [per_group, kv_heads, chunk, ...]``, DMA semaphores ``[3, per_group]`` (rows, chunk reads,
+    chunk writes; a pool's copies of one item share them, a semaphore counting bytes); where
+    pages are written whole, per pool their tokens ``[pages_per_group, page_size, kv_heads,
+    head_dim]``, per pool the pages ``[pages_per_group, kv_heads, page_size, head_dim]``, and
+    DMA semaphores ``[2, pages_per_group]`` (tokens, page writes)."""
     values_refs, pool_refs = refs[:pools], refs[2 * pools : 3 * pools]
-    row_bufs, chunk_bufs, sems = refs[3 * pools : 4 * pools], refs[4 * pools : 5 * pools], refs[-1]
+    row_bufs, chunk_bufs = refs[3 * pools : 4 * pools], refs[4 * pools : 5 * pools]
+    sems, whole_refs = refs[5 * pools], refs[5 * pools + 1 :]
+    if pages_per_group:
+        page_rows, page_bufs = whole_refs[:pools], whole_refs[pools : 2 * pools]
+        page_sems = whole_refs[2 * pools]
 
     def group(g: jax.Array, carry: None) -> None:
         first_item = g * per_group
@@ -219,11 +219,10 @@ def _kernel(
             pl.when(partial_chunk(i))(lambda: _each(_wait, copies(i, True)))
             item = first_item + i
             for rows, chunks in zip(row_bufs, chunk_bufs, strict=True):
-                wide = jnp.float32 if jnp.issubdtype(chunks.dtype, jnp.floating) else jnp.int32
-                new = jnp.swapaxes(rows[i].astype(wide), 0, 1)  # [kv_heads, chunk, ...]
+                new = _heads_first(rows[i])  # [kv_heads, chunk, ...]
                 position = jax.lax.broadcasted_iota(jnp.int32, new.shape, 1) - first_row_ref[item]
                 here = (position >= 0) & (position < tokens_ref[item])  # rows not copied: unread
-                old = chunks[i].astype(wide)  # unread (and unused) when the item covers the chunk
+                old = chunks[i].astype(new.dtype)  # unread, unused, where the item covers the chunk
                 chunks[i] = jnp.where(here, new, old).astype(chunks.dtype)
             _each(_start, copies(i, False))
             return carry
@@ -237,10 +236,53 @@ def _kernel(
             jax.lax.fori_loop(0, used, phase, None)
         return carry
 
+    def page_group(g: jax.Array, carry: None) -> None:
+        first_page = g * pages_per_group
+
+        def copies(i: jax.Array, into_vmem: bool) -> list:
+            item = first_page + i
+            if into_vmem:
+                at = pl.ds(whole_first_ref[item], page_rows[0].shape[1])
+                return [pltpu.make_async_copy(values.at[at], buf.at[i], page_sems.at[0, i])
+                        for values, buf in zip(values_refs, page_rows, strict=True)]  # fmt: skip
+            return [pltpu.make_async_copy(buf.at[i], pool.at[whole_page_ref[item]],
+                                          page_sems.at[1, i])
+                    for pool, buf in zip(pool_refs, page_bufs, strict=True)]  # fmt: skip
+
+        def fetch(i: jax.Array, carry: None) -> None:
+            _each(_start, copies(i, True))
+            return carry
+
+        def patch(i: jax.Array, carry: None) -> None:
+            _each(_wait, copies(i, True))
+            for rows, page in zip(page_rows, page_bufs, strict=True):
+                page[i] = _heads_first(rows[i]).astype(page.dtype)
+            _each(_start, copies(i, False))
+            return carry
+
+        def drain(i: jax.Array, carry: None) -> None:
+            _each(_wait, copies(i, False))
+            return carry
+
+        used = jnp.minimum(whole_count_ref[0] - first_page, pages_per_group)
+        for phase in (fetch, patch, drain):
+            jax.lax.fori_loop(0, used, phase, None)
+        return carry
+
     # lax.div, not //: Mosaic lowers a signed // through `sign`, which asks the default device
     # for the TPU's generation (an AOT compile on a CPU host has none)
     groups = jax.lax.div(count_ref[0] + per_group - 1, jnp.int32(per_group))
     jax.lax.fori_loop(0, groups, group, None)
+    if pages_per_group:
+        groups = jax.lax.div(whole_count_ref[0] + pages_per_group - 1, jnp.int32(pages_per_group))
+        jax.lax.fori_loop(0, groups, page_group, None)
+
+
+def _heads_first(rows: jax.Array) -> jax.Array:
+    """Token rows ``[positions, kv_heads, ...]`` as a page holds them, ``[kv_heads, positions,
+    ...]``, widened to 32 bits (where Mosaic relays them out)."""
+    wide = jnp.float32 if jnp.issubdtype(rows.dtype, jnp.floating) else jnp.int32
+    return jnp.swapaxes(rows.astype(wide), 0, 1)
 
 
 def _start(copy) -> None:
@@ -275,13 +317,15 @@ def write_tokens_kernel(
       pools: pools of one shape and dtype.
       values: ``[tokens, kv_heads, ...]`` each, one per pool.
       sequences: how many sequences the tokens belong to (None: unknown), which bounds the
-        items (`max_items`).
+        items (`page_write_plan.max_items`).
       interpret: the interpreter's settings, or None for Mosaic.
 
-    Its declared cost is what it moves at most: each item's chunks read and written, and its
-    tokens. It runs one grid step: a loop over groups of items (`items_per_group`), and in
-    each group three loops over its items (`Items.count`): the reads, the patches, the writes'
-    waits.
+    Its declared cost is what it moves at most: each chunk item's chunks read and written, and
+    its tokens (a page written whole moves fewer bytes than its chunks as items would). It
+    runs one grid step: a loop over groups of chunk items (`items_per_group`), and in each
+    group three loops over its items (`page_write_plan.Items.count`): the reads, the patches,
+    the writes' waits; then the same loops over the pages written whole
+    (`whole_pages_per_group`, `page_write_plan.WholePages.count`).
     """
     pool = pools[0]
     if len(values) != len(pools) or any(
@@ -293,18 +337,29 @@ def write_tokens_kernel(
             f"{len(values)} values"
         )
     tokens, chunk = values[0].shape[0], chunk_positions(pool)
-    bound = max_items(tokens, sequences, chunk)
-    per_group = items_per_group(pool, bound, len(pools))
-    plan = items(pages.astype(jnp.int32), rows.astype(jnp.int32), pool.shape[0], chunk, bound)
-    hbm = pl.BlockSpec(memory_space=pltpu.HBM)  # never VMEM, however small
     n = len(pools)
+    per_group = items_per_group(pool, page_write_plan.max_items(tokens, sequences, chunk), n)
+    pages_per_group = whole_pages_per_group(pool, tokens, sequences, n)
+    chunk_items, wholes = plan(pool, pages, rows, sequences, n)
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)  # never VMEM, however small
     token_rows = pltpu.VMEM((per_group, chunk, *values[0].shape[1:]), pool.dtype)
     chunks = pltpu.VMEM((per_group, pool.shape[1], chunk, *pool.shape[3:]), pool.dtype)
+    whole_scratch = []
+    if pages_per_group:
+        page_tokens = (pages_per_group, pool.shape[2], *values[0].shape[1:])
+        whole_scratch = [
+            *[pltpu.VMEM(page_tokens, pool.dtype)] * n,
+            *[pltpu.VMEM((pages_per_group, *pool.shape[1:]), pool.dtype)] * n,
+            pltpu.SemaphoreType.DMA((2, pages_per_group)),
+        ]
+    prefetch = (*chunk_items, *wholes)
     written = pl.pallas_call(
-        functools.partial(_kernel, pools=n, per_group=per_group, chunk=chunk),
+        functools.partial(
+            _kernel, pools=n, per_group=per_group, pages_per_group=pages_per_group, chunk=chunk
+        ),
         out_shape=[jax.ShapeDtypeStruct(pool.shape, pool.dtype)] * n,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(plan),
+            num_scalar_prefetch=len(prefetch),
             grid=(1,),
             in_specs=[hbm] * (2 * n),
             out_specs=[hbm] * n,
@@ -312,16 +367,19 @@ def write_tokens_kernel(
                 *[token_rows] * n,
                 *[chunks] * n,
                 pltpu.SemaphoreType.DMA((3, per_group)),
+                *whole_scratch,
             ],
         ),
-        input_output_aliases={len(plan) + n + i: i for i in range(n)},
+        input_output_aliases={len(prefetch) + n + i: i for i in range(n)},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), disable_bounds_checks=True
         ),
         cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=3 * n * bound * _chunk_bytes(pool)
+            flops=0,
+            transcendentals=0,
+            bytes_accessed=3 * n * chunk_items.page.shape[0] * _chunk_bytes(pool),
         ),
         interpret=False if interpret is None else interpret,
         name=kernel_name(pool),
-    )(*plan, *(v.astype(pool.dtype) for v in values), *pools)
+    )(*prefetch, *(v.astype(pool.dtype) for v in values), *pools)
     return tuple(written)

@@ -5,7 +5,8 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
 - Loop trips (a backend subject's ``Subject.loop_trips``): loops whose trip counts are read
   from memory, which a static schedule counts once per grid step, a lower bound. Core's write
   of the new tokens into their pages (`pallas_flash.page_write_kernel`, keys and values in one
-  call) runs a loop over groups of items and, in it, three loops over the group's items;
+  call) runs a loop over groups of items and, in it, three loops over the group's items, then
+  the same loops over the pages it writes whole;
   splitkv's ragged attention (`pallas_flash_splitkv.ragged_attention`: a call for the decoding
   sequences, one for the others) a loop over its used work items and, inside it, two loops
   over each item's kv blocks (those folded whole, the masked).
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
-from pallas_flash import page_write_kernel
+from pallas_flash import page_write_kernel, page_write_plan
 from pallas_flash.ragged_attention import token_pages
 from pallas_flash_bench.kernels import ragged_step
 from pallas_flash_bench.kernels.workloads import Workload
@@ -105,12 +106,12 @@ def _pool_shares(backend: str, w: Workload, tokens: int) -> dict[str, float]:
 
 def min_hbm_bytes(workload: Workload) -> float:
     """The least a backend moves on ``workload``: on a serving step, the workload's least with
-    the page write's chunks (`page_write_kernel.moved_bytes`, K and V) in place of the new rows
-    written into their pages, which the least counts."""
+    the page write's chunks and whole pages (`page_write_kernel.moved_bytes`, K and V) in
+    place of the new rows written into their pages, which the least counts."""
     w = workload
     if w.op != "ragged":
         return w.min_hbm_bytes
-    moved = 2 * page_write_kernel.moved_bytes(_page_write_items(w), _pool(w))
+    moved = 2 * page_write_kernel.moved_bytes(_page_write_plan(w), _pool(w))
     new_rows = ragged_step.tokens(w) * w.cache_bytes_per_token
     return w.min_hbm_bytes + moved - new_rows
 
@@ -125,25 +126,32 @@ def _arrays(w: Workload) -> tuple[jax.Array, jax.Array]:
     return starts, jnp.asarray(ragged_step.kv_lengths(w), jnp.int32)
 
 
-def _page_write_items(w: Workload, tokens: int | None = None) -> page_write_kernel.Items:
-    """The page write's items on the step padded to ``tokens`` (the same for K and V)."""
+def _page_write_plan(
+    w: Workload, tokens: int | None = None
+) -> tuple[page_write_plan.Items, page_write_plan.WholePages]:
+    """The page write's chunk items and whole pages on the step padded to ``tokens`` (the
+    same for K and V)."""
     tokens = w.tokens if tokens is None else tokens
     starts, lengths = _arrays(w)
     table = jnp.asarray(ragged_step.page_table(w))
     pages, rows = token_pages(table, w.page_size, starts, lengths, tokens)
-    chunk = page_write_kernel.chunk_positions(_pool(w))
-    bound = page_write_kernel.max_items(tokens, lengths.shape[0], chunk)
-    return page_write_kernel.items(pages, rows, w.num_pages, chunk, bound)
+    return page_write_kernel.plan(_pool(w), pages, rows, lengths.shape[0], pools=2)
 
 
 def _page_write_runs(w: Workload, tokens: int) -> tuple[int, ...]:
-    """The page write's loops on the step padded to ``tokens``: its groups of items, then its
-    reads, patches and writes' waits, each once per item (keys and values in one call)."""
+    """The page write's loops on the step padded to ``tokens``: its groups of chunk items,
+    then its reads, patches and writes' waits, each once per item; the same for the pages it
+    writes whole, where it writes any (keys and values in one call)."""
     pool, sequences = _pool(w), len(ragged_step.kv_lengths(w))
-    bound = page_write_kernel.max_items(tokens, sequences, page_write_kernel.chunk_positions(pool))
-    items = int(_page_write_items(w, tokens).count[0])
-    groups = -(-items // page_write_kernel.items_per_group(pool, bound, pools=2))
-    return (groups, items, items, items)
+    chunk = page_write_kernel.chunk_positions(pool)
+    bound = page_write_plan.max_items(tokens, sequences, chunk)
+    chunk_items, wholes = (int(x.count[0]) for x in _page_write_plan(w, tokens))
+    groups = -(-chunk_items // page_write_kernel.items_per_group(pool, bound, pools=2))
+    runs = (groups, chunk_items, chunk_items, chunk_items)
+    per_group = page_write_kernel.whole_pages_per_group(pool, tokens, sequences, pools=2)
+    if per_group == 0:
+        return runs
+    return (*runs, -(-wholes // per_group), wholes, wholes, wholes)
 
 
 def _blocks():
