@@ -5,6 +5,12 @@ Training: Llama-3.2-1B shapes, f32 master weights and AdamW state sharded over f
 4 x 2048, remat ``save_qkv``, the ``pallas`` kernels. Decoding: Llama-3.2-1B shapes in bf16
 over tensor=4, a batch of 8 with a 32k cache split over the 4 chips by kv heads or along the
 sequence, ``splitkv``; and on one chip or four with an int8 paged cache.
+
+The decoding and serving steps run their layers as a Python loop over per-layer caches, each
+layer compiled on its own to the same program: the contiguous-cache decode and the engine's
+step compile `UNROLLED_LAYERS` of the model's 16 layers (every figure checked per layer or
+for that many); the int8 paged decode (see its test) and the training step (one scan, the
+whole model's memory) all 16.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ pytestmark = pytest.mark.skipif(
 hlo_ops = pytest.importorskip("pallas_flash_estimate.read.hlo_ops")
 
 HBM_BYTES = 16 << 30
+UNROLLED_LAYERS = 2
+"""Layers of the decoding and serving steps compiled (module doc): a layer more adds the same
+kernels and ops once more, and the compile time with them (16 layers: 2 minutes of the
+suite's on 2 cores)."""
 SMALL_COPY = 1 << 20
 """Kernel operands may be re-laid out below this (a decode step's grouped queries, 48 KiB)."""
 
@@ -49,6 +59,11 @@ def v5e_devices() -> list[jax.Device]:
 @pytest.fixture(autouse=True)
 def mosaic(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(INTERPRET_ENV_VAR, "0")
+
+
+def _unrolled_config():
+    """Llama-3.2-1B's shapes with `UNROLLED_LAYERS` layers."""
+    return get_config("llama-3.2-1b").replace(layers=UNROLLED_LAYERS)
 
 
 def _large_operand_copies(text: str) -> list:
@@ -96,7 +111,7 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices, split: str) -> None:
     """Llama-3.2-1B has head_dim 64, for which XLA's own layout of the cache would put the
     sequence axis minor and copy every layer's cache for the kernel: the steps keep it
     row-major. Split over kv heads, no collective but the tensor-parallel layers' own."""
-    config = get_config("llama-3.2-1b")
+    config = _unrolled_config()
     mesh = make_mesh(1, 1, 4, devices=v5e_devices)
     batch, max_len = 8, 32768
     params = abstract.inference_params(config, mesh)
@@ -131,7 +146,9 @@ def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> Non
     128), on one chip or its pages split over a v5e-4: the step allocates pages, quantizes and
     appends the new token in place (each chip its own pages), calls the paged splitkv kernel
     on operands that are not copies, merges the chips' partials only (no collective moves a
-    pool), and aliases every layer's pool and scales."""
+    pool), and aliases every layer's pool and scales. All 16 layers: with 2 to 8 of them, XLA
+    lays one chip's int8 pools out again around their appends (a whole-pool copy each way),
+    which this step at 1 or 16 layers does not."""
     config = get_config("llama-3.2-1b")
     mesh = make_mesh(1, 1, chips, devices=v5e_devices[:chips])
     params = abstract.inference_params(config, mesh)
@@ -192,7 +209,7 @@ def test_the_tensor_parallel_engine_step_compiles_for_a_v5e_slice(v5e_devices) -
     from pallas_flash_llama import engine_step
     from pallas_flash_splitkv import ragged_attention
 
-    config = get_config("llama-3.2-1b")
+    config = _unrolled_config()
     mesh = make_mesh(1, 1, 4, devices=v5e_devices)
     slots, budget, page_size, pages_per_sequence = 64, 512, 128, 64
     num_pages = slots * pages_per_sequence // 2
