@@ -344,7 +344,9 @@ ESTIMATE_CASES = {
         {"block_q": 4096, "block_kv": 4096, "block_q_compute": 256, "full_block_compute": 1024},
         {},
     ),
-    # 2048 x 1024 tiles, the last of each block cut, the widest the defaults fold.
+    # 8192 x 1024 blocks in 2048 x 1024 tiles, the last of each block cut: the widest the
+    # defaults fold; in float32 blocks of one such tile (FLOAT32_BLOCK_Q).
+    "defaults-d256-bf16": ((1, 2, 8192, 256), jnp.bfloat16, False, {}, {}),
     "defaults-d256-f32": ((1, 2, 8192, 256), jnp.float32, False, {}, {}),
     "defaults-causal-gradients": ((1, 2, 4096, 128), jnp.bfloat16, True, {}, {"causal": True}),
 }

@@ -29,8 +29,14 @@ WINDOW = pf.AttentionSpec(sm_scale=1.0, causal=True, window=(512, 0))
 def test_defaults_and_clamping() -> None:
     full = BlockSizes().for_call(FULL, 16384, 16384, V5E)
     assert full == BlockSizes(8192, 1024, 1024, 1024, 1024, 256, full_block_compute=2048)
+    # float32: query blocks of one 2048-row tile; bfloat16 as 16-bit (the default)
+    f32 = BlockSizes().for_call(FULL, 16384, 16384, V5E, dtype=np.dtype("float32"))
+    assert f32 == BlockSizes(2048, 1024, 1024, 1024, 1024, 256, full_block_compute=2048)
+    assert BlockSizes().for_call(FULL, 16384, 16384, V5E, dtype=jnp.bfloat16) == full
     causal = BlockSizes().for_call(CAUSAL, 8192, 8192, V5E)
     assert causal == BlockSizes(2048, 2048, 256, 1024, 1024, 256, full_block_compute=1024)
+    f32_causal = BlockSizes().for_call(CAUSAL, 8192, 8192, V5E, dtype=np.dtype("float32"))
+    assert f32_causal == causal  # 2048 rows already
     assert BlockSizes().for_call(WINDOW, 8192, 8192, V5E).block_kv == 1024
     assert BlockSizes().for_call(FULL, 130, 7, V5E) == BlockSizes(
         130, 7, 1024, 130, 7, 256, full_block_compute=2048

@@ -197,7 +197,9 @@ def _flash_backward(
     kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     wider = max(head_dim, v_head_dim)  # every block at the wider head_dim: an upper bound
     group = q_heads // kv_heads
-    blocks = block_sizes.for_call(spec, q_len, kv_len, generation, bias=bias is not None)
+    blocks = block_sizes.for_call(
+        spec, q_len, kv_len, generation, bias=bias is not None, dtype=q.dtype
+    )
     bq, bkv = blocks.backward_block_q, blocks.backward_block_kv
     num_q_blocks = math.ceil(q_len / bq)
     chunk_blocks = _chunk_blocks(blocks, num_q_blocks, head_dim, q.dtype, group, generation)

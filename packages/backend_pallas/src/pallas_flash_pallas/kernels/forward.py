@@ -383,7 +383,9 @@ def _flash_forward(
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
-    blocks = block_sizes.for_call(spec, q_len, kv_len, generation, bias=bias is not None)
+    blocks = block_sizes.for_call(
+        spec, q_len, kv_len, generation, bias=bias is not None, dtype=q.dtype
+    )
     schedule = KvSchedule(spec, q_len, kv_len, blocks.block_q, blocks.block_kv)
     has_ids = segment_ids is not None
     bias_dtype = None if bias is None else bias.dtype
