@@ -249,6 +249,11 @@ def test_prefill_items_hold_at_most_half_a_mebibyte_of_queries() -> None:
     assert automatic.block_q_for(32, 512) == 32  # float32 or head_dim 256: half as many
     assert automatic.block_q_for(1024, 1024) == 8  # at least 8
     assert RaggedBlocks(block_q=16).block_q_for(4, 256) == 16
+    # no more than the batch: 174 tokens take items of 128, 7 tokens of 8 (the least)
+    assert automatic.block_q_for(4, 256, 174) == 128
+    assert automatic.block_q_for(4, 256, 256) == 256
+    assert automatic.block_q_for(4, 256, 7) == 8
+    assert RaggedBlocks(block_q=64).block_q_for(4, 256, 8) == 64  # a given size stays
 
 
 def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:
@@ -260,7 +265,8 @@ def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:
     decode, rest = kernel_calls(starts, tokens=8, group=4, blocks=blocks, heads=1, row_bytes=bf16)
     assert (decode.block_q, decode.items, decode.include.tolist()) == (2, 3, [True, False, True])
     # the prefill call's items: the most tokens whose rows stay within 512 KiB, at most 256
-    assert (rest.block_q, rest.items, rest.include.tolist()) == (256, 1 + 3, [False, True, False])
+    # and at most the batch's 8
+    assert (rest.block_q, rest.items, rest.include.tolist()) == (8, 1 + 3, [False, True, False])
     (whole,) = kernel_calls(starts, tokens=8, group=1, blocks=RaggedBlocks(block_q=8), heads=1,
                             row_bytes=bf16)  # fmt: skip
     assert whole.include is None

@@ -82,7 +82,8 @@ class RaggedBlocks:
         two, at least 8): the kernel's rows are ``block_q x group`` per kv head (its query
         heads folded in). Large items read each page for more tokens of a chunk; a chunk's
         last item may be mostly empty rows. None: the largest that keeps an item's query
-        rows within `Q_BLOCK_BYTES`, 8 to `MAX_BLOCK_Q` tokens (`block_q_for`).
+        rows within `Q_BLOCK_BYTES`, 8 to `MAX_BLOCK_Q` tokens and no more than the batch's
+        (`block_q_for`).
       pages_per_block: pages per kv block (one inner-loop step, copied by manual DMA, double
         buffered). None: `KV_BLOCK_POSITIONS` positions' worth (at least 1), at most a
         sequence's pages.
@@ -130,14 +131,20 @@ class RaggedBlocks:
             )
         return max(h for h in range(1, min(most, kv_heads) + 1) if kv_heads % h == 0)
 
-    def block_q_for(self, step_rows: int, row_bytes: int) -> int:
+    def block_q_for(self, step_rows: int, row_bytes: int, batch_tokens: int | None = None) -> int:
         """Tokens per work item of the prefill chunks' call when a token holds ``step_rows``
         query rows in a grid step (its kv heads' query heads) of ``row_bytes`` each
-        (`block_q`)."""
+        (`block_q`), in a batch of ``batch_tokens`` rows (None: any): automatic items hold
+        no more than the batch (a power of two, at least 8), so no batch of 8 tokens or
+        more is padded to an item's rows, which would copy its queries."""
         if self.block_q is not None:
             return self.block_q
         tokens = 8
-        while tokens < MAX_BLOCK_Q and 2 * tokens * step_rows * row_bytes <= Q_BLOCK_BYTES:
+        while (
+            tokens < MAX_BLOCK_Q
+            and 2 * tokens * step_rows * row_bytes <= Q_BLOCK_BYTES
+            and (batch_tokens is None or 2 * tokens <= batch_tokens)
+        ):
             tokens *= 2
         return tokens
 
@@ -212,7 +219,7 @@ def kernel_calls(
     doc)."""
     seqs = query_starts.shape[0] - 1
     decode_q = blocks.decode_rows_for(group)
-    block_q = blocks.block_q_for(heads * group, row_bytes)
+    block_q = blocks.block_q_for(heads * group, row_bytes, tokens)
     whole = KernelCall(KERNEL_NAME, block_q, -(-tokens // block_q) + seqs, None)
     if decode_q >= block_q:
         return [whole]
