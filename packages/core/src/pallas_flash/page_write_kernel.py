@@ -227,13 +227,8 @@ def _kernel(
             _each(_start, copies(i, False))
             return carry
 
-        def drain(i: jax.Array, carry: None) -> None:
-            _each(_wait, copies(i, False))
-            return carry
-
         used = jnp.minimum(count_ref[0] - first_item, per_group)
-        for phase in (fetch, patch, drain):
-            jax.lax.fori_loop(0, used, phase, None)
+        _in_phases(used, fetch, patch, lambda i: copies(i, False))
         return carry
 
     def page_group(g: jax.Array, carry: None) -> None:
@@ -260,13 +255,8 @@ def _kernel(
             _each(_start, copies(i, False))
             return carry
 
-        def drain(i: jax.Array, carry: None) -> None:
-            _each(_wait, copies(i, False))
-            return carry
-
         used = jnp.minimum(whole_count_ref[0] - first_page, pages_per_group)
-        for phase in (fetch, patch, drain):
-            jax.lax.fori_loop(0, used, phase, None)
+        _in_phases(used, fetch, patch, lambda i: copies(i, False))
         return carry
 
     # lax.div, not //: Mosaic lowers a signed // through `sign`, which asks the default device
@@ -276,6 +266,24 @@ def _kernel(
     if pages_per_group:
         groups = jax.lax.div(whole_count_ref[0] + pages_per_group - 1, jnp.int32(pages_per_group))
         jax.lax.fori_loop(0, groups, page_group, None)
+
+
+def _in_phases(
+    used: jax.Array,
+    fetch: Callable[[jax.Array, None], None],
+    patch: Callable[[jax.Array, None], None],
+    writes: Callable[[jax.Array], list],
+) -> None:
+    """A group's three loops over its ``used`` items, each item's copies in flight across
+    the group: ``fetch`` starts its reads, ``patch`` waits for them, patches and starts its
+    ``writes``, which the last loop waits for."""
+
+    def drain(i: jax.Array, carry: None) -> None:
+        _each(_wait, writes(i))
+        return carry
+
+    for phase in (fetch, patch, drain):
+        jax.lax.fori_loop(0, used, phase, None)
 
 
 def _heads_first(rows: jax.Array) -> jax.Array:
