@@ -78,6 +78,13 @@ def test_writes_what_one_scatter_writes(
     chunk_items, wholes = page_write_kernel.plan(pool, pages, rows, len(NEW_TOKENS), pools=2)
     assert int(chunk_items.count[0]) > 4  # several groups of chunk items
     assert int(wholes.count[0]) == WHOLE_PAGES[page_size, dtype]
+    runs = page_write_kernel.loop_runs(pool, pages, rows, len(NEW_TOKENS), pools=2)
+    used = int(chunk_items.count[0])
+    assert runs[:4] == (-(-used // 4), used, used, used)  # groups of 4 (patched), then items
+    per_group = page_write_kernel.whole_pages_per_group(pool, pages.shape[0], len(NEW_TOKENS), 2)
+    whole = WHOLE_PAGES[page_size, dtype]
+    tail = (-(-whole // per_group), whole, whole, whole) if per_group else ()
+    assert runs[4:] == tail  # the pages written whole, where the kernel writes any
     interpret = pltpu.InterpretParams(detect_races=True)
     with recorded_races() as races:
         got = page_write_kernel.write_tokens_kernel(

@@ -144,6 +144,38 @@ def plan(
     return chunk_items, wholes
 
 
+def group_sizes(
+    pool: jax.Array | jax.ShapeDtypeStruct, tokens: int, sequences: int | None, pools: int
+) -> tuple[int, int]:
+    """The kernel's groups on ``tokens`` tokens of ``sequences`` sequences written into
+    ``pools`` pools like ``pool``: chunk items per group (`items_per_group`) and pages
+    written whole per group (`whole_pages_per_group`; 0: none)."""
+    bound = page_write_plan.max_items(tokens, sequences, chunk_positions(pool))
+    return (
+        items_per_group(pool, bound, pools),
+        whole_pages_per_group(pool, tokens, sequences, pools),
+    )
+
+
+def loop_runs(
+    pool: jax.Array | jax.ShapeDtypeStruct,
+    pages: jax.Array,
+    rows: jax.Array,
+    sequences: int | None = None,
+    pools: int = 1,
+) -> tuple[int, ...]:
+    """How often the kernel's loops run on a concrete batch (``pages``, ``rows`` as `plan`
+    takes them), in program order: its groups of chunk items, then its reads, patches and
+    writes' waits, each once per item; the same four for the pages it writes whole, where it
+    writes any (`write_tokens_kernel`)."""
+    per_group, pages_per_group = group_sizes(pool, pages.shape[0], sequences, pools)
+    chunk_items, wholes = (int(x.count[0]) for x in plan(pool, pages, rows, sequences, pools))
+    runs = (-(-chunk_items // per_group), chunk_items, chunk_items, chunk_items)
+    if pages_per_group == 0:
+        return runs
+    return (*runs, -(-wholes // pages_per_group), wholes, wholes, wholes)
+
+
 def moved_bytes(
     work: tuple[page_write_plan.Items, page_write_plan.WholePages],
     pool: jax.Array | jax.ShapeDtypeStruct,
@@ -346,8 +378,7 @@ def write_tokens_kernel(
         )
     tokens, chunk = values[0].shape[0], chunk_positions(pool)
     n = len(pools)
-    per_group = items_per_group(pool, page_write_plan.max_items(tokens, sequences, chunk), n)
-    pages_per_group = whole_pages_per_group(pool, tokens, sequences, n)
+    per_group, pages_per_group = group_sizes(pool, tokens, sequences, n)
     chunk_items, wholes = plan(pool, pages, rows, sequences, n)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)  # never VMEM, however small
     token_rows = pltpu.VMEM((per_group, chunk, *values[0].shape[1:]), pool.dtype)

@@ -126,32 +126,27 @@ def _arrays(w: Workload) -> tuple[jax.Array, jax.Array]:
     return starts, jnp.asarray(ragged_step.kv_lengths(w), jnp.int32)
 
 
-def _page_write_plan(
-    w: Workload, tokens: int | None = None
-) -> tuple[page_write_plan.Items, page_write_plan.WholePages]:
-    """The page write's chunk items and whole pages on the step padded to ``tokens`` (the
-    same for K and V)."""
-    tokens = w.tokens if tokens is None else tokens
-    starts, lengths = _arrays(w)
-    table = jnp.asarray(ragged_step.page_table(w))
-    pages, rows = token_pages(table, w.page_size, starts, lengths, tokens)
-    return page_write_kernel.plan(_pool(w), pages, rows, lengths.shape[0], pools=2)
+def _page_write_plan(w: Workload) -> tuple[page_write_plan.Items, page_write_plan.WholePages]:
+    """The page write's chunk items and whole pages on the step (the same for K and V)."""
+    return page_write_kernel.plan(_pool(w), *_token_pages(w, w.tokens), _sequences(w), pools=2)
 
 
 def _page_write_runs(w: Workload, tokens: int) -> tuple[int, ...]:
-    """The page write's loops on the step padded to ``tokens``: its groups of chunk items,
-    then its reads, patches and writes' waits, each once per item; the same for the pages it
-    writes whole, where it writes any (keys and values in one call)."""
-    pool, sequences = _pool(w), len(ragged_step.kv_lengths(w))
-    chunk = page_write_kernel.chunk_positions(pool)
-    bound = page_write_plan.max_items(tokens, sequences, chunk)
-    chunk_items, wholes = (int(x.count[0]) for x in _page_write_plan(w, tokens))
-    groups = -(-chunk_items // page_write_kernel.items_per_group(pool, bound, pools=2))
-    runs = (groups, chunk_items, chunk_items, chunk_items)
-    per_group = page_write_kernel.whole_pages_per_group(pool, tokens, sequences, pools=2)
-    if per_group == 0:
-        return runs
-    return (*runs, -(-wholes // per_group), wholes, wholes, wholes)
+    """The page write's loops on the step padded to ``tokens`` (`page_write_kernel.loop_runs`,
+    keys and values in one call)."""
+    return page_write_kernel.loop_runs(_pool(w), *_token_pages(w, tokens), _sequences(w), pools=2)
+
+
+def _token_pages(w: Workload, tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Each new token's page and row on the step padded to ``tokens``."""
+    starts, lengths = _arrays(w)
+    table = jnp.asarray(ragged_step.page_table(w))
+    return token_pages(table, w.page_size, starts, lengths, tokens)
+
+
+def _sequences(w: Workload) -> int:
+    """The step's sequences."""
+    return len(ragged_step.kv_lengths(w))
 
 
 def _blocks():
