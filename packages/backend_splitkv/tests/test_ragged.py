@@ -261,14 +261,14 @@ def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:
     assert [blocks.decode_rows_for(g) for g in (1, 2, 3, 4, 8, 16)] == [8, 4, 8, 2, 1, 1]
     assert RaggedBlocks(decode_block_q=4).decode_rows_for(4) == 4
     starts = jnp.asarray([0, 1, 7, 8], jnp.int32)
-    bf16 = 128 * 2  # a query row's bytes at head_dim 128
-    decode, rest = kernel_calls(starts, tokens=8, group=4, blocks=blocks, heads=1, row_bytes=bf16)
+    # 8 tokens of 4 query heads over one kv head, head_dim 128 in bfloat16
+    decode, rest = kernel_calls(starts, jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16), 1, blocks)
     assert (decode.block_q, decode.items, decode.include.tolist()) == (2, 3, [True, False, True])
     # the prefill call's items: the most tokens whose rows stay within 512 KiB, at most 256
     # and at most the batch's 8
     assert (rest.block_q, rest.items, rest.include.tolist()) == (8, 1 + 3, [False, True, False])
-    (whole,) = kernel_calls(starts, tokens=8, group=1, blocks=RaggedBlocks(block_q=8), heads=1,
-                            row_bytes=bf16)  # fmt: skip
+    one_head = jax.ShapeDtypeStruct((8, 1, 128), jnp.bfloat16)
+    (whole,) = kernel_calls(starts, one_head, 1, RaggedBlocks(block_q=8))
     assert whole.include is None
     with pytest.raises(ValueError, match="decode_block_q must be a power of two"):
         RaggedBlocks(decode_block_q=3)

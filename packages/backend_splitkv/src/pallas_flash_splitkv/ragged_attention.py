@@ -67,9 +67,7 @@ def _ragged_kernel(
     num_pages, kv_heads, page_size, _ = cache.k.shape
     pages_per_sequence = cache.page_table.shape[1]
     heads = blocks.heads_for(kv_heads)
-    row_bytes = head_dim * q.dtype.itemsize
-    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks,
-                                       heads=heads, row_bytes=row_bytes)  # fmt: skip
+    calls = ragged_blocks.kernel_calls(query_starts, q, kv_heads, blocks)
     per_block = {
         c.name: blocks.pages_for(page_size, pages_per_sequence, c.name, heads) for c in calls
     }
@@ -138,9 +136,8 @@ def loop_runs(
     heads = blocks.heads_for(kv_heads)
     block_kv = blocks.pages_for(page_size, pages_per_sequence, kernel, heads) * page_size
     head_groups = kv_heads // heads
-    row_bytes = head_dim * jnp.dtype(dtype).itemsize
-    calls = ragged_blocks.kernel_calls(query_starts, tokens, q_heads // kv_heads, blocks,
-                                       heads=heads, row_bytes=row_bytes)  # fmt: skip
+    queries = jax.ShapeDtypeStruct((tokens, q_heads, head_dim), dtype)
+    calls = ragged_blocks.kernel_calls(query_starts, queries, kv_heads, blocks)
     items = whole = masked = 0
     for call in (c for c in calls if c.name == kernel):
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)

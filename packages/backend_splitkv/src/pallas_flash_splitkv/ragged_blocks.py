@@ -205,21 +205,20 @@ class KernelCall(NamedTuple):
 
 def kernel_calls(
     query_starts: jax.Array,
-    tokens: int,
-    group: int,
+    q: jax.Array | jax.ShapeDtypeStruct,
+    kv_heads: int,
     blocks: RaggedBlocks,
-    *,
-    heads: int,
-    row_bytes: int,
 ) -> list[KernelCall]:
-    """The kernel calls of a batch of ``tokens`` rows (``query_starts [seqs + 1]``) at
-    ``group`` query heads per kv head, ``heads`` kv heads a grid step (`RaggedBlocks.heads_for`)
-    and query rows of ``row_bytes``: the decoding sequences' and the others', or one for all
-    where decode items would be no smaller. Each has the static bound on its work items (module
-    doc)."""
+    """The kernel calls of a batch of queries ``q [tokens, q_heads, head_dim]``
+    (``query_starts [seqs + 1]``) over ``kv_heads`` kv heads: the decoding sequences' and the
+    others', or one for all where decode items would be no smaller. Each has the static bound
+    on its work items (module doc)."""
+    tokens, q_heads, head_dim = q.shape
+    group = q_heads // kv_heads
+    step_rows = blocks.heads_for(kv_heads) * group
     seqs = query_starts.shape[0] - 1
     decode_q = blocks.decode_rows_for(group)
-    block_q = blocks.block_q_for(heads * group, row_bytes, tokens)
+    block_q = blocks.block_q_for(step_rows, head_dim * jnp.dtype(q.dtype).itemsize, tokens)
     whole = KernelCall(KERNEL_NAME, block_q, -(-tokens // block_q) + seqs, None)
     if decode_q >= block_q:
         return [whole]

@@ -93,12 +93,8 @@ def _pool_shares(backend: str, w: Workload, tokens: int) -> dict[str, float]:
     starts, lengths = _arrays(w)
     pages = np.ceil(np.asarray(lengths) / w.page_size)
     shares = {}
-    blocks = _blocks()
-    calls = ragged_blocks.kernel_calls(
-        starts, tokens, w.q_heads // w.kv_heads, blocks, heads=blocks.heads_for(w.kv_heads),
-        row_bytes=w.head_dim * jnp.dtype(w.dtype).itemsize,
-    )  # fmt: skip
-    for call in calls:
+    queries = jax.ShapeDtypeStruct((tokens, w.q_heads, w.head_dim), w.dtype)
+    for call in ragged_blocks.kernel_calls(starts, queries, w.kv_heads, _blocks()):
         taken = np.ones(len(pages), bool) if call.include is None else np.asarray(call.include)
         shares[call.name] = float(pages[taken].sum()) / w.num_pages
     return shares
