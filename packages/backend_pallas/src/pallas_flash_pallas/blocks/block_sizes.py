@@ -116,9 +116,9 @@ class BlockSizes:
     ) -> BlockSizes:
         """The sizes for one call on ``generation`` with inputs of ``dtype`` (None: 16-bit):
         every None size replaced by its default (`default_block_sizes`; ``bias``: the call
-        streams a bias) balanced over its sequence
-        (`balanced`), the kv block the whole key sequence if both are short
-        (`whole_kv_block`); then every block at most its sequence's length.
+        streams a bias) balanced over its sequence (`balanced`), the kv block the whole key
+        sequence if both are short (`whole_kv_block`); then every block at most its
+        sequence's length.
 
         Raises:
           ValueError: a block shorter than its sequence is not a multiple of 128.
