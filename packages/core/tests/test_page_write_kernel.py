@@ -53,21 +53,36 @@ WHOLE_PAGES = {
 
 
 @pytest.mark.parametrize(
-    ("page_size", "dtype", "head_dim"),
+    ("page_size", "dtype", "head_dim", "kv_heads"),
     [
-        (16, "bfloat16", 128),
-        (64, "bfloat16", 128),
-        (16, "int8", 128),
-        (64, "int8", 64),
-        (256, "float32", None),
+        (16, "bfloat16", 128, 2),
+        (64, "bfloat16", 128, 2),
+        (16, "bfloat16", 128, 1),
+        (64, "bfloat16", 128, 1),
+        (16, "int8", 128, 2),
+        (64, "int8", 64, 2),
+        (256, "float32", None, 2),
     ],
-    ids=["bf16-page16", "bf16-page64", "int8-page16", "int8-page64", "scales-page256"],
+    ids=[
+        "bf16-page16",
+        "bf16-page64",
+        "bf16-page16-one-head",
+        "bf16-page64-one-head",
+        "int8-page16",
+        "int8-page64",
+        "scales-page256",
+    ],
 )
 def test_writes_what_one_scatter_writes(
-    monkeypatch: pytest.MonkeyPatch, page_size: int, dtype: str, head_dim: int | None
+    monkeypatch: pytest.MonkeyPatch,
+    page_size: int,
+    dtype: str,
+    head_dim: int | None,
+    kv_heads: int,
 ) -> None:
+    """One kv head's keys and values are read stacked (`page_write_kernel._as_read`)."""
     monkeypatch.setattr(page_write_kernel, "MAX_ITEMS_PER_GROUP", 4)  # several groups
-    num_pages, kv_heads = 32, 2
+    num_pages = 32
     pages, rows = _batch(page_size, num_pages)
     tail = () if head_dim is None else (head_dim,)
     shape = (num_pages, kv_heads, page_size, *tail)
