@@ -153,8 +153,9 @@ def test_kv_heads_a_grid_step_in_groups() -> None:
 def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
     """The decode call's kv blocks of 3 pages beside the other call's 2 (an int8 cache's
     scales laid out in whole blocks of both), against the dense reference; and the default:
-    `ragged_blocks.DECODE_KV_BLOCK_POSITIONS` for the decode call unless pages are given, fewer
-    at several kv heads a grid step."""
+    `ragged_blocks.DECODE_KV_BLOCK_POSITIONS` for the decode call and
+    `ragged_blocks.KV_BLOCK_POSITIONS` for the other unless pages are given, fewer at several
+    kv heads a grid step."""
     blocks = RaggedBlocks(block_q=8, pages_per_block=2, decode_pages_per_block=3)
     got = _call([1, 9, 1, 2], [17, 25, 48, 40], int8=True,
                 backend=SplitKvBackend(ragged_blocks=blocks))  # fmt: skip
@@ -168,6 +169,8 @@ def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
     most = ragged_blocks.DECODE_KV_BLOCK_HEAD_POSITIONS  # over a grid step's kv heads
     assert default.pages_for(128, 64, decode, heads=8) == most // 8 // 128
     assert default.pages_for(128, 64) == ragged_blocks.KV_BLOCK_POSITIONS // 128
+    prefill_most = ragged_blocks.KV_BLOCK_HEAD_POSITIONS  # fewer at 8 kv heads a step
+    assert default.pages_for(128, 64, heads=8) == prefill_most // 8 // 128
     assert default.pages_for(128, 3, decode) == 3  # at most a sequence's pages
     with pytest.raises(ValueError, match="decode_pages_per_block"):
         RaggedBlocks(decode_pages_per_block=0)
@@ -245,13 +248,13 @@ def test_prefill_items_hold_at_most_half_a_mebibyte_of_queries() -> None:
     automatic = RaggedBlocks()
     # 32 query rows a token (8 kv heads of 4) in bfloat16 at head_dim 128: 64 tokens, 512 KiB
     assert automatic.block_q_for(32, 256) == 64
-    assert automatic.block_q_for(4, 256) == 256  # one kv head of 4: capped at 256 tokens
+    assert automatic.block_q_for(4, 256) == 128  # one kv head of 4: capped at 128 tokens
     assert automatic.block_q_for(32, 512) == 32  # float32 or head_dim 256: half as many
     assert automatic.block_q_for(1024, 1024) == 8  # at least 8
     assert RaggedBlocks(block_q=16).block_q_for(4, 256) == 16
     # no more than the batch: 174 tokens take items of 128, 7 tokens of 8 (the least)
     assert automatic.block_q_for(4, 256, 174) == 128
-    assert automatic.block_q_for(4, 256, 256) == 256
+    assert automatic.block_q_for(4, 256, 256) == 128
     assert automatic.block_q_for(4, 256, 7) == 8
     assert RaggedBlocks(block_q=64).block_q_for(4, 256, 8) == 64  # a given size stays
 

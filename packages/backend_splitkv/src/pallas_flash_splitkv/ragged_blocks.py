@@ -52,12 +52,24 @@ cycles at 16 tokens an item against 64: vLLM's 512-token step 258k against 192k,
 2048-token step 564k against 416k, a 1143-token chunk at 4 query heads over 1 kv head 88k
 against 57k, and 54k at 256)."""
 
-MAX_BLOCK_Q = 256
-"""Tokens per work item at most when ``block_q`` is automatic."""
+MAX_BLOCK_Q = 128
+"""Tokens per work item at most when ``block_q`` is automatic: an item's causal diagonal falls
+in its masked kv blocks, folded whole, so smaller items fold fewer positions no row sees
+(v5e, static, the 1143-token chunk beside 127 decodes: 45.9k cycles at 128 tokens an item,
+52.1k at 256, in kv blocks of 1024 positions)."""
 
-KV_BLOCK_POSITIONS = 512
-"""Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic:
-with head_dim 128 in bfloat16, 128 KiB of K and 128 KiB of V, double-buffered in VMEM."""
+KV_BLOCK_POSITIONS = 1024
+"""Cache positions one loop step reads per kv head when ``pages_per_block`` is automatic, at
+most `KV_BLOCK_HEAD_POSITIONS` ``/ H`` at ``H`` kv heads a grid step: with head_dim 128 in
+bfloat16, 256 KiB of K and 256 KiB of V a head, double-buffered in VMEM. Fewer, larger blocks
+fold an item's rows fewer times (v5e, static, a 1143-token chunk at 4 query heads over 1 kv
+head beside 127 decodes: the prefill call 49.3k cycles at 512 positions, 45.9k at 1024,
+50.0k at 2048, in items of 128 tokens)."""
+
+KV_BLOCK_HEAD_POSITIONS = 4096
+"""Positions times kv heads of one kv block of the prefill chunks' call at most: 4 MiB of
+VMEM for bfloat16 K and V of head_dim 128, double-buffered (512 positions at 8 kv heads a
+step)."""
 
 DECODE_KV_BLOCK_POSITIONS = 2048
 """The same for the decoding sequences' call when ``decode_pages_per_block`` is automatic, at
@@ -85,8 +97,8 @@ class RaggedBlocks:
         rows within `Q_BLOCK_BYTES`, 8 to `MAX_BLOCK_Q` tokens and no more than the batch's
         (`block_q_for`).
       pages_per_block: pages per kv block (one inner-loop step, copied by manual DMA, double
-        buffered). None: `KV_BLOCK_POSITIONS` positions' worth (at least 1), at most a
-        sequence's pages.
+        buffered). None: `KV_BLOCK_POSITIONS` positions' worth (fewer at several kv heads a
+        step; at least 1), at most a sequence's pages.
       decode_block_q: tokens per work item of the decoding sequences' call (a power of two;
         only the first row of each query head is a token). None: the least that makes whole
         tiles of 8 rows (`decode_rows_for`); at ``block_q`` or more, one call takes them all.
@@ -164,7 +176,8 @@ class RaggedBlocks:
         """Pages per kv block of the call named ``kernel`` (`KERNEL_NAME` or
         `DECODE_KERNEL_NAME`) for pages of ``page_size`` positions, ``heads`` kv heads a grid
         step (`heads_for`)."""
-        per_block, positions = self.pages_per_block, KV_BLOCK_POSITIONS
+        per_block = self.pages_per_block
+        positions = min(KV_BLOCK_POSITIONS, KV_BLOCK_HEAD_POSITIONS // heads)
         if kernel == DECODE_KERNEL_NAME:
             per_block = self.decode_pages_per_block or per_block
             positions = min(DECODE_KV_BLOCK_POSITIONS, DECODE_KV_BLOCK_HEAD_POSITIONS // heads)
