@@ -10,7 +10,8 @@ import pytest
 from pallas_flash_bench import aot
 from pallas_flash_bench.kernels import ragged_reference
 from pallas_flash_bench.kernels.references import reference_subjects
-from pallas_flash_bench.kernels.workloads import SERVING_LENGTHS, Workload
+from pallas_flash_bench.kernels.sweeps import SERVING_LENGTHS
+from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.cost import dma, llo, spread
 from pallas_flash_estimate.evaluate import bundle_listing, loop_trips

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from pallas_flash_bench.kernels import backend_kernels, ragged_step, row_figures, subjects
-from pallas_flash_bench.kernels.workloads import (
+from pallas_flash_bench.kernels.sweeps import (
     SERVING_LENGTHS,
-    Workload,
     default_sweep,
     quick_sweep,
     ragged_sweep,
     serving_step,
 )
+from pallas_flash_bench.kernels.workloads import Workload
 
 # 3 decodes of 5, 17 and 40 positions (the new token included) beside 2 chunks of 6 after 10
 STEP = Workload("ragged", 64, q_heads=4, kv_heads=2, head_dim=8, batch=3, lengths=(5, 40),

@@ -9,7 +9,8 @@ import pytest
 from pallas_flash_bench.kernels import references, rpa_mixed, rpa_reference
 from pallas_flash_bench.kernels.rpa_mixed import MixedBlocks, StepBlocks
 from pallas_flash_bench.kernels.rpa_reference import DecodeBlocks
-from pallas_flash_bench.kernels.workloads import Workload, serving_step
+from pallas_flash_bench.kernels.sweeps import serving_step
+from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.devices import libtpu_version
 
 needs_rpa = pytest.mark.skipif(

@@ -9,7 +9,8 @@ import importlib.util
 import pytest
 
 from pallas_flash_bench.kernels import references, rpa_reference
-from pallas_flash_bench.kernels.workloads import SERVING_LENGTHS, Workload
+from pallas_flash_bench.kernels.sweeps import SERVING_LENGTHS
+from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.devices import libtpu_version
 
 needs_rpa = pytest.mark.skipif(

@@ -13,7 +13,8 @@ import pytest
 from pallas_flash_bench import aot, cli
 from pallas_flash_bench.kernels import references
 from pallas_flash_bench.kernels.references import all_subjects
-from pallas_flash_bench.kernels.workloads import Workload, quick_sweep
+from pallas_flash_bench.kernels.sweeps import quick_sweep
+from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.runs import runner, worker
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.targets import TARGETS

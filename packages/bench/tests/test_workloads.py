@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pallas_flash_bench.kernels.workloads import LLAMA_1B, Workload, default_sweep, quick_sweep
+from pallas_flash_bench.kernels.sweeps import LLAMA_1B, default_sweep, quick_sweep
+from pallas_flash_bench.kernels.workloads import Workload
 
 
 def test_forward_flops_are_two_matmuls_and_causal_counts_half() -> None:

@@ -12,13 +12,13 @@ import pathlib
 import sys
 
 import pallas_flash as pf
-from pallas_flash_bench.kernels.workloads import (
-    Workload,
+from pallas_flash_bench.kernels.sweeps import (
     default_sweep,
     quick_sweep,
     ragged_sweep,
     serving_sweep,
 )
+from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.runs.cache import ResultCache, default_dir
 from pallas_flash_estimate.targets import DEFAULT_TARGET, TARGETS
 

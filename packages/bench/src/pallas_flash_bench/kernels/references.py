@@ -224,7 +224,7 @@ FLASH_BLOCKS: dict[str, list[FlashBlocks | None]] = {
 }
 """jax ``flash_attention`` blocks to try (None: its default, 128). At N=8192 (static
 estimate) 1024 is its fastest causal forward and forward+backward, 4096/1024 and 2048/1024
-its fastest forward without a mask. 1280 and 1536 are for `workloads.OTHER_LENGTHS`: at
+its fastest forward without a mask. 1280 and 1536 are for `sweeps.OTHER_LENGTHS`: at
 N=1536 no power of two above 512 divides the sequence, and 1280 (5120) and 1536 (3072, 6144,
 12288, 24576) are the blocks a user would try there beside the powers of two. Quick: the
 fastest of each kind of workload (1024; 4096/1024 without a mask), and 512 for short

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Literal
 
 from pallas_flash_bench.kernels import ragged_step
-from pallas_flash_bench.kernels.workloads import RAGGED_MIXES, SERVING_LENGTHS, Workload
+from pallas_flash_bench.kernels.sweeps import RAGGED_MIXES, SERVING_LENGTHS
+from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.models import maxtext_steps
 from pallas_flash_llama.config import LlamaConfig, get_config
 from pallas_flash_llama.engine_step import bucket_for, token_buckets

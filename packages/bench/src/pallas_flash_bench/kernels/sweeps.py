@@ -1,0 +1,156 @@
+"""The sweeps of `Workload`s a bench run compiles: the quick and default sweeps, the serving
+decode batches and the mixed serving steps.
+"""
+
+from __future__ import annotations
+
+from pallas_flash_bench.kernels.workloads import Workload
+
+POWERS_OF_TWO = (1024, 2048, 4096, 8192, 16384, 32768)
+"""Attention lengths of the default sweep, forward and forward+backward."""
+
+OTHER_LENGTHS = (1536, 3072, 5120, 6144, 12288, 24576, 100_000)
+"""Lengths no power-of-two block divides, forward only: where a kernel's tiling leaves
+partial blocks (a cliff a sweep of powers of two never shows)."""
+
+
+MLA = dict(head_dim=192, v_head_dim=128)
+"""DeepSeek's multi-head latent attention head_dims: q and k 192, v 128."""
+
+LLAMA_1B = dict(q_heads=32, kv_heads=8, head_dim=64)
+"""Llama-3.2-1B's attention heads: 32 query heads over 8 kv heads of 64."""
+
+
+def default_sweep(chips: int = 1) -> list[Workload]:
+    """Batch 1, 16 heads, head_dim 128, bf16: attention 1k..32k (`POWERS_OF_TWO`), causal and
+    not, forward and forward+backward, and forward at `OTHER_LENGTHS`; causal MLA head_dims
+    (`MLA`) and head_dim 64 (`LLAMA_1B`) at 4k and 16k, forward and forward+backward; a
+    bias at 4k, causal and not,
+    forward and forward+backward; decode 1k..128k cached
+    tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
+    over all of them; the serving decode workloads (`serving_sweep`) and the mixed serving
+    steps (`ragged_sweep`)."""
+    attention = [
+        Workload(op, n, causal)
+        for op in ("forward", "forward_backward")
+        for n in POWERS_OF_TWO
+        for causal in (False, True)
+    ]
+    attention += [Workload("forward", n, causal) for n in OTHER_LENGTHS for causal in (False, True)]
+    attention += [
+        Workload(op, n, causal=True, **heads)
+        for heads in (MLA, LLAMA_1B)
+        for op in ("forward", "forward_backward")
+        for n in (4096, 16384)
+    ]
+    attention += [
+        Workload(op, 4096, causal, bias=True)
+        for op in ("forward", "forward_backward")
+        for causal in (False, True)
+    ]
+    decode = [
+        Workload("decode", n, q_heads=q, kv_heads=kv)
+        for n in (1024, 8192, 32768, 131072)
+        for q, kv in ((16, 16), (32, 8))
+    ]
+    if chips > 1:
+        decode += [
+            Workload("decode", n, q_heads=q, kv_heads=kv, chips=chips)
+            for n in (8192, 32768, 131072)
+            for q, kv in ((16, 16), (32, 8))
+        ]
+    serving = [w for w in serving_sweep(chips) if w not in decode]
+    return attention + decode + serving + ragged_sweep()
+
+
+SERVING_LENGTHS = (512, 8192)
+"""The ragged lengths of the serving batches: uniform in ``[512, 8192]``, `LENGTHS_SEED`."""
+
+LONG_LENGTHS = (32768, 131072)
+"""The ragged lengths of the long-context batch split over a slice."""
+
+LONG_PAGE_SIZE = 1024
+"""Pages of the long-context batch: large pages make few steps, each a page read through
+block specs (v5e-4, static: int8 0.369 ms with pages of 1024, 0.365 ms with pages of 128
+read 4 a step; bfloat16 0.692 and 0.686 ms, its HBM time either way)."""
+
+
+def serving_sweep(chips: int = 1) -> list[Workload]:
+    """Serving decode, 32 query heads over 8 kv heads (Llama-3-8B-like) and over 32 (Llama-2-7B),
+    bfloat16 and int8 caches: one sequence of 32k and 128k tokens (contiguous); batches of 32
+    and 128 sequences of `SERVING_LENGTHS` tokens, paged (pages of 128) and contiguous; given a
+    slice of ``chips`` > 1, a batch of 8 of `LONG_LENGTHS` tokens on one chip and on all,
+    contiguous (each chip a slice of positions) and paged (pages of `LONG_PAGE_SIZE`, each
+    sequence's pages spread round the chips)."""
+    rows = []
+    for q_heads, kv_heads in ((32, 8), (32, 32)):
+        for cache_dtype in (None, "int8"):
+            heads = dict(q_heads=q_heads, kv_heads=kv_heads, cache_dtype=cache_dtype)
+            rows += [Workload("decode", n, **heads) for n in (32768, 131072)]
+            rows += [
+                Workload("decode", SERVING_LENGTHS[1], batch=b, lengths=SERVING_LENGTHS,
+                         cache=cache, **heads)
+                for b in (32, 128)
+                for cache in ("paged", "contiguous")
+            ]  # fmt: skip
+            if chips > 1 and kv_heads == 8:
+                rows += [
+                    Workload("decode", LONG_LENGTHS[1], batch=8, lengths=LONG_LENGTHS,
+                             chips=n, **cache, **heads)
+                    for cache in ({}, {"cache": "paged", "page_size": LONG_PAGE_SIZE})
+                    for n in (1, chips)
+                ]  # fmt: skip
+    return rows
+
+
+VLLM_PAGE_SIZE = 16
+"""vLLM's pages on TPU for a model longer than 8192 tokens (tpu-inference's
+``PallasAttentionBackend.get_page_size``; up to 8192, ``next_power_of_2(max_model_len) / 16``
+within ``[16, 256]``); the mixed steps' others have pages of 128, as the serving batches'."""
+
+RAGGED_MIXES: dict[str, dict[str, object]] = {
+    "vllm-512": dict(batch=64, prefill=(1, 448), prefill_context=1024),
+    "vllm-2048": dict(batch=128, prefill=(3, 640)),
+    "jetstream": dict(batch=96, prefill=(1, 512)),
+}
+"""The mixed steps: vLLM's default token budgets on TPU, 512 (one chunk of 448 of a longer
+prompt, 1024 tokens already cached, beside 64 decodes) and 2048 (three prompts' first chunks
+beside 128 decodes); JetStream-like, a decode batch of 96 beside one prompt of 512. The
+decoding sequences' lengths are `SERVING_LENGTHS`."""
+
+
+def serving_step(mix: str, q_heads: int = 32, kv_heads: int = 8, page_size: int = 128) -> Workload:
+    """One mixed serving step (`RAGGED_MIXES`), bfloat16, its decoding sequences of
+    `SERVING_LENGTHS`, every sequence's capacity the longest of them."""
+    return Workload("ragged", SERVING_LENGTHS[1], q_heads=q_heads, kv_heads=kv_heads,
+                    lengths=SERVING_LENGTHS, cache="paged", page_size=page_size,
+                    **RAGGED_MIXES[mix])  # fmt: skip
+
+
+def ragged_sweep() -> list[Workload]:
+    """The mixed serving steps of ``pf.ragged_attention`` (`serving_step`): every mix at 32
+    query heads over 8 kv heads (Llama-3-8B) and over 32 (Llama-2-7B), pages of 128; and
+    vLLM's 512-token step with its own pages (`VLLM_PAGE_SIZE`) at 32/8."""
+    steps = [serving_step(mix, 32, kv) for kv in (8, 32) for mix in RAGGED_MIXES]
+    return [*steps, serving_step("vllm-512", page_size=VLLM_PAGE_SIZE)]
+
+
+def quick_sweep(chips: int = 1) -> list[Workload]:
+    """A few points of the default sweep (about 20 minutes on a 2-core CPU): a serving batch
+    of 32 ragged sequences, paged, in bfloat16 and int8; given a slice of ``chips`` > 1,
+    decoding 128k tokens on one chip and on all of them. (No mixed step: RPA v3's alone
+    compiles for about 7 minutes on 2 cores; `ragged_sweep` runs them.)"""
+    serving = dict(batch=32, q_heads=32, kv_heads=8, lengths=SERVING_LENGTHS, cache="paged")
+    quick = [
+        Workload("forward", 1024),
+        Workload("forward", 4096),
+        Workload("forward", 4096, causal=True),
+        Workload("forward_backward", 2048, causal=True),
+        Workload("forward_backward", 4096, causal=True, **MLA),
+        Workload("decode", 8192),
+        Workload("decode", SERVING_LENGTHS[1], **serving),
+        Workload("decode", SERVING_LENGTHS[1], cache_dtype="int8", **serving),
+    ]
+    if chips > 1:
+        quick += [Workload("decode", 131072, q_heads=32, kv_heads=8, chips=n) for n in (1, chips)]
+    return quick
