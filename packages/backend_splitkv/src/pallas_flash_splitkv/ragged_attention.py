@@ -36,15 +36,14 @@ __all__ = ["DECODE_KERNEL_NAME", "KERNEL_NAME", "loop_runs", "ragged_attention"]
 
 def _scales_by_sequence(scales: jax.Array, page_table: jax.Array, columns: int) -> jax.Array:
     """Scales ``[num_pages, kv_heads, page_size]`` per sequence: ``[seqs, kv_heads, columns x
-    page_size]`` through the page table (entries clipped into the pool), padded with page 0
+    page_size]`` through the page table (its entries within the pool), padded with page 0
     to ``columns`` pages. A page's scales of one kv head (64 bytes at 16 positions) are too
     short for a DMA (Mosaic wants 512-byte runs), a kv block's of one sequence are not; this
     gather reads ``seqs x pages_per_sequence`` pages' scales, 1/32 of their int8 K or V at
     head_dim 128."""
-    num_pages, kv_heads, page_size = scales.shape
+    _, kv_heads, page_size = scales.shape
     seqs, pages_per_sequence = page_table.shape
-    table = jnp.clip(page_table, 0, num_pages - 1)
-    table = jnp.pad(table, ((0, 0), (0, columns - pages_per_sequence)))
+    table = jnp.pad(page_table, ((0, 0), (0, columns - pages_per_sequence)))
     by_sequence = scales[table]  # [seqs, columns, kv_heads, page_size]
     return by_sequence.transpose(0, 2, 1, 3).reshape(seqs, kv_heads, columns * page_size)
 
@@ -71,11 +70,13 @@ def _ragged_kernel(
     per_block = {
         c.name: blocks.pages_for(page_size, pages_per_sequence, c.name, heads) for c in calls
     }
+    # every entry a page of the pool: the kernels read an entry once per page they copy
+    table = jnp.clip(cache.page_table, 0, num_pages - 1)
     arrays = [cache.k, cache.v]
     if cache.quantized:  # scales by sequence in whole kv blocks of every call
         most = math.lcm(*per_block.values())
         columns = -(-pages_per_sequence // most) * most
-        arrays += [_scales_by_sequence(x, cache.page_table, columns)
+        arrays += [_scales_by_sequence(x, table, columns)
                    for x in (cache.k_scales, cache.v_scales)]  # fmt: skip
     # an item copies block_q rows: a batch of fewer tokens is padded to one item's rows
     rows = max(tokens, *(call.block_q for call in calls))
@@ -85,9 +86,9 @@ def _ragged_kernel(
     for call in calls:
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
         used = jnp.sum(plan.count > 0, dtype=jnp.int32)[None]  # the items the loop takes
-        prefetch = [kv_lengths, query_starts, cache.page_table.reshape(-1), *plan, used]
+        prefetch = [kv_lengths, query_starts, table.reshape(-1), *plan, used]
         out = kernel_call(q_rows, out, prefetch, arrays, sinks, spec, call, per_block[call.name],
-                          heads, pages_per_sequence, num_pages, interpret)  # fmt: skip
+                          heads, pages_per_sequence, interpret)  # fmt: skip
     return out.reshape(rows, q_heads, head_dim)[:tokens]
 
 

@@ -26,13 +26,13 @@ Copies, all by manual DMA:
   tokens', computed for nothing and never copied back. In VMEM a kv head's rows are laid out
   ``[group x block_q, head_dim]``, row ``g x block_q + t``: token ``t``, query head ``g``.
 - KV blocks: one copy per page that holds a position of the item's range, all ``H`` heads at
-  once (table entries clipped into ``[0, num_pages)``; int8 scales one copy per block), into
-  a double-buffered VMEM block (waited for once per array where all its pages are copied: a
-  DMA semaphore counts bytes): block ``i + 1``'s copies start before block ``i`` is folded,
-  and an item's last block starts the copies of the next step's first block (the next item of
-  the heads, else item 0 of the next ``H``: the grid runs in order, an SMEM count of folded
-  blocks carrying the buffer parity), so no step waits for its first block but the grid's
-  first. A float cache's V buffers start as zeros: no stale NaN ever sits in them
+  once (the table's entries clipped into the pool by the caller; int8 scales one copy per
+  block), into a double-buffered VMEM block (waited for once per array where all its pages
+  are copied: a DMA semaphore counts bytes): block ``i + 1``'s copies start before block
+  ``i`` is folded, and an item's last block starts the copies of the next step's first block
+  (the next item of the heads, else item 0 of the next ``H``: the grid runs in order, an SMEM
+  count of folded blocks carrying the buffer parity), so no step waits for its first block
+  but the grid's first. A float cache's V buffers start as zeros: no stale NaN ever sits in them
   (`ragged_fold`).
 
 All ``group`` query heads of a kv head share one ``[rows, block] @ [block, head_dim]`` matmul,
@@ -78,7 +78,6 @@ def _kernel(
     block_q: int,
     pages_per_block: int,
     pages_per_sequence: int,
-    num_pages: int,
     quantized: bool,
     has_sinks: bool,
 ) -> None:
@@ -118,13 +117,17 @@ def _kernel(
         range ``r``: its pages that hold a position in ``[r.lo, r.hi]``, each one copy of all
         the group's heads (and int8 scales: the block)."""
         kv = pl.ds(pl.multiple_of(head_group * heads, heads), heads)
+        first_page = block * pages_per_block
+        # page k of the block holds a position in [lo, hi] iff begin <= k < end (hi + 1 >= 0)
+        end = lax.div(r.hi + page_size, jnp.int32(page_size)) - first_page
+        begin = None if spec.window is None else lax.div(r.lo, jnp.int32(page_size)) - first_page
+        row_of_sequence = r.seq * pages_per_sequence + first_page
         for k in range(pages_per_block):
-            j = block * pages_per_block + k
+            held = k < end if begin is None else (k < end) & (k >= begin)
 
-            @pl.when((j * page_size <= r.hi) & ((j + 1) * page_size > r.lo))
-            def _page(k: int = k, j: jax.Array = j) -> None:
-                column = jnp.minimum(j, pages_per_sequence - 1)
-                page = jnp.clip(table_ref[r.seq * pages_per_sequence + column], 0, num_pages - 1)
+            @pl.when(held)
+            def _page(k: int = k) -> None:
+                page = table_ref[row_of_sequence + k]  # clipped into the pool before the call
                 rows = pl.ds(k * page_size, page_size)
                 for a, (src, dst) in enumerate(zip(cache[:2], buffers[:2], strict=True)):
                     act(pltpu.make_async_copy(src.at[page, kv], dst.at[slot, :, rows],
@@ -289,7 +292,6 @@ def kernel_call(
     per_block: int,
     heads: int,
     pages_per_sequence: int,
-    num_pages: int,
     interpret: pltpu.InterpretParams | bool | None,
 ) -> jax.Array:
     """One `pallas_call` of the kernel over ``q_rows [tokens, kv_heads / heads, heads x group,
@@ -323,7 +325,7 @@ def kernel_call(
     ]
     body = functools.partial(
         _kernel, spec=spec, block_q=call.block_q, pages_per_block=per_block,
-        pages_per_sequence=pages_per_sequence, num_pages=num_pages, quantized=len(arrays) == 4,
+        pages_per_sequence=pages_per_sequence, quantized=len(arrays) == 4,
         has_sinks=sinks is not None,
     )  # fmt: skip
     aliased = len(prefetch) + len(inputs) + len(arrays)
