@@ -16,6 +16,7 @@ from pallas_flash_bench.kernels.sweeps import (
     quick_sweep,
     ragged_sweep,
     serving_step,
+    step_sweep,
 )
 from pallas_flash_bench.kernels.workloads import Workload
 
@@ -133,8 +134,35 @@ def test_the_serving_sweep_with_ops_ragged_is_the_mixed_steps() -> None:
     from pallas_flash_bench.models.model_workloads import ENGINE
 
     args = cli._parser().parse_args(["bench", "--serving", "--ops", "ragged", "--quick"])
-    assert cli._workloads(args) == ragged_sweep() + cli._engine_attention()
+    workloads = cli._workloads(args)
+    assert len(set(workloads)) == len(workloads)  # each step once
+    assert set(workloads) == {*ragged_sweep(), *step_sweep(), *cli._engine_attention()}
     assert cli._models(args, []) == ENGINE
+
+
+def test_the_steps_run_is_the_step_matrix_alone() -> None:
+    """``pallas-flash bench --steps``: the committed serving-step matrix page's run, no model
+    or context rows and no longest-sequence search."""
+    from pallas_flash_bench import cli
+
+    args = cli._parser().parse_args(["bench", "--steps"])
+    assert cli._workloads(args) == step_sweep()
+    assert cli._models(args, []) == [] and cli._context(args, []) == []
+
+
+def test_the_step_matrix_covers_every_kv_head_share_page_size_and_mix() -> None:
+    """The serving-step matrix: Llama-3-8B's heads over 1 to 8 chips (4 query heads a kv
+    head), pages of 16, 64 and 128, decode-only, vLLM's 512- and 2048-token steps."""
+    steps = step_sweep()
+    assert len(steps) == len(set(steps)) == 4 * 3 * 3
+    assert {(w.q_heads, w.kv_heads) for w in steps} == {(4, 1), (8, 2), (16, 4), (32, 8)}
+    assert {w.page_size for w in steps} == {16, 64, 128}
+    decode_only = [w for w in steps if w.prefill is None]
+    assert len(decode_only) == 12 and all(w.batch == 128 for w in decode_only)
+    prefill_heavy = [w for w in steps if w.prefill == (3, 640)]
+    assert len(prefill_heavy) == 12 and all(w.tokens == 2048 for w in prefill_heavy)
+    # its steps at 8 kv heads a chip and pages of 128 are the whole-model steps of the sweep
+    assert serving_step("vllm-512") in steps and serving_step("vllm-2048") in steps
 
 
 def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:

@@ -66,6 +66,24 @@ def test_its_blocks_are_vllms_heuristic_and_a_small_search() -> None:
     assert not rpa_reference.applies(DecodeBlocks(2048, 1024), w)
 
 
+@needs_rpa  # fits_vmem asks its kernel for its VMEM estimate
+def test_its_widest_search_tries_every_decode_block_of_its_decode_rows() -> None:
+    """The default search: vLLM's heuristic, each decode block of the decode rows' search
+    with vLLM's mixed blocks, and mixed query blocks of 128; on a decode-only step (its mixed
+    kernel runs no sequence) no configuration that differs only in its mixed blocks."""
+    default = rpa_mixed.BLOCKS["default"]
+    assert {b.decode for b in default if b.mixed is None} == {
+        None,
+        *rpa_reference.BLOCKS["default"],
+    }
+    assert len(set(default)) == len(default)
+    decode_only = serving_step("decode", 4, 1, page_size=16)
+    applying = [b for b in default if rpa_mixed.applies(b, decode_only)]
+    assert applying == [b for b in default if b.mixed is None]
+    mixed = serving_step("vllm-2048", 4, 1, page_size=16)
+    assert [b for b in default if rpa_mixed.applies(b, mixed)] == default
+
+
 def test_its_loops_run_as_its_kernels_walk_the_step() -> None:
     w = serving_step("vllm-512")  # the chunk: 448 new tokens at 1024..1471
     blocks = StepBlocks(DecodeBlocks(2048, 1024), MixedBlocks(256, 1024, 128, 512))

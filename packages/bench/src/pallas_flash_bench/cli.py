@@ -17,6 +17,7 @@ from pallas_flash_bench.kernels.sweeps import (
     quick_sweep,
     ragged_sweep,
     serving_sweep,
+    step_sweep,
 )
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.runs.cache import ResultCache, default_dir
@@ -40,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
         help="only the serving sweep: decode batches (ragged lengths, paged and int8 caches), "
         "mixed prefill+decode steps against RPA v3 (with --ops ragged, only those) and the "
         "serving engine's steps on v5e-8 (Llama-2-7B, Llama-3-8B)",
+    )
+    bench.add_argument(
+        "--steps",
+        action="store_true",
+        help="only the serving-step matrix: pf.ragged_attention against RPA v3 at one chip's "
+        "share of Llama-3-8B's heads (1, 2, 4 and 8 kv heads), pages of 16, 64 and 128, "
+        "decode-only and mixed steps",
     )
     bench.add_argument(
         "--models",
@@ -144,6 +152,12 @@ def _parser() -> argparse.ArgumentParser:
         "docs' serving page (the mixed serving steps against RPA v3)",
     )
     readme.add_argument(
+        "--steps",
+        type=pathlib.Path,
+        help="a `pallas-flash bench --steps` run's results.json: rewrite the docs' serving-step "
+        "matrix page",
+    )
+    readme.add_argument(
         "--calibration",
         type=pathlib.Path,
         help="a `pallas-flash bench --calibrate` run's calibration.json: rewrite the calibration "
@@ -166,7 +180,7 @@ def _models(args: argparse.Namespace, notes: list[str]) -> list:
     ``--serving``, both in the full sweep, the quick sweep's one small row with ``--quick``;
     none without the LLaMa package, and none that needs a backend not installed (each left
     out with a note in ``notes``)."""
-    if (args.ops or args.seq_lens or args.context) and not args.serving:
+    if (args.ops or args.seq_lens or args.context or args.steps) and not args.serving:
         return []
     if importlib.util.find_spec("pallas_flash_llama") is None:
         _note(notes, "pallas-flash-llama is not installed: no model rows")
@@ -193,7 +207,7 @@ def _context(args: argparse.Namespace, notes: list[str]) -> list:
     all; none for a sweep of other rows only, or without the pallas backend (with a note)."""
     from pallas_flash_bench.context import context_workloads
 
-    if args.serving or args.ops or args.seq_lens or args.models:
+    if args.serving or args.steps or args.ops or args.seq_lens or args.models:
         return []
     if "pallas" not in {b.name for b in pf.list_backends()}:
         _note(notes, "backend pallas not installed: no context-parallel rows")
@@ -213,8 +227,11 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     chips = TARGETS[args.target].chips
     if args.models or args.context:
         return []
-    if args.serving:
-        sweep = serving_sweep(chips) + ragged_sweep() + _engine_attention()
+    if args.steps:
+        sweep = step_sweep()
+    elif args.serving:
+        steps = ragged_sweep() + step_sweep() + _engine_attention()
+        sweep = list(dict.fromkeys(serving_sweep(chips) + steps))
     else:
         sweep = quick_sweep(chips) if args.quick else default_sweep(chips)
     if args.ops:
@@ -223,7 +240,7 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.seq_lens:  # each kind of workload (all but its length) at each length, once
         lengths = [int(n) for n in args.seq_lens.split(",")]
         # their lengths are part of what they measure
-        serving = set(serving_sweep(chips)) | set(ragged_sweep())
+        serving = set(serving_sweep(chips)) | set(ragged_sweep()) | set(step_sweep())
         kinds = [w for w in sweep if w not in serving]
         sweep = list(
             dict.fromkeys(dataclasses.replace(w, seq_len=n) for w in kinds for n in lengths)
@@ -260,7 +277,7 @@ def _bench(args: argparse.Namespace) -> int:
         context=_context(args, left_out),
         backends=args.backends.split(",") if args.backends else None,
         references=not args.no_reference,
-        fit=not args.no_fit and not args.models and not args.context,
+        fit=not args.no_fit and not args.models and not args.context and not args.steps,
         measure=not args.no_measure,
         price_per_chip_hour=args.price if args.price is not None else target.price_per_chip_hour,
         out_dir=args.out,
@@ -352,9 +369,10 @@ def _readme(args: argparse.Namespace) -> int:
     context = None if args.context is None else json.loads(args.context.read_text())
     newest = None if args.newest is None else json.loads(args.newest.read_text())
     serving = None if args.serving is None else json.loads(args.serving.read_text())
-    readme.update(args.readme, results, models, args.docs, context, newest, serving)
+    steps = None if args.steps is None else json.loads(args.steps.read_text())
+    readme.update(args.readme, results, models, args.docs, context, newest, serving, steps)
     runs = ((args.results, results), (args.models, models), (args.context, context),
-            (args.newest, newest), (args.serving, serving))  # fmt: skip
+            (args.newest, newest), (args.serving, serving), (args.steps, steps))  # fmt: skip
     sources = [str(p) for p, used in runs if used]
     print(f"{args.readme}: rewritten from {' and '.join(sources)}")
     return 0

@@ -69,14 +69,16 @@ BLOCKS = {
     "quick": [_QUICK, StepBlocks(None, None, unless=_QUICK)],
     "default": [
         StepBlocks(None, None),
-        StepBlocks(DecodeBlocks(2048, 1024), None),
+        *(StepBlocks(decode, None) for decode in rpa_reference.BLOCKS["default"]),
         StepBlocks(DecodeBlocks(2048, 1024), MixedBlocks(128, 1024, 128, 512)),
     ],
 }
-"""Blocks to try on a step: vLLM's heuristic for both kernels; the decode rows' fastest
-decode blocks (`rpa_reference.BLOCKS`: 2048, compute 1024) with the heuristic's mixed blocks
-and with mixed query blocks of 128 tokens (the heuristic's at 32/8 heads and 512 tokens or
-more: 256, computed 128 at a time). Larger mixed blocks are left out for their compile time,
+"""Blocks to try on a step: vLLM's heuristic for both kernels; each decode block of the decode
+rows' search (`rpa_reference.BLOCKS`: 1024 to 4096 tokens, computed whole or 1024 at a time)
+with the heuristic's mixed blocks; and their fastest (2048, compute 1024) with mixed query
+blocks of 128 tokens (the heuristic's at 32/8 heads and 512 tokens or more: 256, computed
+128 at a time). On a decode-only step only the decode blocks make a program of their own
+(`applies`). Larger mixed blocks are left out for their compile time,
 not their speed: its mixed kernel unrolls every query compute block of every kv head, and
 query blocks of 256 with kv chunks of 1024 had not finished compiling for v5e on vLLM's
 512-token step after 7 minutes, where vLLM's blocks (chunks of 512) took 6.5 to compile and
@@ -97,6 +99,8 @@ def applies(blocks: StepBlocks, workload: Workload) -> bool:
     w = workload
     if w.op != "ragged" or (blocks.unless is not None and applies(blocks.unless, w)):
         return False
+    if w.prefill is None and blocks.mixed is not None:  # no chunk: the same program as
+        return False  # the heuristic's mixed blocks make
     size = rpa_reference.page_size(w)
     decode, mixed = blocks.decode_of(w), blocks.mixed_of(w)
     return (

@@ -29,7 +29,7 @@ def default_sweep(chips: int = 1) -> list[Workload]:
     forward and forward+backward; decode 1k..128k cached
     tokens, 16/16 and 32/8 heads, on one chip and, given a slice of ``chips`` > 1, from 8k on
     over all of them; the serving decode workloads (`serving_sweep`) and the mixed serving
-    steps (`ragged_sweep`)."""
+    steps (`ragged_sweep`, `step_sweep`)."""
     attention = [
         Workload(op, n, causal)
         for op in ("forward", "forward_backward")
@@ -60,7 +60,7 @@ def default_sweep(chips: int = 1) -> list[Workload]:
             for q, kv in ((16, 16), (32, 8))
         ]
     serving = [w for w in serving_sweep(chips) if w not in decode]
-    return attention + decode + serving + ragged_sweep()
+    return list(dict.fromkeys(attention + decode + serving + ragged_sweep() + step_sweep()))
 
 
 SERVING_LENGTHS = (512, 8192)
@@ -112,11 +112,16 @@ RAGGED_MIXES: dict[str, dict[str, object]] = {
     "vllm-512": dict(batch=64, prefill=(1, 448), prefill_context=1024),
     "vllm-2048": dict(batch=128, prefill=(3, 640)),
     "jetstream": dict(batch=96, prefill=(1, 512)),
+    "decode": dict(batch=128),
 }
 """The mixed steps: vLLM's default token budgets on TPU, 512 (one chunk of 448 of a longer
 prompt, 1024 tokens already cached, beside 64 decodes) and 2048 (three prompts' first chunks
-beside 128 decodes); JetStream-like, a decode batch of 96 beside one prompt of 512. The
-decoding sequences' lengths are `SERVING_LENGTHS`."""
+beside 128 decodes: prefill-heavy); JetStream-like, a decode batch of 96 beside one prompt of
+512; and a decode-only step of 128 sequences. The decoding sequences' lengths are
+`SERVING_LENGTHS`."""
+
+MIXED_STEPS = ("vllm-512", "vllm-2048", "jetstream")
+"""The mixes that prefill beside their decodes (`ragged_sweep`'s)."""
 
 
 def serving_step(mix: str, q_heads: int = 32, kv_heads: int = 8, page_size: int = 128) -> Workload:
@@ -128,11 +133,36 @@ def serving_step(mix: str, q_heads: int = 32, kv_heads: int = 8, page_size: int 
 
 
 def ragged_sweep() -> list[Workload]:
-    """The mixed serving steps of ``pf.ragged_attention`` (`serving_step`): every mix at 32
-    query heads over 8 kv heads (Llama-3-8B) and over 32 (Llama-2-7B), pages of 128; and
-    vLLM's 512-token step with its own pages (`VLLM_PAGE_SIZE`) at 32/8."""
-    steps = [serving_step(mix, 32, kv) for kv in (8, 32) for mix in RAGGED_MIXES]
+    """The mixed serving steps of ``pf.ragged_attention`` (`serving_step`): every mix of
+    `MIXED_STEPS` at 32 query heads over 8 kv heads (Llama-3-8B) and over 32 (Llama-2-7B),
+    pages of 128; and vLLM's 512-token step with its own pages (`VLLM_PAGE_SIZE`) at 32/8."""
+    steps = [serving_step(mix, 32, kv) for kv in (8, 32) for mix in MIXED_STEPS]
     return [*steps, serving_step("vllm-512", page_size=VLLM_PAGE_SIZE)]
+
+
+STEP_KV_HEADS = (1, 2, 4, 8)
+"""kv heads a chip of the serving-step matrix (`step_sweep`): Llama-3-8B's 8 kv heads, 4 query
+heads each, tensor-parallel over 8, 4, 2 and 1 chips."""
+
+STEP_PAGE_SIZES = (16, 64, 128)
+"""Pages of the serving-step matrix: vLLM's on TPU for long models (`VLLM_PAGE_SIZE`), and
+larger pages fewer copies."""
+
+STEP_MIXES = ("decode", "vllm-512", "vllm-2048")
+"""Mixes of the serving-step matrix (`RAGGED_MIXES`): decode-only, vLLM's 512-token step and
+its prefill-heavy 2048-token step."""
+
+
+def step_sweep() -> list[Workload]:
+    """The serving-step matrix: every mix of `STEP_MIXES` at one chip's share of Llama-3-8B's
+    heads (`STEP_KV_HEADS`) and every page size (`STEP_PAGE_SIZES`). At 8 kv heads a chip it
+    holds the whole model's heads, as `ragged_sweep`'s Llama-3-8B steps do."""
+    return [
+        serving_step(mix, 4 * kv_heads, kv_heads, page_size)
+        for kv_heads in STEP_KV_HEADS
+        for mix in STEP_MIXES
+        for page_size in STEP_PAGE_SIZES
+    ]
 
 
 def quick_sweep(chips: int = 1) -> list[Workload]:
