@@ -360,11 +360,11 @@ def test_the_vmem_estimate_is_enough(
     Mosaic finds room: the estimate bounds what the kernels allocate, so a configuration too
     large for a core gets the estimate's named error before compiling, never Mosaic's
     ``CompileTimeScopedVmemOom``."""
+    from pallas_flash import tpu
     from pallas_flash_pallas import BlockSizes, PallasBackend
-    from pallas_flash_pallas.blocks import block_sizes
 
-    monkeypatch.setattr(block_sizes, "VMEM_HEADROOM", 1.0)
-    monkeypatch.setattr(block_sizes, "MIN_VMEM_LIMIT_BYTES", 0)
+    monkeypatch.setattr(tpu, "VMEM_HEADROOM", 1.0)
+    monkeypatch.setattr(tpu, "MIN_VMEM_LIMIT_BYTES", 0)
     jax.clear_caches()  # kernels traced earlier carry their earlier limits
     shape, dtype, grad, sizes, kwargs = ESTIMATE_CASES[name]
     sizes = BlockSizes(**sizes)

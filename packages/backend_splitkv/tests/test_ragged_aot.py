@@ -136,3 +136,38 @@ def test_a_batch_shorter_than_an_automatic_item_copies_no_queries(
     moved = [(op.name, op.shape, op.bytes) for op in hlo_ops.find_copy_trap(text)
              if op.bytes >= q_bytes // 2 and op.relayout is not False]  # fmt: skip
     assert moved == [], (q_shape, moved)
+
+
+def test_a_step_at_four_kv_heads_a_chip_compiles_within_its_vmem_estimate(
+    v5e_devices: list[jax.Device],
+) -> None:
+    """Llama-3-8B over 2 chips: 16 query heads over 4 kv heads a chip, a 448-token chunk
+    beside 64 decodes. A grid step takes all 4 kv heads, items of 128 tokens and kv blocks of
+    1024 positions: more than Mosaic's default scoped VMEM (16 MiB on v5e), so the kernel asks
+    for its own estimate (`ragged_kernel.kernel_call`); without it Mosaic's
+    CompileTimeScopedVmemOom."""
+    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
+    tokens, seqs, q_heads, kv_heads, head_dim, page_size, pages = 512, 65, 16, 4, 128, 128, 64
+
+    def struct(shape, dtype, kept: bool = False):
+        placed = pf.cache_format(device, len(shape)) if kept else device
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+
+    pool = struct((seqs * pages, kv_heads, page_size, head_dim), jnp.bfloat16, True)
+    new = struct((tokens, kv_heads, head_dim), jnp.bfloat16)
+    args = [struct((tokens, q_heads, head_dim), jnp.bfloat16), new, new, pool, pool,
+            struct((seqs, pages), jnp.int32), struct((seqs + 1,), jnp.int32),
+            struct((seqs,), jnp.int32)]  # fmt: skip
+
+    def step(q, k, v, k_cache, v_cache, table, starts, lengths):
+        out, cache = pf.ragged_attention(
+            q, k, v, k_cache, v_cache, table, starts, lengths, backend="splitkv"
+        )
+        return out, cache._replace(page_table=None)
+
+    kept = pf.cache_format(device, 4)
+    out_cache = pf.DecodeCache(kept, kept, None, None, None)
+    jitted = jax.jit(step, donate_argnums=(3, 4), out_shardings=(None, out_cache))
+    text = jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+    calls = sorted(op.name.split(".")[0] for op in hlo_ops.kernel_calls(text))
+    assert calls == sorted([KERNEL_NAME, DECODE_KERNEL_NAME, page_write_kernel.KERNEL_NAME])

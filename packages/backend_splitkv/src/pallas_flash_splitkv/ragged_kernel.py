@@ -47,6 +47,7 @@ batch's calls.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import row_copies
+from pallas_flash import row_copies, tpu
 from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
 from pallas_flash_splitkv.blocks import LANES
@@ -281,6 +282,21 @@ def _kernel(
         wait_output(1)
 
 
+SCORE_TEMPORARIES = 3
+"""``[rows, block_kv]`` float32 arrays a kv head's fold keeps live at once (scores, their
+exponentials, the probabilities cast for the second matmul), beside the scratch: the VMEM
+estimate's temporaries (`kernel_call` asks Mosaic for a scoped-VMEM limit from it; at 4 kv
+heads a step, items of 128 tokens of 4 query heads and kv blocks of 1024 positions outgrew
+Mosaic's default 16 MiB)."""
+
+
+def _vmem_bytes(scratch: object) -> int:
+    """Bytes of one VMEM scratch buffer (0 for semaphores and SMEM)."""
+    if getattr(scratch, "memory_space", None) != pltpu.VMEM:
+        return 0
+    return math.prod(scratch.shape) * jnp.dtype(scratch.dtype).itemsize
+
+
 def kernel_call(
     q_rows: jax.Array,
     out: jax.Array,
@@ -323,6 +339,9 @@ def kernel_call(
         pltpu.SMEM((1,), jnp.int32),
         pltpu.SMEM((2, 2), jnp.int32),
     ]
+    temporaries = SCORE_TEMPORARIES * rows * block_kv * 4  # one kv head's at a time
+    sinks_block = 2 * heads * rows * LANES * 4 if sinks is not None else 0  # double-buffered
+    needed = sum(_vmem_bytes(s) for s in scratch) + sinks_block + temporaries
     body = functools.partial(
         _kernel, spec=spec, block_q=call.block_q, pages_per_block=per_block,
         pages_per_sequence=pages_per_sequence, quantized=len(arrays) == 4,
@@ -341,7 +360,9 @@ def kernel_call(
         ),
         input_output_aliases={aliased: 0},
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), disable_bounds_checks=True
+            dimension_semantics=("arbitrary",),
+            disable_bounds_checks=True,
+            vmem_limit_bytes=tpu.scoped_vmem_limit(needed, tpu.current_generation()),
         ),
         interpret=False if interpret is None else interpret,
         name=call.name,

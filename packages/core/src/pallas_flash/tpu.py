@@ -16,6 +16,7 @@ generation so that kernels still compile, with a warning naming the environment 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 
@@ -101,3 +102,19 @@ def current_generation() -> TpuGeneration:
     if jax.default_backend() == "tpu":
         return for_device_kind(jax.devices()[0].device_kind)
     return DEFAULT
+
+
+MIN_VMEM_LIMIT_BYTES = 32 * MiB
+"""The smallest scoped-VMEM limit the kernels ask Mosaic for, where the core has that much
+(Mosaic's own default is 16 MiB on v4, v5e and v5p)."""
+
+VMEM_HEADROOM = 1.25
+"""The scoped-VMEM limit a kernel asks for, over its estimated need."""
+
+
+def scoped_vmem_limit(needed: int, generation: TpuGeneration) -> int:
+    """The scoped-VMEM limit to compile a kernel with that needs an estimated ``needed`` bytes
+    on ``generation``: the estimate with `VMEM_HEADROOM`, at least `MIN_VMEM_LIMIT_BYTES`, at
+    most the core's VMEM."""
+    wanted = max(MIN_VMEM_LIMIT_BYTES, math.ceil(VMEM_HEADROOM * needed))
+    return min(generation.vmem_bytes, wanted)

@@ -10,18 +10,10 @@ import math
 import numpy as np
 
 from pallas_flash.specs import AttentionSpec
-from pallas_flash.tpu import TpuGeneration
+from pallas_flash.tpu import TpuGeneration, scoped_vmem_limit
 
 LANES = 128
 """Lanes of a vreg: the minor dimension of every VMEM tile."""
-
-MIN_VMEM_LIMIT_BYTES = 32 * 1024 * 1024
-"""The smallest scoped-VMEM limit the kernels ask Mosaic for, where the core has that much
-(Mosaic's own default is 16 MiB on v4, v5e and v5p)."""
-
-
-VMEM_HEADROOM = 1.25
-"""The scoped-VMEM limit a kernel asks for, over its estimated need."""
 
 
 def dq_vmem_budget_bytes(generation: TpuGeneration) -> int:
@@ -476,8 +468,8 @@ def dq_kernel_vmem_bytes(
 
 def vmem_limit_bytes(needed: int, blocks: str, generation: TpuGeneration) -> int:
     """The scoped-VMEM limit to compile a kernel with that needs an estimated ``needed``
-    bytes on ``generation``: the estimate with `VMEM_HEADROOM`, at least `MIN_VMEM_LIMIT_BYTES`,
-    at most the core's VMEM.
+    bytes on ``generation``: `pallas_flash.tpu.scoped_vmem_limit` (the estimate with
+    headroom, at least 32 MiB, at most the core's VMEM).
 
     Args:
       needed: the estimate.
@@ -493,4 +485,4 @@ def vmem_limit_bytes(needed: int, blocks: str, generation: TpuGeneration) -> int
             f"{blocks} need about {needed / 2**20:.1f} MiB of VMEM, but a TPU {generation.name} "
             f"core has {capacity / 2**20:.0f} MiB; choose smaller BlockSizes"
         )
-    return min(capacity, max(MIN_VMEM_LIMIT_BYTES, math.ceil(VMEM_HEADROOM * needed)))
+    return scoped_vmem_limit(needed, generation)
