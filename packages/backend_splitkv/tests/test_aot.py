@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash import row_write_kernel
 from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_splitkv import KVCache, paged_kernel
 
@@ -157,8 +158,9 @@ def test_an_int8_paged_serving_step_updates_the_pool_in_place(
     v5e_devices: list[jax.Device],
 ) -> None:
     """Append (allocating pages, quantizing) then decode, jitted with the cache donated, at
-    batch 32 x 8k positions in pages of 128: one decode kernel, the pool aliased in place,
-    nothing pool-sized copied or allocated."""
+    batch 32 x 8k positions in pages of 128: the rows written by the row-write kernel (K, V
+    and their scales), one decode kernel, the pool aliased in place, nothing pool-sized
+    copied or allocated."""
     from pallas_flash_splitkv import PagedKVCache
 
     batch, pages_per_sequence, page_size = 32, 64, 128
@@ -190,9 +192,8 @@ def test_an_int8_paged_serving_step_updates_the_pool_in_place(
     jitted = jax.jit(step, donate_argnums=0, out_shardings=(None, out_cache))
     compiled = jitted.trace(cache, new, new, q).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
-    assert [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)] == [
-        "pallas_flash_split_kv_decode_paged"
-    ]
+    names = [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)]
+    assert names == [row_write_kernel.KERNEL_NAME] * 4 + [paged_kernel.PAGED_KERNEL_NAME]
     pool_bytes = math.prod(pool)
     assert not [op.name for op in hlo_ops.find_copy_trap(text) if op.bytes >= pool_bytes // 64]
     memory = compiled.memory_analysis()

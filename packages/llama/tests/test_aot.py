@@ -8,9 +8,9 @@ sequence, ``splitkv``; and on one chip or four with an int8 paged cache.
 
 The decoding and serving steps run their layers as a Python loop over per-layer caches, each
 layer compiled on its own to the same program: the contiguous-cache decode and the engine's
-step compile `UNROLLED_LAYERS` of the model's 16 layers (every figure checked per layer or
-for that many); the int8 paged decode (see its test) and the training step (one scan, the
-whole model's memory) all 16.
+step and the int8 paged decode compile `UNROLLED_LAYERS` of the model's 16 layers (every
+figure checked per layer or for that many); the training step (one scan, the whole model's
+memory) all 16.
 """
 
 from __future__ import annotations
@@ -144,12 +144,12 @@ def test_decode_step_compiles_for_a_v5e_slice(v5e_devices, split: str) -> None:
 def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> None:
     """Llama-3.2-1B with an int8 paged cache (8 sequences of up to 8k positions in pages of
     128), on one chip or its pages split over a v5e-4: the step allocates pages, quantizes and
-    appends the new token in place (each chip its own pages), calls the paged splitkv kernel
-    on operands that are not copies, merges the chips' partials only (no collective moves a
-    pool), and aliases every layer's pool and scales. All 16 layers: with 2 to 8 of them, XLA
-    lays one chip's int8 pools out again around their appends (a whole-pool copy each way),
-    which this step at 1 or 16 layers does not."""
-    config = get_config("llama-3.2-1b")
+    appends the new token in place (each chip its own pages, by the row-write kernel: an XLA
+    ``dynamic_update_slice`` there had XLA lay one chip's int8 pools out again around it, a
+    whole-pool copy each way, at 2 to 8 layers), calls the paged splitkv kernel on operands
+    that are not copies, merges the chips' partials only (no collective moves a pool), and
+    aliases every layer's pool and scales."""
+    config = _unrolled_config()
     mesh = make_mesh(1, 1, chips, devices=v5e_devices[:chips])
     params = abstract.inference_params(config, mesh)
     batch, pages_per_sequence, page_size = 8, 64, 128
@@ -178,8 +178,11 @@ def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> Non
     compiled = step.trace(params, cache, tokens).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
     calls = hlo_ops.kernel_calls(text)
-    assert {call.name.split(".")[0] for call in calls} == {"pallas_flash_split_kv_decode_paged"}
-    assert len(calls) - len(hlo_ops.conditional_kernel_calls(text)) == config.layers
+    names = [call.name.split(".")[0] for call in calls]
+    assert set(names) == {paged_kernel.PAGED_KERNEL_NAME, row_write_kernel.KERNEL_NAME}, names
+    assert names.count(row_write_kernel.KERNEL_NAME) == 4 * config.layers  # K, V, their scales
+    decodes = names.count(paged_kernel.PAGED_KERNEL_NAME)
+    assert decodes - len(hlo_ops.conditional_kernel_calls(text)) == config.layers
     assert not _large_operand_copies(text)
     layer_pool = math.prod(pool) // chips  # int8 bytes per chip
     copies = hlo_ops.find_copy_trap(text)  # weights prefetched into VMEM move, not re-laid out

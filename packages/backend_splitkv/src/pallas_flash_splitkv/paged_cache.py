@@ -13,9 +13,10 @@ are full, or it has none) the next free page of shard ``(j + b) % shards`` for i
 (sequence ``b``), so a decode over the mesh (`page_shards`) gives every device about ``1 /
 shards`` of every sequence, whatever the lengths; a sequence whose shard has no free page
 waits. Then every sequence's new K/V row is written, quantized when the pool is int8
-(`pallas_flash.cache_write.write_kv`), with one ``dynamic_update_slice`` per sequence, each by
-the device holding its page (`pallas_flash.cache_write.write_rows`; a scatter would
-re-lay-out a copy of the whole pool on TPU). `release` pushes a finished sequence's pages back
+(`pallas_flash.cache_write.write_kv`), each by the device holding its page
+(`pallas_flash.cache_write.write_rows`: every sequence writes into a page of its own, so on
+TPU one row-write kernel a pool, elsewhere a ``dynamic_update_slice`` per sequence; a scatter
+would re-lay-out a copy of the whole pool on TPU). `release` pushes a finished sequence's pages back
 onto their shards' stacks. Everything runs in jitted functions that donate the cache and
 return it row-major (`pf.kept_format`), so appends and releases update the pool in place and
 a generation loop can call them inside its own jit.
@@ -239,7 +240,10 @@ def _append(
     row = cache.lengths % cache.page_size
 
     def write(pool: jax.Array, values: jax.Array) -> jax.Array:  # page -1: no write
-        return write_rows(pool, values, page, row, split=split, split_axis=placement.PAGE_AXIS)
+        return write_rows(
+            pool, values, page, row, split=split, split_axis=placement.PAGE_AXIS,
+            distinct_blocks=True,  # each sequence writes into its own last page
+        )  # fmt: skip
 
     layer = pf.DecodeCache(cache.k, cache.v, None, cache.k_scales, cache.v_scales)
     layer = write_kv(layer, k_new, v_new, write)

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import tpu
+from pallas_flash.memory_space import in_hbm
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import fold
 from pallas_flash_splitkv.blocks import LANES, DecodeBlocks
@@ -56,7 +57,8 @@ CONTIGUOUS_PAGE = LANES
 of their last axis), and at most 127 positions copied past a sequence's length."""
 
 CONTIGUOUS_KERNEL_NAME = "pallas_flash_split_kv_decode_contiguous_pages"
-"""The kernel's name where it reads a contiguous cache (``..._paged`` a paged one)."""
+PAGED_KERNEL_NAME = "pallas_flash_split_kv_decode_paged"
+"""The kernel's name where it reads a contiguous cache, and where it reads a paged one."""
 
 
 def _kernel(
@@ -269,8 +271,8 @@ def paged_partials_kernel(
         # in order: each step starts the copies of the next one
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=False if interpret is None else interpret,
-        name="pallas_flash_split_kv_decode_paged" if paged else CONTIGUOUS_KERNEL_NAME,
-    )(*prefetch, q, *cache)
+        name=PAGED_KERNEL_NAME if paged else CONTIGUOUS_KERNEL_NAME,
+    )(*prefetch, q, *map(in_hbm, cache))
     return out, lse[..., 0]
 
 

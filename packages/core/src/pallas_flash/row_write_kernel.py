@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import row_copies
+from pallas_flash.memory_space import in_hbm
 
 LANES = 128
 
@@ -132,4 +133,4 @@ def write_rows_kernel(
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=moved),
         interpret=False if interpret is None else interpret,
         name=KERNEL_NAME,
-    )(blocks.astype(jnp.int32), positions.astype(jnp.int32), rows, cache)
+    )(blocks.astype(jnp.int32), positions.astype(jnp.int32), rows, in_hbm(cache))

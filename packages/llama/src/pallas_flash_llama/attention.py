@@ -130,7 +130,7 @@ def _write_and_decode(q, k, v, cache, blocks, positions, lengths, *, backend, me
     def write(array: jax.Array, rows: jax.Array) -> jax.Array:
         return write_rows(
             array, rows, blocks, positions, split=write_split(mesh), split_axis=axis,
-            distinct_blocks=not cache.paged,  # a contiguous cache's blocks are its sequences
+            distinct_blocks=True,  # a sequence's row, or its own last page
         )  # fmt: skip
 
     cache = write_kv(cache, k[:, :, 0], v[:, :, 0], write)
