@@ -272,7 +272,7 @@ def paged_partials_kernel(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=False if interpret is None else interpret,
         name=PAGED_KERNEL_NAME if paged else CONTIGUOUS_KERNEL_NAME,
-    )(*prefetch, q, *map(in_hbm, cache))
+    )(*prefetch, q, *(in_hbm(x, interpret) for x in cache))
     return out, lse[..., 0]
 
 

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import row_copies, tpu
+from pallas_flash.memory_space import in_hbm
 from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
 from pallas_flash_splitkv.blocks import LANES
@@ -366,4 +367,4 @@ def kernel_call(
         ),
         interpret=False if interpret is None else interpret,
         name=call.name,
-    )(*prefetch, *inputs, *arrays, out)
+    )(*prefetch, *inputs, *(in_hbm(x, interpret) for x in arrays), out)

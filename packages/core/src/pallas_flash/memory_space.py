@@ -14,10 +14,11 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 
 
-def in_hbm(array: jax.Array) -> jax.Array:
-    """``array``, constrained to stay in HBM as the operand of the Pallas call it is passed to
-    (a no-op anywhere else); an array outside a trace is returned as it is (an eager call
-    compiles the kernel alone, with nothing to place beside it)."""
-    if not isinstance(array, jax.core.Tracer):
+def in_hbm(array: jax.Array, interpret: object = None) -> jax.Array:
+    """``array``, constrained to stay in HBM as the operand of the Pallas call it is passed to,
+    when Mosaic compiles the call (``interpret`` None or False: the call's own argument). As
+    it is for an interpreted call (the interpreter's ops take no memory space), and outside a
+    trace (an eager call compiles the kernel alone, with nothing to place beside it)."""
+    if interpret or not isinstance(array, jax.core.Tracer):
         return array
     return pltpu.with_memory_space_constraint(array, pltpu.HBM)

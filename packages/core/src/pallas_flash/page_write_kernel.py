@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import page_write_plan, row_copies
+from pallas_flash.memory_space import in_hbm
 
 LANES = 128
 
@@ -407,7 +408,7 @@ def write_tokens_kernel(
     n = len(pools)
     per_group, pages_per_group = group_sizes(pool, tokens, sequences, n)
     chunk_items, wholes = plan(pool, pages, rows, sequences, n)
-    hbm = pl.BlockSpec(memory_space=pltpu.HBM)  # never VMEM, however small
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)  # Mosaic's side; XLA's: `in_hbm` below
     token_rows = pltpu.VMEM((per_group, chunk, *values[0].shape[1:]), pool.dtype)
     chunks = pltpu.VMEM((per_group, pool.shape[1], chunk, *pool.shape[3:]), pool.dtype)
     whole_scratch = []
@@ -452,5 +453,5 @@ def write_tokens_kernel(
         ),
         interpret=False if interpret is None else interpret,
         name=kernel_name(pool),
-    )(*prefetch, *values, *pools)
+    )(*prefetch, *values, *(in_hbm(pool, interpret) for pool in pools))
     return tuple(written)

@@ -133,4 +133,4 @@ def write_rows_kernel(
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=moved),
         interpret=False if interpret is None else interpret,
         name=KERNEL_NAME,
-    )(blocks.astype(jnp.int32), positions.astype(jnp.int32), rows, in_hbm(cache))
+    )(blocks.astype(jnp.int32), positions.astype(jnp.int32), rows, in_hbm(cache, interpret))
