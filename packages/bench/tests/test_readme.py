@@ -20,6 +20,7 @@ MODELS_RUN = DOCS / "results" / "models-v5e.json"
 CONTEXT_RUN = DOCS / "results" / "context-v5e.json"
 NEWEST_RUN = DOCS / "results" / "quick-v5e-4-newest.json"
 SERVING_RUN = DOCS / "results" / "serving-ragged-v5e-4.json"
+STEPS_RUN = DOCS / "results" / "serving-steps-v5e-4.json"
 
 if not (ROOT / "mkdocs.yml").exists():
     pytest.skip("not run from the repository: no README to check", allow_module_level=True)
@@ -79,6 +80,22 @@ def test_the_serving_page_states_the_committed_mixed_steps_run() -> None:
     assert any(row["subject"].startswith("tpu-inference-rpa") for row in results["rows"])
     page = (DOCS / readme.SERVING_PAGE).read_text()
     assert page == readme.render_serving_page(results), RERUN
+
+
+def test_the_steps_page_states_the_committed_step_matrix_run() -> None:
+    """The serving-step matrix against RPA v3 at its widest search: every step of the matrix
+    has our row and RPA v3's, of this analysis."""
+    from pallas_flash_bench.kernels.sweeps import step_sweep
+
+    results = json.loads(STEPS_RUN.read_text())
+    assert _made_by_this_analysis(results, rows=True), RERUN
+    assert results["meta"]["sweep"] == "default"  # RPA v3's widest block search
+    steps = {json.dumps(w.to_json(), sort_keys=True) for w in step_sweep()}
+    for subject in ("splitkv", "tpu-inference-rpa-v3"):
+        rows = [r for r in results["rows"] if r["subject"] == subject and r.get("compiled")]
+        assert {json.dumps(r["workload"], sort_keys=True) for r in rows} == steps, subject
+    page = (DOCS / readme.STEPS_PAGE).read_text()
+    assert page == readme.render_steps_page(results), RERUN
 
 
 def test_a_models_run_rewrites_its_page_and_leaves_the_readme_alone(tmp_path) -> None:
