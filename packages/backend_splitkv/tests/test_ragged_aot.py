@@ -101,15 +101,14 @@ def test_a_serving_step_compiles_with_the_pool_in_place(
     assert memory.temp_size_in_bytes < pool_bytes // 2  # q-sized: no copy of the pool
 
 
-def test_a_batch_shorter_than_an_automatic_item_copies_no_queries(
-    v5e_devices: list[jax.Device],
-) -> None:
-    """174 new tokens at 4 query heads over 4 kv heads (87 decodes beside an 87-token chunk,
-    as a serving step of Llama-2-7B at one chip): the prefill call's automatic items hold no
-    more tokens than the batch (`RaggedBlocks.block_q_for`), so neither q nor the output is
-    padded or laid out again around the calls."""
-    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
-    tokens, seqs, q_heads, kv_heads, head_dim, page_size, pages = 174, 88, 4, 4, 128, 128, 16
+def _compiled_bf16_step(
+    device: jax.Device, tokens: int, seqs: int, heads: tuple[int, int], pages: int
+) -> str:
+    """The optimized HLO of one bfloat16 ragged step of ``tokens`` new tokens from ``seqs``
+    sequences at ``heads`` (query, kv) of 128, ``pages`` pages of 128 a sequence, compiled for
+    ``device`` with the pool donated."""
+    (q_heads, kv_heads), head_dim, page_size = heads, 128, 128
+    device = jax.sharding.SingleDeviceSharding(device)
 
     def struct(shape, dtype, kept: bool = False):
         placed = pf.cache_format(device, len(shape)) if kept else device
@@ -130,7 +129,18 @@ def test_a_batch_shorter_than_an_automatic_item_copies_no_queries(
     kept = pf.cache_format(device, 4)
     out_cache = pf.DecodeCache(kept, kept, None, None, None)
     jitted = jax.jit(step, donate_argnums=(3, 4), out_shardings=(None, out_cache))
-    text = jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+    return jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+
+
+def test_a_batch_shorter_than_an_automatic_item_copies_no_queries(
+    v5e_devices: list[jax.Device],
+) -> None:
+    """174 new tokens at 4 query heads over 4 kv heads (87 decodes beside an 87-token chunk,
+    as a serving step of Llama-2-7B at one chip): the prefill call's automatic items hold no
+    more tokens than the batch (`RaggedBlocks.block_q_for`), so neither q nor the output is
+    padded or laid out again around the calls."""
+    tokens, q_heads, head_dim = 174, 4, 128
+    text = _compiled_bf16_step(v5e_devices[0], tokens, 88, (q_heads, 4), pages=16)
     q_shape = f"bf16[{tokens},{q_heads},{head_dim}]"
     q_bytes = tokens * q_heads * head_dim * 2
     moved = [(op.name, op.shape, op.bytes) for op in hlo_ops.find_copy_trap(text)
@@ -146,28 +156,6 @@ def test_a_step_at_four_kv_heads_a_chip_compiles_within_its_vmem_estimate(
     1024 positions: more than Mosaic's default scoped VMEM (16 MiB on v5e), so the kernel asks
     for its own estimate (`ragged_kernel.kernel_call`); without it Mosaic's
     CompileTimeScopedVmemOom."""
-    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
-    tokens, seqs, q_heads, kv_heads, head_dim, page_size, pages = 512, 65, 16, 4, 128, 128, 64
-
-    def struct(shape, dtype, kept: bool = False):
-        placed = pf.cache_format(device, len(shape)) if kept else device
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
-
-    pool = struct((seqs * pages, kv_heads, page_size, head_dim), jnp.bfloat16, True)
-    new = struct((tokens, kv_heads, head_dim), jnp.bfloat16)
-    args = [struct((tokens, q_heads, head_dim), jnp.bfloat16), new, new, pool, pool,
-            struct((seqs, pages), jnp.int32), struct((seqs + 1,), jnp.int32),
-            struct((seqs,), jnp.int32)]  # fmt: skip
-
-    def step(q, k, v, k_cache, v_cache, table, starts, lengths):
-        out, cache = pf.ragged_attention(
-            q, k, v, k_cache, v_cache, table, starts, lengths, backend="splitkv"
-        )
-        return out, cache._replace(page_table=None)
-
-    kept = pf.cache_format(device, 4)
-    out_cache = pf.DecodeCache(kept, kept, None, None, None)
-    jitted = jax.jit(step, donate_argnums=(3, 4), out_shardings=(None, out_cache))
-    text = jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+    text = _compiled_bf16_step(v5e_devices[0], 512, 65, (16, 4), pages=64)
     calls = sorted(op.name.split(".")[0] for op in hlo_ops.kernel_calls(text))
     assert calls == sorted([KERNEL_NAME, DECODE_KERNEL_NAME, page_write_kernel.KERNEL_NAME])
