@@ -63,7 +63,8 @@ def steps_table(rows: Sequence[Mapping[str, Any]], backend: str = "splitkv") -> 
     """The matrix of ``backend``'s rows against RPA v3 (a section: title, intro, table), or
     nothing where the run holds no row of it."""
     cells: dict[tuple[int, int, str], dict[int, str]] = {}
-    for w, record in _matrix_rows(rows, backend):
+    matrix = _matrix_rows(rows, backend)
+    for w, record in matrix:
         against_rpa = "rpa" in str((record.get("fastest") or {}).get("subject"))
         key = (w.kv_heads, w.q_heads, mix_of(w))
         cells.setdefault(key, {})[w.page_size] = _cell(record) if against_rpa else MISSING
@@ -78,7 +79,7 @@ def steps_table(rows: Sequence[Mapping[str, Any]], backend: str = "splitkv") -> 
         for (kv, q, mix), found in sorted(cells.items(), key=lambda item: _order(item[0]))
     ]
     header = ["kv heads a chip", "step", *(f"pages of {p}" for p in STEP_PAGE_SIZES)]
-    counts = lead_count(rows, backend)
+    counts = _tally([record for _, record in matrix])
     tally = ", ".join(f"{v} on {n}" for v, n in counts.items() if n)
     intro = (
         f"`{backend}`'s `pf.ragged_attention` step against tpu-inference's RPA v3 at the "
@@ -96,11 +97,11 @@ def _order(key: tuple[int, int, str]) -> tuple[int, int]:
     return kv, STEP_MIXES.index(mix)
 
 
-def lead_count(rows: Sequence[Mapping[str, Any]], backend: str = "splitkv") -> dict[str, int]:
-    """How many of ``backend``'s matrix steps are ahead of, level with or behind the fastest
+def _tally(records: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """How many of the matrix's records are ahead of, level with or behind the fastest
     reference, calibrated (`against_references.verdict` under the row's band)."""
     counts = {"ahead": 0, "level": 0, "behind": 0, "unknown": 0}
-    for _, record in _matrix_rows(rows, backend):
+    for record in records:
         speedup = record.get("speedup_calibrated")
         counts[against_references.verdict(speedup, record.get("band", 0.0))] += 1
     return counts
