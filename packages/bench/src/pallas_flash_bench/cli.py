@@ -230,8 +230,7 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.steps:
         sweep = step_sweep()
     elif args.serving:
-        steps = ragged_sweep() + step_sweep() + _engine_attention()
-        sweep = list(dict.fromkeys(serving_sweep(chips) + steps))
+        sweep = serving_sweep(chips) + ragged_sweep() + _engine_attention()
     else:
         sweep = quick_sweep(chips) if args.quick else default_sweep(chips)
     if args.ops:
