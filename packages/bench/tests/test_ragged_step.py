@@ -4,6 +4,7 @@ cache donated)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -17,17 +18,20 @@ from pallas_flash_bench.kernels.sweeps import (
     ragged_sweep,
     serving_step,
     step_sweep,
+    window_sweep,
 )
 from pallas_flash_bench.kernels.workloads import Workload
 
 # 3 decodes of 5, 17 and 40 positions (the new token included) beside 2 chunks of 6 after 10
 STEP = Workload("ragged", 64, q_heads=4, kv_heads=2, head_dim=8, batch=3, lengths=(5, 40),
                 cache="paged", page_size=16, prefill=(2, 6), prefill_context=10)  # fmt: skip
+# the same step in a layer whose tokens see 8 positions each, their own included
+WINDOWED = dataclasses.replace(STEP, sliding_window=8)
 
 
 @pytest.fixture(autouse=True)
 def _fixed_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
-    lengths = {STEP: np.array([5, 17, 40])}
+    lengths = {STEP: np.array([5, 17, 40]), WINDOWED: np.array([5, 17, 40])}
     drawn = Workload.drawn_lengths
     monkeypatch.setattr(Workload, "drawn_lengths", lambda w: lengths.get(w, drawn(w)))
 
@@ -68,6 +72,50 @@ def test_it_is_a_paged_floating_point_step_on_one_chip_and_survives_json() -> No
             Workload(**{**STEP.to_json(), **bad})
     with pytest.raises(ValueError, match="ragged only"):
         Workload("decode", 64, prefill=(1, 8))
+
+
+def test_a_windowed_step_sees_and_reads_only_its_window() -> None:
+    # a token sees at most 8 positions: the decodes 5, 8 and 8; the chunks' tokens at 10..15
+    # 8 each
+    assert ragged_step.visible_pairs(WINDOWED) == 5 + 8 + 8 + 2 * 6 * 8
+    assert ragged_step.pf_window(WINDOWED) == 7 and ragged_step.pf_window(STEP) is None
+    # the cached positions before each first new token, at most 7 of them
+    per_token = 2 * 2 * 8 * 2
+    cached = 4 + 7 + 7 + 7 + 7
+    queries = 15 * 4 * 8 * 2
+    assert WINDOWED.min_hbm_bytes == 2 * queries + per_token * (2 * 15 + cached)
+    assert WINDOWED.label == STEP.label + " window 8"
+    assert WINDOWED.to_json()["sliding_window"] == 8 and "sliding_window" not in STEP.to_json()
+    assert Workload(**json.loads(json.dumps(WINDOWED.to_json()))) == WINDOWED
+    with pytest.raises(ValueError, match="sliding_window: expected at least 1"):
+        dataclasses.replace(STEP, sliding_window=0)
+    with pytest.raises(ValueError, match="ragged only"):
+        Workload("decode", 64, sliding_window=8)
+
+
+def test_our_backends_run_a_windowed_step_with_pf_s_window() -> None:
+    """The build hands ``pf.ragged_attention`` the window less one (`ragged_step.pf_window`):
+    each token sees the 8 positions up to its own, as a float64 softmax over them says."""
+    from pallas_flash_bench.runs import measure
+
+    arrays = measure.random_arrays(subjects.array_specs(WINDOWED), WINDOWED)
+    out, _ = subjects.backend_subjects(["xla"])[0].build(WINDOWED, None)(*arrays)
+    q, k, v, k_cache, v_cache, table, starts, lengths = (np.asarray(a, np.float64) for a in arrays)
+    for s, (lo, hi) in enumerate(zip(starts[:-1].astype(int), starts[1:].astype(int), strict=True)):
+        n, length = hi - lo, int(lengths[s])
+        pages = table[s].astype(int)
+        keys = k_cache[pages].transpose(1, 0, 2, 3).reshape(2, -1, 8)[:, :length].copy()
+        values = v_cache[pages].transpose(1, 0, 2, 3).reshape(2, -1, 8)[:, :length].copy()
+        keys[:, length - n :] = k[lo:hi].transpose(1, 0, 2)
+        values[:, length - n :] = v[lo:hi].transpose(1, 0, 2)
+        for t in range(n):
+            p = length - n + t
+            seen = slice(max(0, p - 7), p + 1)
+            for h in range(4):
+                scores = keys[h // 2, seen] @ q[lo + t, h] / np.sqrt(8)
+                weights = np.exp(scores - scores.max())
+                want = weights @ values[h // 2, seen] / weights.sum()
+                np.testing.assert_allclose(np.asarray(out[lo + t, h], np.float64), want, atol=2e-2)
 
 
 def test_the_default_sweep_has_vllm_and_jetstream_steps_and_the_quick_one_none() -> None:
@@ -138,13 +186,13 @@ def test_the_serving_sweep_with_ops_ragged_is_the_mixed_steps() -> None:
     assert cli._models(args, []) == ENGINE
 
 
-def test_the_steps_run_is_the_step_matrix_alone() -> None:
+def test_the_steps_run_is_the_step_matrix_and_the_windowed_steps_alone() -> None:
     """``pallas-flash bench --steps``: the committed serving-step matrix page's run, no model
     or context rows and no longest-sequence search."""
     from pallas_flash_bench import cli
 
     args = cli._parser().parse_args(["bench", "--steps"])
-    assert cli._workloads(args) == step_sweep()
+    assert cli._workloads(args) == step_sweep() + window_sweep()
     assert cli._models(args, []) == [] and cli._context(args, []) == []
 
 
@@ -162,6 +210,16 @@ def test_the_step_matrix_covers_every_kv_head_share_page_size_and_mix() -> None:
     # the whole model's mixed steps (8 kv heads a chip) are ragged_sweep's, not the matrix's
     assert not {serving_step("vllm-512"), serving_step("vllm-2048")} & set(steps)
     assert serving_step("decode", 32, 8) in steps
+
+
+def test_the_windowed_steps_are_the_matrix_s_steps_at_each_window() -> None:
+    """Mistral-7B's heads over 4 chips, vLLM's pages of 16, decode-only and prefill-heavy, at
+    windows of 4096 and 1024: each the matrix's step but for its window."""
+    windowed = window_sweep()
+    assert [w.sliding_window for w in windowed] == [4096, 1024, 4096, 1024]
+    whole = {dataclasses.replace(w, sliding_window=None) for w in windowed}
+    assert whole == {serving_step(mix, 8, 2, 16) for mix in ("decode", "vllm-2048")}
+    assert whole <= set(step_sweep())
 
 
 def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:

@@ -116,6 +116,70 @@ def test_a_chunk_across_kv_blocks_writes_the_pages_of_each() -> None:
     )  # fmt: skip
 
 
+def test_a_windowed_layer_starts_each_query_block_at_its_window() -> None:
+    # 448 new tokens at 3072..3519, a window of 1024: both query blocks (3072.., 3328..) start
+    # at kv block 2 (2048..), so 2 kv blocks and 2 + 1 chunks each against 4 and 2+2+2+1
+    # unwindowed; the writes, 4 pages of 128 at 3072..3519, are the same
+    windowed = rpa_reference.sequence_trips(448, 3520, 256, 1024, 512, 128, update=True,
+                                            window=1024)  # fmt: skip
+    assert windowed == rpa_reference.Trips(1, 2, 4, 6, 4)
+    assert rpa_reference.sequence_trips(448, 3520, 256, 1024, 512, 128, update=True) == (
+        1, 2, 8, 14, 4,
+    )  # fmt: skip
+    # a decode at 4999 sees 3975..4999: kv blocks 3 and 4 (904 positions), 2 chunks each
+    assert rpa_reference.sequence_trips(1, 5000, 1, 1024, 512, 128, update=False,
+                                        window=1024) == (1, 1, 2, 4, 0)  # fmt: skip
+
+
+@pytest.mark.skipif(references._rpa_unavailable() is not None, reason="no tpu-inference")
+def test_its_window_and_ours_less_one_mask_the_same_positions() -> None:
+    """RPA v3's own reference (``ref_ragged_paged_attention``) with ``sliding_window=5`` and
+    ``pf.ragged_attention`` with ``rpa_window - 1`` (`ragged_step.pf_window`) give one output on
+    a decode of 20 positions and a chunk of 6 after 10, pages of 8, each cache in its layout."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_flash as pf
+    from pallas_flash_bench.kernels import ragged_step
+
+    rng = np.random.default_rng(0)
+    heads, kv_heads, dim, page, window = 4, 2, 128, 8, 5
+    lengths, new = np.array([20, 16]), np.array([1, 6])
+    pages = np.array([[1, 2, 3], [4, 5, 0]])  # page 0 is never read
+    keys, values = (rng.standard_normal((2, 24, kv_heads, dim), np.float32) for _ in range(2))
+    rows = [np.arange(n - q, n) for n, q in zip(lengths, new, strict=True)]
+    q = jnp.asarray(rng.standard_normal((7, heads, dim), np.float32))
+    k, v = (jnp.asarray(np.concatenate([x[s, r] for s, r in enumerate(rows)]))
+            for x in (keys, values))  # fmt: skip
+    # the cache before the step: each sequence's positions before its new tokens
+    ours = np.zeros((2, 6, kv_heads, page, dim), np.float32)  # K and V, [pages, heads, page, dim]
+    theirs = np.zeros((6, page, 2 * kv_heads, 1, dim), np.float32)
+    for s in range(2):
+        for p in range(lengths[s] - new[s]):
+            at = pages[s, p // page], p % page
+            ours[0, at[0], :, at[1]], ours[1, at[0], :, at[1]] = keys[s, p], values[s, p]
+            theirs[at[0], at[1], 0::2, 0], theirs[at[0], at[1], 1::2, 0] = keys[s, p], values[s, p]
+    starts = jnp.asarray([0, 1, 7], jnp.int32)
+    want, _ = rpa_reference.load_kernel().ref_ragged_paged_attention(
+        q, k, v, jnp.asarray(theirs), jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(pages.reshape(-1), jnp.int32), starts, jnp.asarray([1, 1, 2], jnp.int32),
+        sm_scale=dim**-0.5, sliding_window=window,
+    )  # fmt: skip
+    step = Workload("ragged", 24, batch=1, cache="paged", page_size=page, prefill=(1, 6),
+                    sliding_window=window)  # fmt: skip
+    got, _ = pf.ragged_attention(
+        q, k, v, jnp.asarray(ours[0]), jnp.asarray(ours[1]), jnp.asarray(pages, jnp.int32),
+        starts, jnp.asarray(lengths, jnp.int32), sliding_window=ragged_step.pf_window(step),
+        backend="xla",
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    wider, _ = pf.ragged_attention(
+        q, k, v, jnp.asarray(ours[0]), jnp.asarray(ours[1]), jnp.asarray(pages, jnp.int32),
+        starts, jnp.asarray(lengths, jnp.int32), sliding_window=window, backend="xla",
+    )  # fmt: skip
+    assert not np.allclose(np.asarray(wider), np.asarray(want), atol=1e-3)  # one more seen
+
+
 @needs_rpa
 def test_it_compiles_for_v5e_and_charges_both_kernels_their_runs(run_row) -> None:
     assert rpa_mixed.applies(rpa_mixed.BLOCKS["quick"][0], SMALL)

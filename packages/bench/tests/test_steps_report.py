@@ -3,8 +3,10 @@ from the rows' records against the references."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pallas_flash_bench.kernels.against_references import compare
-from pallas_flash_bench.kernels.sweeps import serving_step, step_sweep
+from pallas_flash_bench.kernels.sweeps import serving_step, step_sweep, window_sweep
 from pallas_flash_bench.views import steps_report
 
 
@@ -49,3 +51,26 @@ def test_rows_outside_the_matrix_or_without_a_reference_make_no_section() -> Non
     jetstream = serving_step("jetstream", 32, 32)  # a whole-model step, not one chip's share
     assert steps_report.steps_table(_compared(jetstream, 1.0e-4, 1.0e-4)) == []
     assert steps_report.steps_table([]) == []
+
+
+def test_a_windowed_step_sits_beside_the_same_step_without_its_window() -> None:
+    windowed = window_sweep()[0]
+    whole = dataclasses.replace(windowed, sliding_window=None)
+    # ours halves with the window and leads; RPA v3's falls to 0.8 of its whole step
+    rows = _compared(windowed, 1.0e-4, 1.6e-4) + _compared(whole, 2.0e-4, 2.0e-4)
+    lines = steps_report.windows_table(rows)
+    assert lines[0] == "## Windowed layers"
+    (line,) = [line for line in lines if line.startswith("| decode only")]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[1] == str(windowed.sliding_window)
+    assert cells[2:4] == ["0.1 ms", "0.16 ms"]
+    assert cells[4].startswith("1.60x ±10%, ahead")
+    assert cells[5:] == ["0.50x", "0.80x"]
+
+
+def test_without_its_unwindowed_step_or_any_windowed_row_the_section_says_so_or_is_absent() -> None:
+    windowed = window_sweep()[0]
+    lines = steps_report.windows_table(_compared(windowed, 1.0e-4, 1.0e-4))
+    (line,) = [line for line in lines if line.startswith("| decode only")]
+    assert line.rstrip().endswith("| — | — |")
+    assert steps_report.windows_table(_compared(step_sweep()[0], 1.0e-4, 1.0e-4)) == []

@@ -18,6 +18,7 @@ from pallas_flash_bench.kernels.sweeps import (
     ragged_sweep,
     serving_sweep,
     step_sweep,
+    window_sweep,
 )
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_bench.runs.cache import ResultCache, default_dir
@@ -47,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the serving-step matrix: pf.ragged_attention against RPA v3 at one chip's "
         "share of Llama-3-8B's heads (1, 2, 4 and 8 kv heads), pages of 16, 64 and 128, "
-        "decode-only and mixed steps (up to 4 kv heads)",
+        "decode-only and mixed steps (up to 4 kv heads); and windowed layers' steps (windows "
+        "of 4096 and 1024)",
     )
     bench.add_argument(
         "--models",
@@ -228,7 +230,7 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.models or args.context:
         return []
     if args.steps:
-        sweep = step_sweep()
+        sweep = step_sweep() + window_sweep()
     elif args.serving:
         sweep = serving_sweep(chips) + ragged_sweep() + _engine_attention()
     else:
@@ -239,7 +241,7 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.seq_lens:  # each kind of workload (all but its length) at each length, once
         lengths = [int(n) for n in args.seq_lens.split(",")]
         # their lengths are part of what they measure
-        serving = set(serving_sweep(chips)) | set(ragged_sweep()) | set(step_sweep())
+        serving = {*serving_sweep(chips), *ragged_sweep(), *step_sweep(), *window_sweep()}
         kinds = [w for w in sweep if w not in serving]
         sweep = list(
             dict.fromkeys(dataclasses.replace(w, seq_len=n) for w in kinds for n in lengths)

@@ -153,7 +153,7 @@ def _blocks():
 def _ragged_runs(ragged, w: Workload, kernel: str, tokens: int) -> tuple[int, ...]:
     """`ragged_attention.loop_runs` of the call named ``kernel`` on ``tokens`` rows."""
     starts, lengths = _arrays(w)
-    spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5)
+    spec = pf.RaggedSpec(sm_scale=w.head_dim**-0.5, window=ragged_step.pf_window(w))
     return ragged.loop_runs(
         starts, lengths, kernel=kernel, tokens=tokens, q_heads=w.q_heads, kv_heads=w.kv_heads,
         head_dim=w.head_dim, dtype=w.dtype, page_size=w.page_size,

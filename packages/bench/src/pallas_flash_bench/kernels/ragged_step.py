@@ -6,7 +6,8 @@ whose cached lengths are drawn as a serving decode batch's (`Workload.sequence_l
 then ``prefill = (chunks, chunk)`` sequences being prefilled, ``chunk`` new tokens each after
 ``prefill_context`` tokens already cached. Decoding sequences come first, as RPA v3's
 ``distribution`` wants them (``[0:i]`` decode, ``[i:k]`` mixed); every subject gets the same
-order. ``kv_lengths`` count the new tokens, as ``pf.ragged_attention``'s do.
+order. ``kv_lengths`` count the new tokens, as ``pf.ragged_attention``'s do. A windowed
+layer's step (``sliding_window = W``) lets each new token see the ``W`` positions up to its own.
 """
 
 from __future__ import annotations
@@ -42,12 +43,21 @@ def tokens(workload: Workload) -> int:
     return int(query_lengths(workload).sum())
 
 
+def pf_window(workload: Workload) -> int | None:
+    """``pf.ragged_attention``'s ``sliding_window`` for the step: a token at ``p`` sees ``p - w``
+    to ``p``, so one less than the positions the workload's window counts."""
+    return None if workload.sliding_window is None else workload.sliding_window - 1
+
+
 def visible_pairs(workload: Workload) -> int:
-    """(query, key) pairs the causal mask lets through: a new token at position ``p`` sees
-    ``p + 1`` positions, so a sequence of ``n`` new tokens and length ``L`` sees
-    ``n L - n (n - 1) / 2``."""
-    n, length = query_lengths(workload), kv_lengths(workload)
-    return int((n * length - n * (n - 1) // 2).sum())
+    """(query, key) pairs the causal mask (and window) lets through: a new token at position
+    ``p`` sees ``p + 1`` positions, at most ``sliding_window``."""
+    window = workload.sliding_window
+    total = 0
+    for n, length in zip(query_lengths(workload), kv_lengths(workload), strict=True):
+        seen = np.arange(length - n + 1, length + 1, dtype=np.int64)
+        total += int((seen if window is None else np.minimum(seen, window)).sum())
+    return total
 
 
 def useful_flops(workload: Workload) -> float:
@@ -58,17 +68,21 @@ def useful_flops(workload: Workload) -> float:
 
 def min_hbm_bytes(workload: Workload) -> float:
     """The least a step moves: its queries read and outputs written, the new keys and values
-    read and written into their pages, and every cached position before them read once."""
+    read and written into their pages, and every cached position a new token sees read once
+    (with a window of ``W``, the ``W - 1`` before the first new token at most)."""
     w = workload
     new = tokens(w)
     q_sized = new * w.q_heads * w.head_dim * w.itemsize
-    cached = float((kv_lengths(w) - query_lengths(w)).sum())
+    before = kv_lengths(w) - query_lengths(w)
+    if w.sliding_window is not None:
+        before = np.minimum(before, w.sliding_window - 1)
+    cached = float(before.sum())
     return 2 * q_sized + w.cache_bytes_per_token * (2 * new + cached)
 
 
 def label(workload: Workload) -> str:
     """E.g. ``ragged T=512 H32/8 prefill 1x448 after 1024 + decode 64 lengths 512..8192
-    paged/128``."""
+    paged/128``, then `` window 4096`` for a windowed layer's step."""
     w = workload
     heads = "" if w.q_heads == 16 == w.kv_heads else f" H{w.q_heads}/{w.kv_heads}"
     parts = []
@@ -79,7 +93,8 @@ def label(workload: Workload) -> str:
         spread = " evenly" if w.even_lengths else ""
         lengths = f" lengths {w.lengths[0]}..{w.lengths[1]}{spread}" if w.lengths else ""
         parts.append(f"decode {w.batch}{lengths}")
-    return f"ragged T={tokens(w)}{heads} {' + '.join(parts)} paged/{w.page_size}"
+    window = f" window {w.sliding_window}" if w.sliding_window is not None else ""
+    return f"ragged T={tokens(w)}{heads} {' + '.join(parts)} paged/{w.page_size}{window}"
 
 
 def page_table(workload: Workload, rng: np.random.Generator | None = None) -> np.ndarray:

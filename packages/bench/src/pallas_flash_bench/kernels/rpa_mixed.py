@@ -4,9 +4,11 @@ reference for ``pf.ragged_attention``, in its own layout (`rpa_reference`), as v
 The step's decoding sequences come first: ``distribution = (decodes, decodes, sequences)``
 hands them to its decode kernel (``RPAd``: one query a sequence) and the prefill chunks to its
 mixed one (``RPAm``); its prefill kernel, compiled only with a static ``chunk_prefill_size``,
-is not. ``update_kv_cache=True``: its kernels write the new tokens' keys and values into their
-pages, as ``pf.ragged_attention`` does before the backend reads the cache, reading them from
-``keys``/``values`` meanwhile. Its blocks: vLLM's v5e heuristic for each kernel
+is not. A windowed layer's step hands it the window (``sliding_window``: the positions a token
+sees, as the workload counts them), from which its loops start at the kv block of the first
+visible position. ``update_kv_cache=True``: its kernels write the new tokens' keys and values
+into their pages, as ``pf.ragged_attention`` does before the backend reads the cache, reading
+them from ``keys``/``values`` meanwhile. Its blocks: vLLM's v5e heuristic for each kernel
 (``get_default_block_sizes``) and a few others (`BLOCKS`), the VMEM limit the core's whole
 VMEM, as for its decode rows.
 
@@ -158,6 +160,7 @@ def build(blocks: StepBlocks, workload: Workload) -> Callable[..., object] | Non
             queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist,
             update_kv_cache=True,
             sm_scale=1 / math.sqrt(w.head_dim),
+            sliding_window=w.sliding_window,
             d_block_sizes=(1, decode.kv, 1, decode.kv_compute),
             m_block_sizes=tuple(mixed),
             vmem_limit_bytes=current_generation().vmem_bytes,

@@ -271,41 +271,57 @@ class Trips(NamedTuple):
 
 
 def sequence_trips(
-    new: int, length: int, bq: int, bkv: int, bkv_compute: int, page: int, *, update: bool
+    new: int,
+    length: int,
+    bq: int,
+    bkv: int,
+    bkv_compute: int,
+    page: int,
+    *,
+    update: bool,
+    window: int | None = None,
 ) -> Trips:
     """The loops one sequence of ``new`` tokens and ``length`` positions (the new included)
     runs, as its kernel's ``process``: per query block of ``bq`` tokens, the kv blocks up to
-    its last token's position (causal: all of them for one query), per kv block its compute
-    chunks up to that position; and, with ``update``, in the last query block, per kv block
-    holding new tokens, the pages those tokens fall in (``_update_kv_cache``'s loop)."""
+    its last token's position (causal: all of them for one query), from the block holding its
+    first token's position less ``window`` (its ``sliding_window``: ``start_bkv_idx``), per kv
+    block its compute chunks up to that position; and, with ``update``, in the last query
+    block, per kv block it visits holding new tokens, the pages those tokens fall in
+    (``_update_kv_cache``'s loop)."""
     query_blocks = max(1, math.ceil(new / bq))
     kv_blocks = chunks = written = 0
+    start = 0
     for b in range(query_blocks):
-        seen = min(length, length - new + (b + 1) * bq)
-        blocks = math.ceil(seen / bkv)
-        kv_blocks += blocks
-        chunks += sum(math.ceil(min(seen - i * bkv, bkv) / bkv_compute) for i in range(blocks))
+        first = length - new + b * bq
+        start = 0 if window is None else max(first - window, 0) // bkv
+        seen = min(length, first + bq)
+        end = math.ceil(seen / bkv)
+        kv_blocks += end - start
+        chunks += sum(math.ceil(min(seen - i * bkv, bkv) / bkv_compute) for i in range(start, end))
     if update:
-        for i in range(math.ceil(length / bkv)):
+        for i in range(start, math.ceil(length / bkv)):
             left = length - i * bkv
             cached = min(max(left - new, 0), bkv)
             fresh = min(bkv - cached, left - max(left - new, 0))
-            start = i * bkv + cached
-            written += math.ceil((start + fresh) / page) - start // page if fresh > 0 else 0
+            first = i * bkv + cached
+            written += math.ceil((first + fresh) / page) - first // page if fresh > 0 else 0
     return Trips(1, query_blocks, kv_blocks, chunks, written)
 
 
 def kernel_trips(
     workload: Workload, sequences: slice, bq: int, bkv: int, bkv_compute: int, *, update: bool
 ) -> Trips:
-    """`sequence_trips` summed over a kernel's ``sequences`` of the workload."""
+    """`sequence_trips` summed over a kernel's ``sequences`` of the workload (within its
+    sliding window, a windowed layer's step)."""
     new = ragged_step.query_lengths(workload) if workload.op == "ragged" else None
+    window = workload.sliding_window if workload.op == "ragged" else None
     lengths = [max(1, int(n)) for n in workload.sequence_lengths]
     total = Trips(0, 0, 0, 0, 0)
     for s in range(len(lengths))[sequences]:
         n = 1 if new is None else int(new[s])
         page = page_size(workload)
-        total += sequence_trips(n, lengths[s], bq, bkv, bkv_compute, page, update=update)
+        total += sequence_trips(n, lengths[s], bq, bkv, bkv_compute, page, update=update,
+                                window=window)  # fmt: skip
     return total
 
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 import pallas_flash as pf
 from pallas_flash import hookspecs
-from pallas_flash_bench.kernels import backend_kernels
+from pallas_flash_bench.kernels import backend_kernels, ragged_step
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.program_ref import ArraySpec
 
@@ -181,13 +181,18 @@ def _backend_build(
         needed.add("paged_cache")
     if workload.cache_dtype == "int8":
         needed.add("int8_cache")
+    if workload.sliding_window is not None:
+        needed.add("sliding_window")
     if not needed <= info.capabilities:
         return None
     if workload.op == "ragged":
+        window = ragged_step.pf_window(workload)
 
         def ragged(q, k, v, k_cache, v_cache, page_table, query_starts, kv_lengths):
-            return pf.ragged_attention(q, k, v, k_cache, v_cache, page_table, query_starts,
-                                       kv_lengths, backend=info.name)  # fmt: skip
+            return pf.ragged_attention(
+                q, k, v, k_cache, v_cache, page_table, query_starts, kv_lengths,
+                sliding_window=window, backend=info.name,
+            )  # fmt: skip
 
         return ragged
     if workload.op == "decode":

@@ -4,6 +4,8 @@ decode batches and the mixed serving steps.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pallas_flash_bench.kernels.workloads import Workload
 
 POWERS_OF_TWO = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -170,6 +172,27 @@ def step_sweep() -> list[Workload]:
         for mix in STEP_MIXES
         for page_size in STEP_PAGE_SIZES
         if mix == "decode" or kv_heads <= MIXED_STEP_KV_HEADS
+    ]
+
+
+STEP_WINDOWS = (4096, 1024)
+"""Sliding windows of the windowed-layer steps (`window_sweep`): Mistral-7B v0.1's 4096 and
+Gemma 3's local layers' 1024, the positions a token sees, its own included."""
+
+WINDOW_STEP_HEADS = (8, 2)
+"""Query and kv heads a chip of the windowed-layer steps: Mistral-7B's 32 over 8 (Llama-3-8B's
+shape) over 4 chips."""
+
+
+def window_sweep() -> list[Workload]:
+    """The windowed-layer steps: the decode-only and prefill-heavy mixes (vLLM's pages of 16)
+    at each of `STEP_WINDOWS`, beside the same steps without a window (in `step_sweep`): a
+    windowed layer's cost should fall with its window, its decodes longer than it."""
+    q_heads, kv_heads = WINDOW_STEP_HEADS
+    return [
+        dataclasses.replace(serving_step(mix, q_heads, kv_heads, VLLM_PAGE_SIZE), sliding_window=w)
+        for mix in ("decode", "vllm-2048")
+        for w in STEP_WINDOWS
     ]
 
 

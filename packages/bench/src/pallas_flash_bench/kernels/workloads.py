@@ -48,7 +48,10 @@ class Workload:
     Ragged (``op="ragged"``, one step of ``pf.ragged_attention``: `ragged_step`): ``batch``
     decoding sequences of ``lengths`` as above and ``prefill = (chunks, chunk)`` sequences
     prefilling ``chunk`` tokens each after ``prefill_context`` cached ones, all in a paged
-    cache (``cache="paged"``) of ``seq_len`` positions per sequence, on one chip.
+    cache (``cache="paged"``) of ``seq_len`` positions per sequence, on one chip;
+    ``sliding_window`` (a windowed layer's step): the positions a new token sees, its own
+    included, as a model config's ``sliding_window`` and RPA v3's count them
+    (``pf.ragged_attention``'s ``sliding_window`` is one less: `ragged_step.pf_window`).
 
     Attention only: ``v_head_dim`` gives v (and the output) a head_dim of their own, as MLA's
     128 beside q and k's 192 (None: ``head_dim``); ``bias`` adds a ``[1, q_heads, seq_len,
@@ -74,6 +77,7 @@ class Workload:
     bias: bool = False
     prefill: tuple[int, int] | None = None
     prefill_context: int = 0
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.chips < 1 or (self.chips > 1 and self.op != "decode"):
@@ -86,8 +90,10 @@ class Workload:
             raise ValueError("lengths, cache and cache_dtype: expected for decode only")
         if self.op == "ragged":
             self._check_ragged()
-        elif self.prefill is not None or self.prefill_context:
-            raise ValueError("prefill and prefill_context: expected for ragged only")
+        elif self.prefill is not None or self.prefill_context or self.sliding_window is not None:
+            raise ValueError(
+                "prefill, prefill_context and sliding_window: expected for ragged only"
+            )
         if self.op in ("decode", "ragged") and (self.v_head_dim is not None or self.bias):
             raise ValueError("v_head_dim and bias: expected for attention only")
         if self.lengths is not None and not 0 <= self.lengths[0] <= self.lengths[1] <= self.seq_len:
@@ -102,6 +108,8 @@ class Workload:
             raise ValueError("ragged: expected decoding sequences or prefill chunks")
         if self.prefill is not None and self.prefill_context + self.prefill[1] > self.seq_len:
             raise ValueError("ragged: a prefilled sequence exceeds seq_len")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window: expected at least 1, got {self.sliding_window}")
 
     @property
     def label(self) -> str:
@@ -310,9 +318,12 @@ class Workload:
         return self.batch * (1 if self.op == "decode" else self.seq_len)
 
     def to_json(self) -> dict[str, object]:
-        """The fields, those of a mixed step (`prefill`, `prefill_context`) only for one: the
-        other workloads' records are those they had before mixed steps existed."""
+        """The fields, those of a mixed step (`prefill`, `prefill_context`) only for one and
+        ``sliding_window`` only when set: a workload's record (and cache key) is the one it had
+        before those fields existed."""
         fields = dataclasses.asdict(self)
         if self.op != "ragged":
             del fields["prefill"], fields["prefill_context"]
+        if self.sliding_window is None:
+            del fields["sliding_window"]
         return fields

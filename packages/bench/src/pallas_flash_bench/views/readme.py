@@ -19,7 +19,7 @@ from pallas_flash_bench.views import calibration_report, cells, comparison, mode
 from pallas_flash_bench.views.context_report import context_section
 from pallas_flash_bench.views.report import render_report
 from pallas_flash_bench.views.stacks_report import stacks_section
-from pallas_flash_bench.views.steps_report import steps_table
+from pallas_flash_bench.views.steps_report import steps_table, windows_table
 
 BEGIN = "<!-- pallas-flash readme: begin -->"
 END = "<!-- pallas-flash readme: end -->"
@@ -116,7 +116,8 @@ def render_serving_page(results: Mapping[str, Any]) -> str:
 
 def render_steps_page(results: Mapping[str, Any]) -> str:
     """The docs' serving-step matrix page: the matrix of a ``--steps`` run
-    (`steps_report.steps_table`), then its whole report."""
+    (`steps_report.steps_table`), its windowed-layer steps (`steps_report.windows_table`),
+    then its whole report."""
     command = _main_command(results, "--steps")
     rows = list(results.get("rows") or [])
     body = render_report(results).split("\n", 1)[1]  # the report's title gives way to the page's
@@ -124,7 +125,7 @@ def render_steps_page(results: Mapping[str, Any]) -> str:
              "from the committed `docs/results/` file; do not edit. How the steps and RPA v3's "
              "rows are made: [Benchmarks](benchmarks.md#the-serving-step-matrix).")  # fmt: skip
     title = "# Serving steps against RPA v3, one chip's share of the heads"
-    return "\n".join([title, "", intro, "", *steps_table(rows), body])
+    return "\n".join([title, "", intro, "", *steps_table(rows), *windows_table(rows), body])
 
 
 def render_stacks_page(pinned: Mapping[str, Any], newest: Mapping[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """The serving-step matrix (`sweeps.step_sweep`) at a glance: one line per kv-head share and
 mix, one column per page size, each cell our step's speed-up over RPA v3's fastest
-configuration on it, calibrated, with its verdict under every static estimate.
+configuration on it, calibrated, with its verdict under every static estimate; then the
+windowed-layer steps (`sweeps.window_sweep`), each beside the same step without its window.
 
 The cells only format what the run's rows record (``row["against_references"]``,
 `against_references.compare`); the full rows are the report's.
@@ -8,13 +9,20 @@ The cells only format what the run's rows record (``row["against_references"]``,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pallas_flash_bench.kernels import against_references
-from pallas_flash_bench.kernels.sweeps import RAGGED_MIXES, STEP_MIXES, STEP_PAGE_SIZES, step_sweep
+from pallas_flash_bench.kernels.sweeps import (
+    RAGGED_MIXES,
+    STEP_MIXES,
+    STEP_PAGE_SIZES,
+    step_sweep,
+    window_sweep,
+)
 from pallas_flash_bench.kernels.workloads import Workload
-from pallas_flash_bench.views.cells import MISSING, markdown_table, workload_of
+from pallas_flash_bench.views.cells import MISSING, markdown_table, ms, workload_of
 from pallas_flash_bench.views.comparison import verdict_summary
 
 MIX_TITLES = {
@@ -34,18 +42,24 @@ def mix_of(workload: Workload) -> str | None:
     return None
 
 
+def _ragged_rows(rows: Sequence[Mapping[str, Any]], backend: str) -> dict[Workload, Mapping]:
+    """``backend``'s ragged rows by workload."""
+    return {
+        Workload(**workload_of(row)): row
+        for row in rows
+        if row.get("subject") == backend and workload_of(row).get("op") == "ragged"
+    }
+
+
 def _matrix_rows(rows: Sequence[Mapping[str, Any]], backend: str) -> list[tuple[Workload, dict]]:
     """``backend``'s rows of the matrix's steps, each with its workload and its record against
     the references."""
     steps = set(step_sweep())
-    found = []
-    for row in rows:
-        if row.get("subject") != backend or workload_of(row).get("op") != "ragged":
-            continue
-        workload = Workload(**workload_of(row))
-        if workload in steps:
-            found.append((workload, row.get("against_references") or {}))
-    return found
+    return [
+        (workload, row.get("against_references") or {})
+        for workload, row in _ragged_rows(rows, backend).items()
+        if workload in steps
+    ]
 
 
 def _cell(record: Mapping[str, Any]) -> str:
@@ -90,6 +104,62 @@ def steps_table(rows: Sequence[Mapping[str, Any]], backend: str = "splitkv") -> 
         f"Calibrated: {tally} of {sum(counts.values())} steps."
     )
     return ["## The serving-step matrix", "", intro, "", *markdown_table(header, table), ""]
+
+
+def _latency(figures: Mapping[str, Any] | None) -> float | None:
+    """The calibrated latency in ``figures`` (a row's, or a reference's record), else the
+    static one."""
+    figures = figures or {}
+    for name in ("calibrated_latency_seconds", "latency_seconds"):
+        value = (figures.get(name) or {}).get("value")
+        if value is not None:
+            return value
+    return None
+
+
+def _step_times(row: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
+    """Our step's latency and RPA v3's at its fastest on it (None where not recorded)."""
+    if row is None:
+        return None, None
+    record = row.get("against_references") or {}
+    fastest = record.get("fastest_calibrated") or record.get("fastest") or {}
+    theirs = _latency(fastest.get("figures")) if "rpa" in str(fastest.get("subject")) else None
+    return _latency(row.get("figures")), theirs
+
+
+def _share(windowed: float | None, whole: float | None) -> str:
+    """``0.52x`` (a windowed step's time over the same step's without its window)."""
+    return MISSING if windowed is None or not whole else f"{windowed / whole:.2f}x"
+
+
+def windows_table(rows: Sequence[Mapping[str, Any]], backend: str = "splitkv") -> list[str]:
+    """The windowed-layer steps of ``backend``'s rows against RPA v3, each beside the step
+    without its window (a section), or nothing where the run holds none of them."""
+    found = _ragged_rows(rows, backend)
+    table = []
+    for w in window_sweep():
+        if w not in found:
+            continue
+        ours, theirs = _step_times(found[w])
+        our_whole, their_whole = _step_times(found.get(dataclasses.replace(w, sliding_window=None)))
+        times = [ms(t) if t else MISSING for t in (ours, theirs)]
+        record = found[w].get("against_references") or {}
+        share = [_share(ours, our_whole), _share(theirs, their_whole)]
+        table.append([MIX_TITLES[mix_of(w)], f"{w.sliding_window}", *times, _cell(record), *share])
+    if not table:
+        return []
+    header = ["step", "window", "ours", "RPA v3 at its fastest", "ours against RPA v3",
+              "ours / no window", "RPA v3 / no window"]  # fmt: skip
+    w = window_sweep()[0]
+    intro = (
+        f"A windowed layer's step ({w.q_heads} query over {w.kv_heads} kv heads a chip, pages "
+        f"of {w.page_size}): each token sees the window's positions up to its own, its own "
+        "included (`sliding_window`, as a model config and RPA v3 count them). Times "
+        "calibrated; the last two columns: the step's time over the same step's without a "
+        "window, ours and RPA v3's (at its fastest on each), which falls below 1x as far as "
+        "the kernel skips the pages outside the window."
+    )
+    return ["## Windowed layers", "", intro, "", *markdown_table(header, table), ""]
 
 
 def _order(key: tuple[int, int, str]) -> tuple[int, int]:
