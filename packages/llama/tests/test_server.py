@@ -175,6 +175,9 @@ def ids(model_dir: tuple[pathlib.Path, LlamaConfig]) -> Callable[[str], list[int
     return lambda text: [1, *tokenizer.encode(text).ids]
 
 
+JSON = {"content-type": "application/json"}
+
+
 def _request(fake: FakeEngine, request_id: str) -> Request:
     return next(r for r in fake.submitted if r.id == request_id)
 
@@ -308,16 +311,110 @@ def test_no_chat_template(model_dir: tuple, fake: FakeEngine, tmp_path: pathlib.
             "greater than or equal to 0",
         ),
         ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop", "non-empty"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, None, "logprobs: not supported"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 0}, 400, "logprobs", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 99}, 400, "presence_penalty", ""),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": -100}}, 400, "logit_bias", ""),
+        ({"model": MODEL, "prompt": "hi", "min_tokens": 3}, 400, "min_tokens", "not supported"),
+        (
+            {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+            "not supported",
+        ),
+        ({"model": MODEL, "prompt": "hi", "guided_json": {}}, 400, "guided_json", ""),
+        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "Unrecognized"),
+        ({"model": MODEL, "prompt": "hi", "stop_token_ids": [9999]}, 400, "stop_token_ids", ""),
+        ({"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt", "lone surrogate '\\ud800' at"),
+        ({"model": MODEL, "prompt": "hi", "stop": "\udfff"}, 400, "stop", "invalid Unicode"),
     ],
 )
 def test_errors(url: str, body: dict, status: int, param: str | None, message: str) -> None:
-    reply = httpx.post(f"{url}/v1/completions", json=body)
+    # json.dumps escapes a lone surrogate (\\ud800), as a client's JSON may hold it
+    reply = httpx.post(f"{url}/v1/completions", content=json.dumps(body), headers=JSON)
     assert reply.status_code == status
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert message in error["message"] and error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_fields_that_ask_for_nothing_are_accepted(client: openai.OpenAI) -> None:
+    """No-op values of fields not served, and fields that only name or file the request."""
+    noop = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "echo": False,
+            "response_format": {"type": "text"}, "min_tokens": 0, "repetition_penalty": 1.0,
+            "user": "me", "metadata": {"a": "b"}, "best_of": 1, "logprobs": None}  # fmt: skip
+    reply = client.completions.create(model=MODEL, prompt="The quick", max_tokens=2,
+                                      extra_body=noop)  # fmt: skip
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_chat_refuses_what_it_does_not_serve(client: openai.OpenAI, url: str) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="tools: not supported") as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=messages,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )  # fmt: skip
+    assert refused.value.body["param"] == "tools"
+    lone = {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800"}]}
+    reply = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(lone), headers=JSON)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+    assert "invalid Unicode" in reply.json()["error"]["message"]
+
+
+def test_every_status_has_openai_s_error_body(url: str) -> None:
+    for reply, status, message in [
+        (httpx.post(f"{url}/v1/nothing", json={}), 404, "Invalid URL (POST /v1/nothing)"),
+        (httpx.get(f"{url}/v1/completions"), 405, "Method not allowed (GET /v1/completions)"),
+        (
+            httpx.post(f"{url}/v1/completions", content=b'{"model": ', headers=JSON),
+            400,
+            "We could not parse the JSON body of your request",
+        ),
+    ]:
+        assert reply.status_code == status
+        error = reply.json()["error"]
+        assert error["message"].startswith(message) and error["param"] is None
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_ignore_eos_and_stop_token_ids_as_vllm_s(
+    client: openai.OpenAI, fake: FakeEngine, ids: Callable
+) -> None:
+    """vLLM's ``ignore_eos``: eos (2) does not end the request; ``stop_token_ids`` do, the
+    stop token out of the text unless ``include_stop_str_in_output``."""
+    words = ids("The quick brown")[1:]
+    prompt = [*words, 2, 7]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10)
+    assert plain.choices[0].finish_reason == "stop"
+    ignoring = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    assert ignoring.choices[0].finish_reason == "length"
+    assert ignoring.usage.completion_tokens == 10 and 2 not in _request(fake, ignoring.id).stop_ids
+
+    brown = words[-1]
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
+                                        extra_body={"stop_token_ids": [brown]})  # fmt: skip
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == ("The quick", "stop")
+    assert brown in _request(fake, stopped.id).stop_ids
+    kept = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10,
+        extra_body={"stop_token_ids": [brown], "include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text == "The quick brown"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI) -> None:
+    prompt = "The quick brown fox jumps over"
+    for stream in (False, True):
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, stop=["x ju"], stream=stream,
+            extra_body={"include_stop_str_in_output": True},
+        )  # fmt: skip
+        chunks = list(reply) if stream else [reply]
+        assert "".join(c.choices[0].text for c in chunks) == "The quick brown fox ju"
+        assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_errors_through_the_client(client: openai.OpenAI) -> None:

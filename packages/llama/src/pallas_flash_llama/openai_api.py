@@ -1,11 +1,15 @@
 """The OpenAI API's request bodies and error body, as pydantic models (`server`'s types).
 
 Only what `server` serves: ``/v1/completions`` and ``/v1/chat/completions`` with ``n``
-choices (up to `MAX_CHOICES`), text or token-id prompts, temperature, top-p, ``top_k`` (an
-extension, as vLLM has it), seed, stop strings and streaming. Fields of the API that are not
-listed here are ignored, as OpenAI-compatible servers do; those that would change the answer
-and are not served (``logprobs``, ``echo``, ``best_of``, ``suffix``, tools) are refused with
-a 400.
+choices (up to `MAX_CHOICES`), text or token-id prompts, temperature, top-p, seed, stop
+strings and streaming, and vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
+``include_stop_str_in_output`` (as vLLM's ``SamplingParams`` define them).
+
+No field is accepted and then ignored (`refuse_unserved`): a field of OpenAI's or vLLM's API
+that this server does not implement is refused with a 400 naming it unless it holds its no-op
+value (`NO_OP_VALUES`: ``presence_penalty: 0``, ``logprobs: false``, ...); fields that only
+name or file the request (`BOOKKEEPING`: ``user``, ``metadata``, ...) are accepted; any other
+field is refused as OpenAI refuses it ("Unrecognized request argument").
 """
 
 from __future__ import annotations
@@ -18,8 +22,31 @@ MAX_CHOICES = 16
 """The most choices (``n``) one request may ask for; each is a sequence of its own in the
 engine."""
 
-UNSERVED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions")
-"""Request fields that would change the answer and that this server does not implement."""
+NO_OP_VALUES: dict[str, tuple[object, ...]] = {
+    # OpenAI's
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "response_format": ({"type": "text"},), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "verbosity": (), "web_search_options": (),
+    # vLLM's extensions
+    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "prompt_logprobs": (),
+    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "add_special_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
+    "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (), "priority": (0,),
+}  # fmt: skip
+"""Fields of OpenAI's and vLLM's APIs this server does not implement, each with the values
+(besides null) that ask for nothing: any other value is refused (`refuse_unserved`)."""
+
+BOOKKEEPING = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                         "safety_identifier", "parallel_tool_calls", "request_id"})  # fmt: skip
+"""Fields that name, file or route the request and change no token of the answer."""
 
 
 class ApiError(Exception):
@@ -63,13 +90,9 @@ class _Sampled(pydantic.BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    @pydantic.model_validator(mode="after")
-    def _served(self) -> _Sampled:
-        for name in UNSERVED:
-            value = (self.model_extra or {}).get(name)
-            if value and not (name == "best_of" and value == 1):
-                raise ValueError(f"{name}: not supported by this server")
-        return self
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -84,6 +107,24 @@ class _Sampled(pydantic.BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def _no_op(value: object, allowed: tuple[object, ...]) -> bool:
+    """Whether ``value`` is null or one of ``allowed``, of the same type (``0`` is not
+    ``false``: ``logprobs: 0`` asks for the sampled token's)."""
+    return value is None or any(type(value) is type(a) and value == a for a in allowed)
+
+
+def refuse_unserved(body: pydantic.BaseModel) -> None:
+    """Raises a 400 `ApiError` naming the first field of ``body`` beyond its declared ones that
+    asks for something this server does not do (module doc)."""
+    for name, value in (body.model_extra or {}).items():
+        if name in BOOKKEEPING:
+            continue
+        if name not in NO_OP_VALUES:
+            raise ApiError(400, f"Unrecognized request argument supplied: {name}", name)
+        if not _no_op(value, NO_OP_VALUES[name]):
+            raise ApiError(400, f"{name}: not supported by this server", name)
 
 
 class CompletionRequest(_Sampled):

@@ -10,10 +10,12 @@ lines, then ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``.
   (`chat_template`). Generated ids are decoded whole after each token and the new suffix is
   sent (`TextStream`), holding back a trailing incomplete UTF-8 character (``\\ufffd``) and
   any tail that may begin a stop string.
-- **Ends.** An eos id (``config.json``'s and ``tokenizer_config.json``'s) or a stop string
-  that is one token ends a request in the engine (its ``stop_ids``); other stop strings are
-  found in the decoded text, which is cut before them, and the request is cancelled. Neither
-  the stop token nor the stop string is in the text (OpenAI's behaviour).
+- **Ends.** An eos id (``config.json``'s and ``tokenizer_config.json``'s; not with
+  ``ignore_eos``), a ``stop_token_ids`` id or a stop string that is one token ends a request
+  in the engine (its ``stop_ids``); other stop strings are found in the decoded text, which is
+  cut before them, and the request is cancelled. Neither the stop token nor the stop string is
+  in the text (OpenAI's behaviour) unless ``include_stop_str_in_output`` (vLLM's: the stop
+  token decoded as the rest, special tokens skipped; the text cut after the stop string).
 - **Threads.** The engine calls ``on_token`` and ``on_finish`` from its own thread; each is
   handed to the event loop with ``loop.call_soon_threadsafe`` into the request's
   ``asyncio.Queue``. A client that disconnects before its request ends gets it cancelled in
@@ -23,9 +25,10 @@ lines, then ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``.
   the id with ``-i``); streamed, their chunks interleave as they come, each with its
   ``index``; the usage counts the prompt once and every choice's tokens, and the prompt
   tokens choice 0 found in the prefix cache (``prompt_tokens_details.cached_tokens``).
-- **Errors** use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-  bad parameters and a prompt longer than the context; 404 for a model name other than the
-  one served.
+- **Errors** use OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` for every
+  status: 400 for bad parameters, fields not served (`openai_api.refuse_unserved`), invalid
+  Unicode and a prompt longer than the context; 404 for a model name other than the one
+  served and for an unknown path; 405 for a method a path does not take.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any, Protocol
 import fastapi
 import fastapi.exceptions
 import fastapi.responses
+import starlette.exceptions
 from tokenizers import Tokenizer
 
 import pallas_flash as pf
@@ -58,6 +62,7 @@ from pallas_flash_llama.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
+    refuse_unserved,
 )
 from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.scheduler import SEEDS, Finished, Request
@@ -114,20 +119,22 @@ def load_served_model(directory: str | pathlib.Path, config: LlamaConfig,
 class TextStream:
     """A request's generated ids as text, sent a piece at a time (module doc)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...],
-                 stop_ids: Collection[int]) -> None:  # fmt: skip
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], stop_ids: Collection[int],
+                 include_stop: bool = False) -> None:  # fmt: skip
         self.tokenizer, self.stop, self.stop_ids = tokenizer, stop, frozenset(stop_ids)
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of `text` sent
 
     def push(self, token: int) -> tuple[str, bool]:
         """The text ``token`` adds that can be sent now, and whether a stop string ended it."""
-        if token in self.stop_ids:  # ends the request in the engine; not text
+        if token in self.stop_ids and not self.include_stop:  # ends it in the engine; not text
             return "", False
         self.ids.append(token)
         self.text = self.tokenizer.decode(self.ids)
-        found = [i for i in (self.text.find(stop) for stop in self.stop) if i >= 0]
+        kept = len if self.include_stop else lambda stop: 0  # of a stop string found
+        found = [self.text.find(stop) + kept(stop) for stop in self.stop if stop in self.text]
         if found:
             self.text = self.text[: min(found)]
             return self.flush(), True
@@ -224,8 +231,22 @@ def _sse(chunk: dict[str, Any] | str) -> str:
     return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
+def _unicode(text: str, field: str) -> str:
+    """``text``, or a 400 naming ``field`` where it holds a lone UTF-16 surrogate (which no
+    tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        where = f"{text[error.start]!r} at character {error.start}"
+        raise ApiError(400, f"{field}: invalid Unicode: a lone surrogate {where}", field) from None
+    return text
+
+
 def _validation_error(error: fastapi.exceptions.RequestValidationError) -> ApiError:
     first = error.errors()[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return ApiError(400, f"We could not parse the JSON body of your request: {reason}")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     prefix = f"{'.'.join(loc)}: " if loc and not message.startswith(f"{loc[0]}:") else ""
@@ -246,6 +267,14 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
     @app.exception_handler(fastapi.exceptions.RequestValidationError)
     async def _invalid(_: fastapi.Request, error: Exception) -> fastapi.responses.JSONResponse:
         return await _api_error(_, _validation_error(error))
+
+    @app.exception_handler(starlette.exceptions.HTTPException)
+    async def _http(request: fastapi.Request, error: Exception) -> fastapi.responses.JSONResponse:
+        status = getattr(error, "status_code", 500)
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}
+        detail = str(getattr(error, "detail", error))
+        return await _api_error(request, ApiError(status, message.get(status, detail)))
 
     @app.exception_handler(pf.InvalidInputError)
     async def _input(_: fastapi.Request, error: Exception) -> fastapi.responses.JSONResponse:
@@ -271,9 +300,15 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
                 f"the {field} or completion.",
                 field if room < 1 else "max_tokens",
             )
-        stop_ids = set(model.eos_ids)
+        refuse_unserved(body)
+        stop_ids = set() if body.ignore_eos else set(model.eos_ids)
+        for token in body.stop_token_ids or ():
+            if not 0 <= token < model.vocab:
+                raise ApiError(400, f"stop_token_ids: token ids must be in [0, {model.vocab})",
+                               "stop_token_ids")  # fmt: skip
+            stop_ids.add(token)
         for stop in body.stop_strings:  # a stop string of one token stops in the engine
-            ids = model.tokenizer.encode(stop, add_special_tokens=False).ids
+            ids = model.tokenizer.encode(_unicode(stop, "stop"), add_special_tokens=False).ids
             if len(ids) == 1 and model.tokenizer.decode(ids) == stop:
                 stop_ids.add(ids[0])
         top_k = None if body.top_k is None or body.top_k < 1 else body.top_k
@@ -289,7 +324,8 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
                 sampling=Sampling(body.temperature, top_k, body.top_p),
                 seed=(seed + i) % SEEDS,
             )
-            text = TextStream(model.tokenizer, body.stop_strings, stop_ids)
+            text = TextStream(model.tokenizer, body.stop_strings, stop_ids,
+                              body.include_stop_str_in_output)  # fmt: skip
             generations.append(_Generation(engine, request, text))
         return generations
 
@@ -359,7 +395,7 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
     async def completions(body: CompletionRequest, request: fastapi.Request) -> Any:
         served(body.model)
         if isinstance(body.prompt, str):
-            prompt = encode(model.tokenizer, body.prompt, model.special)
+            prompt = encode(model.tokenizer, _unicode(body.prompt, "prompt"), model.special)
         else:
             prompt = list(body.prompt)
         generations = start(body, prompt, body.max_tokens, "cmpl", "prompt")
@@ -373,7 +409,8 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
                            "chat_template in its tokenizer_config.json): use /v1/completions",
                            "messages")  # fmt: skip
         text = model.chat_template.render([message.for_template() for message in body.messages])
-        prompt = encode(model.tokenizer, text, SpecialTokens())  # the template wrote them
+        # the template wrote the special tokens
+        prompt = encode(model.tokenizer, _unicode(text, "messages"), SpecialTokens())
         max_tokens = body.max_completion_tokens or body.max_tokens
         generations = start(body, prompt, max_tokens, "chatcmpl", "messages")
         return await answer(request, generations, body, chat=True)
