@@ -140,6 +140,22 @@ def test_features(options: dict) -> None:
     _check(*_call([1, 9, 3], [30, 26, 45], q_heads=8, kv_heads=2, **options), F32)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])
+def test_a_window_s_blocks_every_row_sees_are_folded_unmasked(int8: bool) -> None:
+    """A window of 30 over blocks of 16: the decode at 47 sees 17..47 (block 1 masked, 2
+    whole), the chunk at 31..39 sees 1..39, all its rows 9..31 (block 0 masked, 1 whole, 2
+    masked), the chunk at 42..44 sees 12..44 (blocks 0 to 2 masked): as the dense reference."""
+    got = _call([1, 9, 3], [48, 40, 45], q_heads=8, kv_heads=2, sliding_window=30, int8=int8)
+    _check(*got, 1e-4 if int8 else F32)
+
+
+def test_a_window_s_default_blocks_through_the_api() -> None:
+    """The default blocks under a window of 30: a quarter of the 31 positions a token sees
+    rounded up (8, one page a block), so most of a token's blocks are folded unmasked."""
+    actual, expected, valid = _call([1, 9, 3], [48, 40, 45], sliding_window=30, backend=None)
+    _check(actual, expected, valid, F32)
+
+
 def test_kv_heads_a_grid_step_in_groups() -> None:
     """Four kv heads, one a grid step (so a head group's last item starts the next group's
     first block) and two, int8 and sinks: the same as the dense reference."""
@@ -172,6 +188,11 @@ def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
     prefill_most = ragged_blocks.KV_BLOCK_HEAD_POSITIONS  # fewer at 8 kv heads a step
     assert default.pages_for(128, 64, heads=8) == prefill_most // 8 // 128
     assert default.pages_for(128, 3, decode) == 3  # at most a sequence's pages
+    # a window: a quarter of the positions a token sees, whole pages, at least one
+    assert default.pages_for(16, 512, decode, window=1023) == 256 // 16
+    assert default.pages_for(128, 64, decode, window=4095) == 1024 // 128
+    assert default.pages_for(128, 64, window=10**6) == ragged_blocks.KV_BLOCK_POSITIONS // 128
+    assert default.pages_for(16, 512, decode, window=1) == default.pages_for(16, 4, window=0) == 1
     with pytest.raises(ValueError, match="decode_pages_per_block"):
         RaggedBlocks(decode_pages_per_block=0)
 
@@ -214,16 +235,23 @@ def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("window", "runs"), [(None, ((1, 2, 1), (3, 2, 1 + 1 + 1))), (20, ((1, 0, 2), (3, 0, 2 + 2)))]
+    ("window", "runs"),
+    [
+        (None, ((1, 2, 1), (3, 2, 1 + 1 + 1))),
+        (20, ((1, 0, 0, 2), (3, 0, 0, 1 + 1 + 2))),
+        (40, ((1, 0, 2, 1), (3, 1, 1, 1 + 1 + 1))),
+    ],
 )
 def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_kv_heads(
-    window: int | None, runs: tuple[tuple[int, int, int], ...]
+    window: int | None, runs: tuple[tuple[int, ...], ...]
 ) -> None:
-    # blocks of 16 positions (2 pages of 8) and 8 tokens, 2 query heads a kv head: the decode
-    # call takes a decode token at position 40 (3 blocks, the first 2 whole; with a window of
-    # 20, from 20: 2, none whole), the other call 9 new tokens at 5..13 (items of 8 and 1: 1
-    # masked block each) and 3 new tokens at 45..47 (3 blocks, 2 whole; from 25: 2, masked);
-    # an empty slot makes no item
+    # blocks of 16 positions (2 pages of 8) and 8 tokens, 2 query heads a kv head; an empty
+    # slot makes no item. The decode call takes a decode token at position 40: 3 blocks, the
+    # first 2 whole; with a window of 20 it sees 20..40, 2 blocks, masked; of 40, 0..40, as
+    # without one. The other call: 9 new tokens at 5..13 (items of 8 and 1, 1 masked block
+    # each) and 3 at 45..47: 3 blocks, 2 whole; with a window of 20, 25..47, 2 masked; of 40,
+    # 5..47: every row sees 7..45, so block 0 masked, 1 whole, 2 masked (a window's loops:
+    # the masked blocks before the whole ones, the whole, the rest)
     starts = jnp.asarray([0, 1, 1, 10, 13], jnp.int32)
     lengths = jnp.asarray([41, 7, 14, 48], jnp.int32)
     spec = pf.RaggedSpec(sm_scale=1.0, window=window)

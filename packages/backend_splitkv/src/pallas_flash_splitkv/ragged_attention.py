@@ -68,7 +68,8 @@ def _ragged_kernel(
     heads = blocks.heads_for(kv_heads)
     calls = ragged_blocks.kernel_calls(query_starts, q, kv_heads, blocks)
     per_block = {
-        c.name: blocks.pages_for(page_size, pages_per_sequence, c.name, heads) for c in calls
+        c.name: blocks.pages_for(page_size, pages_per_sequence, c.name, heads, spec.window)
+        for c in calls
     }
     # every entry a page of the pool: the kernels read an entry once per page they copy
     table = jnp.clip(cache.page_table, 0, num_pages - 1)
@@ -125,21 +126,22 @@ def loop_runs(
     pages_per_sequence: int,
     spec: RaggedSpec,
     blocks: RaggedBlocks,
-) -> tuple[int, int, int]:
+) -> tuple[int, ...]:
     """How often the loops of the call named ``kernel`` (`ragged_blocks.KERNEL_NAME` or
     `ragged_blocks.DECODE_KERNEL_NAME`) run on a batch of queries ``[tokens, q_heads,
-    head_dim]`` in ``dtype``, in program order: its item loop (every
-    used work item once per group of kv heads a grid step takes, `RaggedBlocks.heads_for`),
-    then its two loops over kv blocks (the blocks folded whole and the masked ones,
-    `ItemRange.whole`, likewise per group of kv heads); zeros for a call the batch does not
-    make. These trip counts are read from memory, so a static schedule needs them given (the
-    bench's ``Subject.loop_trips``)."""
+    head_dim]`` in ``dtype``, in program order: its item loop (every used work item once per
+    group of kv heads a grid step takes, `RaggedBlocks.heads_for`), then its loops over kv
+    blocks, likewise per group of kv heads (`ItemRange`): the blocks folded whole and the
+    masked ones after them; with a window (``spec.window``) first the masked ones before the
+    whole ones; zeros for a call the batch does not make. These trip counts are read from
+    memory, so a static schedule needs them given (the bench's ``Subject.loop_trips``)."""
     heads = blocks.heads_for(kv_heads)
-    block_kv = blocks.pages_for(page_size, pages_per_sequence, kernel, heads) * page_size
+    block_kv = blocks.pages_for(page_size, pages_per_sequence, kernel, heads, spec.window)
+    block_kv *= page_size
     head_groups = kv_heads // heads
     queries = jax.ShapeDtypeStruct((tokens, q_heads, head_dim), dtype)
     calls = ragged_blocks.kernel_calls(query_starts, queries, kv_heads, blocks)
-    items = whole = masked = 0
+    items = head = whole = tail = 0
     for call in (c for c in calls if c.name == kernel):
         plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
         seq = plan.sequence
@@ -147,7 +149,12 @@ def loop_runs(
                                       plan.count, spec.window, block_kv,
                                       pages_per_sequence * page_size))  # fmt: skip
         used = plan.count > 0
+
+        def runs(blocks: jax.Array, used: jax.Array = used) -> int:
+            return head_groups * int(jnp.sum(jnp.where(used, blocks, 0)))
+
         items += head_groups * int(jnp.sum(used))
-        whole += head_groups * int(jnp.sum(jnp.where(used, r.whole, 0)))
-        masked += head_groups * int(jnp.sum(jnp.where(used, r.blocks - r.whole, 0)))
-    return items, whole, masked
+        head += runs(r.head)
+        whole += runs(r.whole)
+        tail += runs(r.blocks - r.head - r.whole)
+    return (items, whole, tail) if spec.window is None else (items, head, whole, tail)

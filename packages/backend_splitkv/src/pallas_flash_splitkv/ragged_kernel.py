@@ -114,16 +114,21 @@ def _kernel(
                          spec.window, block_kv, max_len)  # fmt: skip
         return ItemRange(seq, *span)
 
+    def page_span(r: ItemRange, block: jax.Array) -> tuple[jax.Array | None, jax.Array]:
+        """The pages ``[begin, end)`` of ``block`` (unclipped) that hold a position of item
+        range ``r``, ``[r.lo, r.hi]``; ``begin`` None without a window (0)."""
+        first_page = block * pages_per_block
+        end = lax.div(r.hi + page_size, jnp.int32(page_size)) - first_page  # hi + 1 >= 0
+        begin = None if spec.window is None else lax.div(r.lo, jnp.int32(page_size)) - first_page
+        return begin, end
+
     def copies(r: ItemRange, head_group: jax.Array, block: jax.Array, slot: jax.Array, act) -> None:
         """``act`` on the copies of kv head group ``head_group``'s block ``block`` of item
-        range ``r``: its pages that hold a position in ``[r.lo, r.hi]``, each one copy of all
-        the group's heads (and int8 scales: the block)."""
+        range ``r``: its pages that hold a position in ``[r.lo, r.hi]`` (`page_span`), each
+        one copy of all the group's heads, and its int8 scales (`scale_copies`)."""
         kv = pl.ds(pl.multiple_of(head_group * heads, heads), heads)
-        first_page = block * pages_per_block
-        # page k of the block holds a position in [lo, hi] iff begin <= k < end (hi + 1 >= 0)
-        end = lax.div(r.hi + page_size, jnp.int32(page_size)) - first_page
-        begin = None if spec.window is None else lax.div(r.lo, jnp.int32(page_size)) - first_page
-        row_of_sequence = r.seq * pages_per_sequence + first_page
+        begin, end = page_span(r, block)
+        row_of_sequence = r.seq * pages_per_sequence + block * pages_per_block
         for k in range(pages_per_block):
             held = k < end if begin is None else (k < end) & (k >= begin)
 
@@ -135,7 +140,14 @@ def _kernel(
                     act(pltpu.make_async_copy(src.at[page, kv], dst.at[slot, :, rows],
                                               sems.at[slot, a]))  # fmt: skip
 
-        # int8 scales: the block's positions of the sequence's gathered scales at once
+        scale_copies(r, head_group, block, slot, act)
+
+    def scale_copies(r: ItemRange, head_group: jax.Array, block: jax.Array, slot: jax.Array,
+                     act) -> None:  # fmt: skip
+        """``act`` on the copies of an int8 cache's scales for ``block`` of item range ``r``
+        on kv head group ``head_group``: the block's positions of the sequence's gathered
+        scales, one copy per array (none for a float cache)."""
+        kv = pl.ds(pl.multiple_of(head_group * heads, heads), heads)
         start = pl.multiple_of(block * block_kv, block_kv)
         for a in range(2, arrays):
             src = cache[a].at[r.seq, kv, pl.ds(start, block_kv)]
@@ -145,16 +157,32 @@ def _kernel(
         """Waits for the copies of ``block`` of item range ``r`` into buffer ``slot``: where
         every page of the block holds a position in ``[r.lo, r.hi]``, once per array for the
         whole buffer (a DMA semaphore counts bytes: the pages' copies together fill it), so
-        no page's table entry and descriptor is made again; else page by page."""
+        no page's table entry and descriptor is made again; else `wait_pages`."""
         first_page = block * pages_per_block
         whole = ((first_page + 1) * page_size > r.lo) & (
             (first_page + pages_per_block - 1) * page_size <= r.hi
         )
         pl.when(whole)(lambda: wait_whole(slot))
+        pl.when(jnp.logical_not(whole))(lambda: wait_pages(r, block, slot))
 
-        @pl.when(jnp.logical_not(whole))
-        def _by_page() -> None:
-            copies(r, h, block, slot, lambda c: c.wait())
+    def wait_pages(r: ItemRange, block: jax.Array, slot: jax.Array) -> None:
+        """Waits for the copies of the pages of ``block`` that hold a position of ``r`` (one
+        run of them, `page_span`) into buffer ``slot``: for their count, a few waits of static
+        sizes (`row_copies.by_powers_of_two`; a DMA semaphore counts bytes), not one a page;
+        then its scales'."""
+        begin, end = page_span(r, block)
+        held = jnp.clip(end, 0, pages_per_block)
+        if begin is not None:
+            held = jnp.maximum(held - jnp.clip(begin, 0, pages_per_block), 0)
+        for a, buffer in enumerate(buffers[:2]):
+
+            def pages(start: jax.Array, size: int, buffer=buffer, a=a):
+                rows = buffer.at[slot, :, pl.ds(pl.multiple_of(start * page_size, page_size),
+                                                size * page_size)]  # fmt: skip
+                return pltpu.make_async_copy(rows, rows, sems.at[slot, a])
+
+            row_copies.by_powers_of_two(held, pages_per_block, pages, lambda c: c.wait())
+        scale_copies(r, h, block, slot, lambda c: c.wait())
 
     def wait_whole(slot: jax.Array) -> None:
         """Waits for every page's copies into buffer ``slot``, once per array."""
@@ -248,8 +276,12 @@ def _kernel(
                            first, r.lo, r.hi, spec, masked, page_size)  # fmt: skip
             return carry
 
-        lax.fori_loop(0, r.whole, functools.partial(body, masked=False), None)
-        lax.fori_loop(r.whole, r.blocks, functools.partial(body, masked=True), None)
+        # the masked blocks before the whole ones (a window's only), the whole, the rest
+        unmasked = r.head + r.whole
+        if spec.window is not None:
+            lax.fori_loop(0, r.head, functools.partial(body, masked=True), None)
+        lax.fori_loop(r.head, unmasked, functools.partial(body, masked=False), None)
+        lax.fori_loop(unmasked, r.blocks, functools.partial(body, masked=True), None)
         folded[0] = base + r.blocks
         done[0] = done[0] + 1
         wait_output(row_slot)  # this buffer's copy of two items ago
