@@ -9,15 +9,11 @@ load test against the real engine with the tiny model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import json
 import pathlib
 import shutil
-import socket
 import statistics
 import sys
-import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -27,126 +23,20 @@ import openai
 import pytest
 import uvicorn
 from llama_testing import HANG_S
+from server_testing import JSON, MODEL, FakeEngine, chat_model, serving
 
-import pallas_flash as pf
-from pallas_flash_llama import cli, tiny
+from pallas_flash_llama import cli
 from pallas_flash_llama.config import LlamaConfig, get_config
-from pallas_flash_llama.scheduler import Finished, Request
-from pallas_flash_llama.server import TextStream, make_app
-from pallas_flash_llama.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_tokenizer
+from pallas_flash_llama.scheduler import Request
+from pallas_flash_llama.server import make_app
+from pallas_flash_llama.text_stream import TextStream
+from pallas_flash_llama.tokenizer import TOKENIZER_FILE, load_tokenizer
 from pallas_flash_llama.weights import load_params
-
-MODEL = "tiny-chat"
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m.role == 'tool' %}{{ raise_exception('no tool messages here') }}{% endif %}"
-    "{{ m.role }}: {{ m.content }}\n"
-    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-@dataclasses.dataclass
-class _Running:
-    request: Request
-    on_token: Callable[[int], None]
-    on_finish: Callable[[Finished], None]
-    tokens: list[int] = dataclasses.field(default_factory=list)
-
-
-class FakeEngine:
-    """The engine's interface, deterministic: every ``step_s`` its thread gives each running
-    request its next token, the prompt's ids again in a cycle; stop ids and ``max_tokens`` end
-    a request as the real engine does, `cancel` ends it as ``cancelled``."""
-
-    def __init__(self, max_len: int, step_s: float = 0.003) -> None:
-        self.max_len, self.step_s = max_len, step_s
-        self.submitted: list[Request] = []
-        self.cancelled: list[str] = []
-        self._running: dict[str, _Running] = {}
-        self._to_cancel: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def submit(
-        self,
-        request: Request,
-        on_token: Callable[[int], None],
-        on_finish: Callable[[Finished], None],
-    ) -> None:
-        if len(request.prompt) + request.max_tokens > self.max_len:
-            raise pf.InvalidInputError("request: longer than the engine's max_len")
-        with self._lock:
-            self.submitted.append(request)
-            self._running[request.id] = _Running(request, on_token, on_finish)
-
-    def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self.cancelled.append(request_id)
-            self._to_cancel.append(request_id)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.step_s):
-            with self._lock:
-                gone = [self._running.pop(i) for i in self._to_cancel if i in self._running]
-                self._to_cancel.clear()
-                running = list(self._running.values())
-            for run in gone:
-                run.on_finish(Finished(run.request.id, tuple(run.tokens), "cancelled"))
-            for run in running:
-                prompt = run.request.prompt
-                token = prompt[len(run.tokens) % len(prompt)]
-                run.tokens.append(token)
-                run.on_token(token)
-                stop = token in run.request.stop_ids
-                if stop or len(run.tokens) == run.request.max_tokens:
-                    with self._lock:
-                        del self._running[run.request.id]
-                    run.on_finish(
-                        Finished(run.request.id, tuple(run.tokens), "stop" if stop else "length")
-                    )
-
-
-@contextlib.contextmanager
-def serving(app: object) -> Iterator[str]:
-    """``app`` served by uvicorn on a free port of 127.0.0.1 in a thread; yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + HANG_S
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, LlamaConfig]:
-    """The tiny model directory with a Llama-2-like tokenizer_config.json and `TEMPLATE`."""
-    directory = tmp_path_factory.mktemp("tiny-chat")
-    config = tiny.init_tiny(directory)
-    settings = {
-        "add_bos_token": True,
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "chat_template": TEMPLATE,
-    }
-    (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings))
-    return directory, config
+    return chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +63,6 @@ def ids(model_dir: tuple[pathlib.Path, LlamaConfig]) -> Callable[[str], list[int
     """A text's ids as the server encodes a prompt: bos, then the text's."""
     tokenizer = load_tokenizer(model_dir[0])
     return lambda text: [1, *tokenizer.encode(text).ids]
-
-
-JSON = {"content-type": "application/json"}
 
 
 def _request(fake: FakeEngine, request_id: str) -> Request:

@@ -164,7 +164,8 @@ def _serve(args: argparse.Namespace) -> None:
         mesh=mesh,
         prefix_caching=args.prefix_caching,
     )
-    app = make_app(engine, args.model, config, args.served_model_name)
+    limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    app = make_app(engine, args.model, config, args.served_model_name, **limit)
     engine.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port)
@@ -374,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="compute every prompt whole (default: requests reuse the cached pages of the "
         "prompt prefixes they share)",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="the largest request body answered; larger ones get a 413 (default: "
+        "server_limits.MAX_REQUEST_BYTES, 32 MiB)",
     )
     srv.add_argument("--backend", help="pf.attention backend (default: the registry's)")
     srv.add_argument("--dtype", help="compute dtype (default: the config's, bfloat16)")

@@ -29,7 +29,14 @@ from pallas_flash_llama.engine_step import StepBatch, bucket_for, run_step, toke
 from pallas_flash_llama.generation import inference_params
 from pallas_flash_llama.kv_cache import init_cache
 from pallas_flash_llama.model import Params
-from pallas_flash_llama.scheduler import SEEDS, Finished, Request, Scheduler, StepPlan
+from pallas_flash_llama.scheduler import (
+    SEEDS,
+    Finished,
+    Request,
+    Scheduler,
+    SchedulerStats,
+    StepPlan,
+)
 
 
 @dataclasses.dataclass
@@ -122,6 +129,11 @@ class Engine:
         """Pages that hold a cached prompt prefix."""
         with self._lock:
             return self._scheduler.pool.cached
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's requests running and waiting, pages in use and preemptions."""
+        with self._lock:
+            return self._scheduler.stats()
 
     def submit(self, request: Request, on_token: Callable[[int], None],
                on_finish: Callable[[Finished], None]) -> None:  # fmt: skip

@@ -176,3 +176,26 @@ class ChatCompletionRequest(_Sampled):
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_tokens: int | None = pydantic.Field(None, ge=1)
     max_completion_tokens: int | None = pydantic.Field(None, ge=1)
+
+
+class TokenizeRequest(pydantic.BaseModel):
+    """POST /tokenize (vLLM's): a ``prompt`` (special tokens added unless
+    ``add_special_tokens`` is false) or chat ``messages``, one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @pydantic.model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt, messages: expected exactly one of them")
+        return self
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+    """POST /detokenize (vLLM's): token ids to text."""
+
+    model: str | None = None
+    tokens: list[int]

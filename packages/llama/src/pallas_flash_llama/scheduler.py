@@ -114,6 +114,18 @@ class Finished:
     cached_tokens: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """Where the scheduler stands (`Scheduler.stats`): requests running (admitted, holding a
+    slot) and waiting, the share of the pool's pages a sequence holds (free cached pages count
+    as free, as vLLM's KV-cache usage counts its blocks) and preemptions so far."""
+
+    running: int
+    waiting: int
+    page_usage: float
+    preemptions: int
+
+
 class Scheduler:
     """Plans each step of continuous batching (module doc).
 
@@ -193,6 +205,11 @@ class Scheduler:
             self._waiting.remove(seq)
         self._ids.discard(request_id)
         return self._finished(seq, "cancelled")
+
+    def stats(self) -> SchedulerStats:
+        """The requests running and waiting, the pages in use and the preemptions so far."""
+        used = 1 - self.pool.free / self.pool.num_pages
+        return SchedulerStats(len(self._running), len(self._waiting), used, self.preemptions)
 
     @property
     def idle(self) -> bool:

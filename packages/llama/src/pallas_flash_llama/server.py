@@ -3,13 +3,16 @@
 FastAPI served by uvicorn, the stack of vLLM's OpenAI server: pydantic validates the request
 bodies into typed models (`openai_api`). Endpoints: ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (both plain or streamed as server-sent events: ``data: {chunk}``
-lines, then ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``.
+lines, then ``data: [DONE]``), ``GET /v1/models`` and ``/v1/models/{id}``, and vLLM's ``POST
+/tokenize`` and ``/detokenize``, ``GET /version``, ``/metrics`` (Prometheus,
+`server_metrics`) and ``/health``.
 
 - **Text** in and out as transformers would: a prompt is encoded with the directory's
   special tokens (`tokenizer.special_tokens`), messages through its chat template
-  (`chat_template`). Generated ids are decoded whole after each token and the new suffix is
-  sent (`TextStream`), holding back a trailing incomplete UTF-8 character (``\\ufffd``) and
-  any tail that may begin a stop string.
+  (`chat_template`), both in a worker thread so that a long text does not hold the event
+  loop, after the checks that need no tokenizer (`server_limits`: the body's size, invalid
+  Unicode, a text too long for any tokenisation to fit). Generated ids become text as they
+  come (`text_stream.TextStream`).
 - **Ends.** An eos id (``config.json``'s and ``tokenizer_config.json``'s; not with
   ``ignore_eos``), a ``stop_token_ids`` id or a stop string that is one token ends a request
   in the engine (its ``stop_ids``); other stop strings are found in the decoded text, which is
@@ -19,7 +22,9 @@ lines, then ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``.
 - **Threads.** The engine calls ``on_token`` and ``on_finish`` from its own thread; each is
   handed to the event loop with ``loop.call_soon_threadsafe`` into the request's
   ``asyncio.Queue``. A client that disconnects before its request ends gets it cancelled in
-  the engine (``engine.cancel``), which frees its pages.
+  the engine (``engine.cancel``), which frees its pages, and one log line.
+- **Metrics.** Each request, once it ends, is counted and timed (`server_metrics`) and
+  logged in one line.
 - **Choices.** A request for ``n`` choices submits ``n`` sequences of the same prompt to the
   engine (choice ``i`` seeded ``seed + i``; choice 0 has the completion's id, choice ``i``
   the id with ``-i``); streamed, their chunks interleave as they come, each with its
@@ -28,48 +33,52 @@ lines, then ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``.
 - **Errors** use OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` for every
   status: 400 for bad parameters, fields not served (`openai_api.refuse_unserved`), invalid
   Unicode and a prompt longer than the context; 404 for a model name other than the one
-  served and for an unknown path; 405 for a method a path does not take.
+  served and for an unknown path; 405 for a method a path does not take; 413 for a body
+  over the size limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import importlib.metadata
 import json
 import pathlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import fastapi
 import fastapi.exceptions
 import fastapi.responses
+import prometheus_client
 import starlette.exceptions
-from tokenizers import Tokenizer
 
 import pallas_flash as pf
-from pallas_flash_llama.chat_template import (
-    ChatTemplate,
-    load_chat_template,
-    special_token_strings,
-)
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.openai_api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
     refuse_unserved,
 )
 from pallas_flash_llama.sampling import Sampling
-from pallas_flash_llama.scheduler import SEEDS, Finished, Request
-from pallas_flash_llama.tokenizer import SpecialTokens, encode, load_tokenizer, special_tokens
-
-HOLD = "\ufffd"
-"""What a decoder gives for the bytes of a character whose last bytes are yet to come."""
+from pallas_flash_llama.scheduler import SEEDS, Finished, Request, SchedulerStats
+from pallas_flash_llama.served_model import load_served_model
+from pallas_flash_llama.server_limits import (
+    MAX_REQUEST_BYTES,
+    BodyLimit,
+    surely_too_long,
+    unicode_text,
+)
+from pallas_flash_llama.server_metrics import LOG, RequestTimes, ServingMetrics
+from pallas_flash_llama.text_stream import TextStream
+from pallas_flash_llama.tokenizer import SpecialTokens, encode
 
 
 class Engine(Protocol):
@@ -83,72 +92,7 @@ class Engine(Protocol):
 
     def cancel(self, request_id: str) -> None: ...
 
-
-@dataclasses.dataclass(frozen=True)
-class ServedModel:
-    """The served model as the API sees it: its name, tokenizer, eos ids, chat template."""
-
-    name: str
-    tokenizer: Tokenizer
-    special: SpecialTokens
-    eos_ids: frozenset[int]
-    vocab: int
-    chat_template: ChatTemplate | None
-    created: int
-
-
-def load_served_model(directory: str | pathlib.Path, config: LlamaConfig,
-                      name: str | None = None) -> ServedModel:  # fmt: skip
-    """The tokenizer side of a model directory; ``name`` defaults to the directory's path."""
-    tokenizer = load_tokenizer(directory)
-    eos_token = special_token_strings(directory).get("eos_token")
-    eos_ids = set(config.eos_ids)
-    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
-        eos_ids.add(tokenizer.token_to_id(eos_token))
-    return ServedModel(
-        name=name or str(directory),
-        tokenizer=tokenizer,
-        special=special_tokens(directory, tokenizer, config),
-        eos_ids=frozenset(eos_ids),
-        vocab=config.vocab,
-        chat_template=load_chat_template(directory),
-        created=int(time.time()),
-    )
-
-
-class TextStream:
-    """A request's generated ids as text, sent a piece at a time (module doc)."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], stop_ids: Collection[int],
-                 include_stop: bool = False) -> None:  # fmt: skip
-        self.tokenizer, self.stop, self.stop_ids = tokenizer, stop, frozenset(stop_ids)
-        self.include_stop = include_stop
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of `text` sent
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """The text ``token`` adds that can be sent now, and whether a stop string ended it."""
-        if token in self.stop_ids and not self.include_stop:  # ends it in the engine; not text
-            return "", False
-        self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids)
-        kept = len if self.include_stop else lambda stop: 0  # of a stop string found
-        found = [self.text.find(stop) + kept(stop) for stop in self.stop if stop in self.text]
-        if found:
-            self.text = self.text[: min(found)]
-            return self.flush(), True
-        body = self.text.rstrip(HOLD)
-        held = max((k for stop in self.stop for k in range(1, len(stop))
-                    if body.endswith(stop[:k])), default=0)  # fmt: skip
-        end = max(self.sent, len(body) - held)
-        piece, self.sent = self.text[self.sent : end], end
-        return piece, False
-
-    def flush(self) -> str:
-        """The text not yet sent (the request has ended)."""
-        piece, self.sent = self.text[self.sent :], len(self.text)
-        return piece
+    def stats(self) -> SchedulerStats: ...
 
 
 class _Generation:
@@ -158,10 +102,16 @@ class _Generation:
         self.engine, self.request, self.text = engine, request, text
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
-        self.tokens = 0
+        self.times = RequestTimes()
         self.cached_tokens = 0  # prompt tokens the prefix cache held, once it ends
+        self.reason: str | None = None  # why the engine ended it, once it has
         self.done = False
         engine.submit(request, self._post, self._post)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the request has generated so far."""
+        return self.times.tokens
 
     def _post(self, item: int | Finished) -> None:  # the engine's thread
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for the request
@@ -177,12 +127,13 @@ class _Generation:
                 item = await self.queue.get()
                 if isinstance(item, Finished):
                     self.done, self.cached_tokens = True, item.cached_tokens
+                    self.reason = "stop" if stopped else item.reason
                     if not stopped:
                         yield self.text.flush(), item.reason
                     continue
                 if stopped:  # sampled before the engine took the cancel
                     continue
-                self.tokens += 1
+                self.times.token()
                 piece, stopped = self.text.push(item)
                 if stopped:
                     self.engine.cancel(self.request.id)
@@ -231,17 +182,6 @@ def _sse(chunk: dict[str, Any] | str) -> str:
     return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-def _unicode(text: str, field: str) -> str:
-    """``text``, or a 400 naming ``field`` where it holds a lone UTF-16 surrogate (which no
-    tokenizer can encode)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        where = f"{text[error.start]!r} at character {error.start}"
-        raise ApiError(400, f"{field}: invalid Unicode: a lone surrogate {where}", field) from None
-    return text
-
-
 def _validation_error(error: fastapi.exceptions.RequestValidationError) -> ApiError:
     first = error.errors()[0]
     if first.get("type") == "json_invalid":
@@ -254,11 +194,15 @@ def _validation_error(error: fastapi.exceptions.RequestValidationError) -> ApiEr
 
 
 def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
-             model_name: str | None = None) -> fastapi.FastAPI:  # fmt: skip
+             model_name: str | None = None,
+             max_request_bytes: int = MAX_REQUEST_BYTES) -> fastapi.FastAPI:  # fmt: skip
     """The OpenAI-compatible app (module doc) serving ``engine``'s model, whose tokenizer and
-    chat template are in ``directory``, as ``model_name`` (default: the directory's path)."""
+    chat template are in ``directory``, as ``model_name`` (default: the directory's path);
+    request bodies over ``max_request_bytes`` get a 413."""
     model = load_served_model(directory, config, model_name)
+    metrics = ServingMetrics(model.name, engine.stats)
     app = fastapi.FastAPI(title="pallas-flash-llama", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: fastapi.Request, error: ApiError) -> fastapi.responses.JSONResponse:
@@ -308,7 +252,7 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
                                "stop_token_ids")  # fmt: skip
             stop_ids.add(token)
         for stop in body.stop_strings:  # a stop string of one token stops in the engine
-            ids = model.tokenizer.encode(_unicode(stop, "stop"), add_special_tokens=False).ids
+            ids = model.tokenizer.encode(unicode_text(stop, "stop"), add_special_tokens=False).ids
             if len(ids) == 1 and model.tokenizer.decode(ids) == stop:
                 stop_ids.add(ids[0])
         top_k = None if body.top_k is None or body.top_k < 1 else body.top_k
@@ -332,9 +276,15 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
     async def answer(request: fastapi.Request, generations: list[_Generation],
                      body: CompletionRequest | ChatCompletionRequest, chat: bool,
                      ) -> fastapi.responses.Response | dict[str, Any]:  # fmt: skip
-        """The response: streamed chunks, or the whole texts once every choice ends."""
+        """The response: streamed chunks, or the whole texts once every choice ends; either
+        way the request is counted in the metrics and logged once it ends."""
         first = generations[0].request
         head = {"id": first.id, "created": int(time.time()), "model": model.name}
+
+        def ended() -> None:
+            metrics.finished(first.id, len(first.prompt), generations[0].cached_tokens,
+                             [g.times for g in generations],
+                             [g.reason for g in generations])  # fmt: skip
 
         def usage() -> dict[str, Any]:
             prompt, completion = len(first.prompt), sum(g.tokens for g in generations)
@@ -354,16 +304,20 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             kind = "chat.completion.chunk" if chat else "text_completion"
 
             async def events() -> AsyncIterator[str]:
-                if chat:
-                    opening = {"role": "assistant", "content": ""}
-                    for i in range(len(generations)):
+                try:
+                    if chat:
+                        opening = {"role": "assistant", "content": ""}
+                        for i in range(len(generations)):
+                            yield _sse({**head, "object": kind,
+                                        "choices": [choice(i, "", None, opening)]})  # fmt: skip
+                    async for i, piece, reason in _interleaved(generations):
                         yield _sse({**head, "object": kind,
-                                    "choices": [choice(i, "", None, opening)]})  # fmt: skip
-                async for i, piece, reason in _interleaved(generations):
-                    yield _sse({**head, "object": kind, "choices": [choice(i, piece, reason)]})
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({**head, "object": kind, "choices": [], "usage": usage()})
-                yield _sse("[DONE]")
+                                    "choices": [choice(i, piece, reason)]})  # fmt: skip
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield _sse({**head, "object": kind, "choices": [], "usage": usage()})
+                    yield _sse("[DONE]")
+                finally:
+                    ended()
 
             return fastapi.responses.StreamingResponse(events(), media_type="text/event-stream")
 
@@ -380,22 +334,49 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
         gone.cancel()
         if not whole.done():  # the client left: cancelling `whole` cancels the requests
             whole.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await whole
+            LOG.info("%s: the client left before the answer; cancelled", first.id)
+            ended()
             return fastapi.responses.Response(status_code=499)
-        ended = whole.result()
+        texts = whole.result()
+        ended()
         if chat:
             results = [{"index": i, "message": {"role": "assistant", "content": text},
                         "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(ended)]  # fmt: skip
+                       for i, (text, reason) in enumerate(texts)]  # fmt: skip
             return {**head, "object": "chat.completion", "choices": results, "usage": usage()}
         return {**head, "object": "text_completion",
-                "choices": [choice(i, text, reason) for i, (text, reason) in enumerate(ended)],
+                "choices": [choice(i, text, reason) for i, (text, reason) in enumerate(texts)],
                 "usage": usage()}  # fmt: skip
+
+    async def tokens_of(text: str, field: str, special: SpecialTokens) -> list[int]:
+        """``text`` tokenised off the event loop (a long text takes a while), after the
+        checks that need no tokenizer (`server_limits`)."""
+        unicode_text(text, field)
+        if surely_too_long(text, engine.max_len, model.token_bytes):
+            raise ApiError(400, f"This model's maximum context length is {engine.max_len} "
+                           f"tokens. However, your {field} is {len(text)} characters long, "
+                           f"more than {engine.max_len} tokens whatever its text. Please "
+                           f"reduce the length of the {field}.", field)  # fmt: skip
+        return await asyncio.to_thread(encode, model.tokenizer, text, special)
+
+    async def chat_prompt(messages: list[Any]) -> list[int]:
+        """The messages through the chat template, tokenised (the template wrote the
+        special tokens), off the event loop."""
+        if model.chat_template is None:
+            raise ApiError(400, f"The model `{model.name}` has no chat template (no "
+                           "chat_template in its tokenizer_config.json): use /v1/completions",
+                           "messages")  # fmt: skip
+        for_template = [message.for_template() for message in messages]
+        text = await asyncio.to_thread(model.chat_template.render, for_template)
+        return await tokens_of(text, "messages", SpecialTokens())
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: fastapi.Request) -> Any:
         served(body.model)
         if isinstance(body.prompt, str):
-            prompt = encode(model.tokenizer, _unicode(body.prompt, "prompt"), model.special)
+            prompt = await tokens_of(body.prompt, "prompt", model.special)
         else:
             prompt = list(body.prompt)
         generations = start(body, prompt, body.max_tokens, "cmpl", "prompt")
@@ -404,22 +385,53 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request) -> Any:
         served(body.model)
-        if model.chat_template is None:
-            raise ApiError(400, f"The model `{model.name}` has no chat template (no "
-                           "chat_template in its tokenizer_config.json): use /v1/completions",
-                           "messages")  # fmt: skip
-        text = model.chat_template.render([message.for_template() for message in body.messages])
-        # the template wrote the special tokens
-        prompt = encode(model.tokenizer, _unicode(text, "messages"), SpecialTokens())
+        prompt = await chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         generations = start(body, prompt, max_tokens, "chatcmpl", "messages")
         return await answer(request, generations, body, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: a prompt's token ids (with the model's special tokens unless
+        ``add_special_tokens`` is false) or messages' through the chat template."""
+        served(body.model)
+        if body.messages is not None:
+            tokens = await chat_prompt(body.messages)
+        else:
+            special = model.special if body.add_special_tokens else SpecialTokens()
+            tokens = await tokens_of(body.prompt, "prompt", special)
+        return {"count": len(tokens), "max_model_len": engine.max_len, "tokens": tokens,
+                "token_strs": None}  # fmt: skip
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's ``/detokenize``: token ids as text (special tokens skipped)."""
+        served(body.model)
+        if any(not 0 <= token < model.vocab for token in body.tokens):
+            raise ApiError(400, f"tokens: token ids must be in [0, {model.vocab})", "tokens")
+        return {"prompt": model.tokenizer.decode(body.tokens)}
+
+    def card() -> dict[str, Any]:
+        return {"id": model.name, "object": "model", "created": model.created,
+                "owned_by": "pallas-flash", "max_model_len": engine.max_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model.name, "object": "model", "created": model.created,
-                "owned_by": "pallas-flash", "max_model_len": engine.max_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_card(name: str) -> dict[str, Any]:
+        served(name)
+        return card()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("pallas-flash-llama")}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> fastapi.responses.Response:
+        text_format = prometheus_client.CONTENT_TYPE_LATEST
+        return fastapi.responses.Response(metrics.exposition(), media_type=text_format)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
