@@ -19,7 +19,7 @@ import pallas_flash as pf
 from pallas_flash_llama import tiny
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.scheduler import Finished, Request, SchedulerStats
-from pallas_flash_llama.tokenizer import TOKENIZER_CONFIG_FILE
+from pallas_flash_llama.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 
 MODEL = "tiny-chat"
 JSON = {"content-type": "application/json"}
@@ -126,8 +126,9 @@ def serving(app: object) -> Iterator[str]:
 
 def chat_model(directory: pathlib.Path) -> tuple[pathlib.Path, LlamaConfig]:
     """The tiny model in ``directory`` with a Llama-2-like tokenizer_config.json and
-    `TEMPLATE`."""
+    `TEMPLATE` there (init-tiny's own template file removed: it would be read first)."""
     config = tiny.init_tiny(directory)
+    (directory / CHAT_TEMPLATE_FILE).unlink()
     settings = {
         "add_bos_token": True,
         "bos_token": "<s>",

@@ -22,7 +22,13 @@ def _train_tiny(model, *, batch_size: int, seq_len: int) -> list[str]:
 def test_init_tiny_generate_train_and_generate_again(tmp_path, capsys) -> None:
     model = tmp_path / "tiny"
     assert main([*OFF, "init-tiny", str(model)]) == 0
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "sample.txt"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "sample.txt",
+    ):
         assert (model / name).exists(), name
     prompt = ["--prompt", "The quick brown"]
     assert (

@@ -23,7 +23,7 @@ from llama_testing import HANG_S
 from prometheus_client.parser import text_string_to_metric_families
 from server_testing import JSON, MODEL, FakeEngine, chat_model, serving
 
-from pallas_flash_llama import server
+from pallas_flash_llama import server, tiny
 from pallas_flash_llama.config import LlamaConfig, get_config
 from pallas_flash_llama.server import make_app
 from pallas_flash_llama.tokenizer import load_tokenizer
@@ -203,6 +203,20 @@ def test_tokenize_detokenize_version_and_the_model_s_card(
     assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", 256)
     other = httpx.get(f"{url}/v1/models/gpt-4")
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_readme_s_tiny_model_chats(tmp_path: pathlib.Path, fake: FakeEngine) -> None:
+    """``init-tiny`` writes a chat template: chat clients (guidellm's default) can talk to
+    the README's model."""
+    config = tiny.init_tiny(tmp_path)
+    with serving(make_app(fake, tmp_path, config, model_name="tiny")) as address:
+        chat = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        reply = chat.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        tokens = httpx.post(f"{address}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    text = load_tokenizer(tmp_path).decode(tokens, skip_special_tokens=False)
+    assert tokens[0] == 1 and text == "<s>system: Be brief.\nuser: hi\nassistant:"
 
 
 def _wait_for(condition: Callable[[], object]) -> bool:

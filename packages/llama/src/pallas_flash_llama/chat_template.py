@@ -23,9 +23,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import pallas_flash as pf
-from pallas_flash_llama.tokenizer import TOKENIZER_CONFIG_FILE
+from pallas_flash_llama.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 
-TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -96,8 +95,8 @@ def load_chat_template(directory: str | pathlib.Path) -> ChatTemplate | None:
     source = _settings(directory).get("chat_template")
     if isinstance(source, list):
         source = {entry.get("name"): entry.get("template") for entry in source}.get("default")
-    if (directory / TEMPLATE_FILE).exists():
-        source = (directory / TEMPLATE_FILE).read_text()
+    if (directory / CHAT_TEMPLATE_FILE).exists():
+        source = (directory / CHAT_TEMPLATE_FILE).read_text()
     if not source:
         return None
     return ChatTemplate(source, special_token_strings(directory))

@@ -40,6 +40,7 @@ from pallas_flash_llama.kv_cache import CACHE_SPLITS
 from pallas_flash_llama.model import init_params
 from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.tokenizer import (
+    CHAT_TEMPLATE_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     encode,
@@ -227,7 +228,7 @@ def _train(args: argparse.Namespace) -> None:
     def save(directory: pathlib.Path) -> None:
         save_params(directory, state.params, config)
         if distributed.is_main():
-            for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+            for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE):
                 if (pathlib.Path(tokenizer_dir) / name).exists():
                     shutil.copy(pathlib.Path(tokenizer_dir) / name, directory / name)
 

@@ -2,7 +2,8 @@
 
 What a downloaded Hugging Face LLaMa directory holds, small enough for a CPU: ``config.json``
 (the ``tiny`` config), ``model.safetensors`` (float32 weights), ``tokenizer.json`` (byte-level
-BPE trained on `SAMPLE_TEXT`), and ``sample.txt`` to train on.
+BPE trained on `SAMPLE_TEXT`), ``chat_template.jinja`` (`CHAT_TEMPLATE`, so that chat
+clients can talk to it), and ``sample.txt`` to train on.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax
 
 from pallas_flash_llama.config import LlamaConfig, get_config
 from pallas_flash_llama.model import init_params
-from pallas_flash_llama.tokenizer import TOKENIZER_FILE, train_byte_level_bpe
+from pallas_flash_llama.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, train_byte_level_bpe
 from pallas_flash_llama.weights import save_params
 
 SAMPLE_FILE = "sample.txt"
@@ -32,6 +33,13 @@ Then it generated text, one token at a time, reading its cache.
 """
 """The text the tiny tokenizer is trained on, and ``sample.txt``."""
 
+CHAT_TEMPLATE = (
+    "<s>{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""The tiny model's chat template: bos (``<s>``), then each message as ``role: content`` on a
+line, then ``assistant:`` for the reply."""
+
 
 def init_tiny(directory: str | pathlib.Path, seed: int = 0) -> LlamaConfig:
     """Writes the tiny model directory (see the module doc) and returns its config."""
@@ -42,5 +50,6 @@ def init_tiny(directory: str | pathlib.Path, seed: int = 0) -> LlamaConfig:
     save_params(directory, params, config)
     lines = SAMPLE_TEXT.splitlines()
     train_byte_level_bpe(lines, config.vocab).save(str(directory / TOKENIZER_FILE))
+    (directory / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
     (directory / SAMPLE_FILE).write_text(SAMPLE_TEXT * 8)
     return config

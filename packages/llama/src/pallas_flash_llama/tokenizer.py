@@ -31,6 +31,9 @@ def load_tokenizer(directory: str | pathlib.Path) -> Tokenizer:
 
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""A directory's chat template on its own (transformers reads it before the one in
+``tokenizer_config.json``: `chat_template.load_chat_template`)."""
 
 
 @dataclasses.dataclass(frozen=True)
