@@ -18,6 +18,7 @@ from llama_testing import HANG_S
 import pallas_flash as pf
 from pallas_flash_llama import tiny
 from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.logprobs import TokenLogprob
 from pallas_flash_llama.scheduler import Finished, Request, SchedulerStats
 from pallas_flash_llama.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 
@@ -31,18 +32,34 @@ TEMPLATE = (
 )
 
 
+def fake_logprob(token: int, count: int) -> TokenLogprob:
+    """`FakeEngine`'s score of ``token``: ``-token / 100``, rank 2, and ``count`` alternatives
+    ``token + 1`` on at ``-(token + 1) / 1000`` on (more likely than it)."""
+    top = tuple((token + 1 + j, -(token + 1 + j) / 1000) for j in range(count))
+    return TokenLogprob(token, -token / 100, 2, top)
+
+
+def fake_prompt_logprobs(request: Request) -> tuple[TokenLogprob | None, ...]:
+    """`FakeEngine`'s scores of a prompt's tokens (`fake_logprob`), with ``prompt_logprobs``."""
+    count = request.prompt_logprobs
+    if count is None:
+        return ()
+    return (None, *(fake_logprob(token, count) for token in request.prompt[1:]))
+
+
 @dataclasses.dataclass
 class _Running:
     request: Request
-    on_token: Callable[[int], None]
+    on_token: Callable[[int, TokenLogprob | None], None]
     on_finish: Callable[[Finished], None]
     tokens: list[int] = dataclasses.field(default_factory=list)
 
 
 class FakeEngine:
     """The engine's interface, deterministic: every ``step_s`` its thread gives each running
-    request its next token, the prompt's ids again in a cycle; stop ids and ``max_tokens`` end
-    a request as the real engine does, `cancel` ends it as ``cancelled``."""
+    request its next token, the prompt's ids again in a cycle (scored by `fake_logprob`
+    where asked); stop ids and ``max_tokens`` end a request as the real engine does, `cancel`
+    ends it as ``cancelled``."""
 
     def __init__(self, max_len: int, step_s: float = 0.003) -> None:
         self.max_len, self.step_s = max_len, step_s
@@ -57,7 +74,7 @@ class FakeEngine:
     def submit(
         self,
         request: Request,
-        on_token: Callable[[int], None],
+        on_token: Callable[[int, TokenLogprob | None], None],
         on_finish: Callable[[Finished], None],
     ) -> None:
         if len(request.prompt) + request.max_tokens > self.max_len:
@@ -94,14 +111,16 @@ class FakeEngine:
                 prompt = run.request.prompt
                 token = prompt[len(run.tokens) % len(prompt)]
                 run.tokens.append(token)
-                run.on_token(token)
+                count = run.request.logprobs
+                run.on_token(token, None if count is None else fake_logprob(token, count))
                 stop = token in run.request.stop_ids
                 if stop or len(run.tokens) == run.request.max_tokens:
                     with self._lock:
                         del self._running[run.request.id]
-                    run.on_finish(
-                        Finished(run.request.id, tuple(run.tokens), "stop" if stop else "length")
-                    )
+                    reason = "stop" if stop else "length"
+                    scores = fake_prompt_logprobs(run.request)
+                    run.on_finish(Finished(run.request.id, tuple(run.tokens), reason,
+                                           prompt_logprobs=scores))  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+import scipy.special
 from jax.sharding import PartitionSpec
 from llama_testing import HANG_S
 
@@ -17,7 +19,8 @@ import pallas_flash as pf
 from pallas_flash_llama import engine_step, generation
 from pallas_flash_llama.config import get_config
 from pallas_flash_llama.engine import Engine
-from pallas_flash_llama.model import init_params
+from pallas_flash_llama.logprobs import TokenLogprob
+from pallas_flash_llama.model import forward, init_params
 from pallas_flash_llama.sampling import Sampling
 from pallas_flash_llama.scheduler import GREEDY, Finished, Request
 from pallas_flash_llama.sharding import make_mesh, param_shardings
@@ -82,7 +85,7 @@ def _arriving(engine: Engine, requests: list[Request], seed: int) -> dict[str, F
         if pending:
             engine.submit(pending.pop(0), on_token, on_finish)
 
-    def on_token(token: int) -> None:
+    def on_token(token: int, logprob: object) -> None:
         if rng.random() < 0.3:
             submit_next()
 
@@ -223,7 +226,7 @@ def test_cancel_ends_a_request_and_frees_its_pages(engine) -> None:
         results.append(result)
         finished.set()
 
-    def cancel_running(token: int) -> None:
+    def cancel_running(token: int, logprob: object) -> None:
         engine.cancel("long")  # after its first token: it ends before the next step
 
     engine.start()
@@ -247,6 +250,46 @@ def test_cancel_ends_a_request_and_frees_its_pages(engine) -> None:
         engine.stop()
     assert results[1:] == [Finished("long", (), "cancelled")]
     assert engine.free_pages == PAGES
+
+
+def test_logprobs_are_the_model_s_log_softmax_in_float64(tiny) -> None:
+    """A greedy request's generated tokens (3 alternatives each) and its prompt's tokens (2),
+    scored in its chunked steps beside a request that asks for none, against float64
+    log-softmax of the model's own logits over the whole sequence. Its prompt is computed
+    though the cache holds it (a plain run's), and its tokens are the plain run's."""
+    config, params = tiny
+    engine = _engine(tiny, PAGES)
+    prompt = tuple(range(3, 14))  # 11 tokens: prefilled over two steps at a budget of 8
+    plain = engine.run_all([Request("plain", prompt, 5)])["plain"]
+    generated, finished = [], []
+    scored = Request("scored", prompt, 5, logprobs=3, prompt_logprobs=2)
+    engine.submit(scored, lambda token, logprob: generated.append(logprob), finished.append)
+    beside = engine.run_all([Request("beside", (7, 8, 9), 4)])["beside"]  # stepped together
+    while not finished:
+        engine._step()
+    assert beside.tokens == engine.run_all([Request("again", (7, 8, 9), 4)])["again"].tokens
+    (done,) = finished
+    assert done.tokens == plain.tokens and done.cached_tokens == 0
+    assert [logprob.token for logprob in generated] == list(plain.tokens)
+
+    sequence = jnp.asarray([[*prompt, *plain.tokens]], jnp.int32)
+    logits = np.asarray(forward(params, sequence, config, backend="xla")[0], np.float64)
+    reference = scipy.special.log_softmax(logits, axis=-1)  # row p scores position p + 1
+
+    def check(logprob: TokenLogprob, position: int, alternatives: int) -> None:
+        row = reference[position - 1]
+        assert logprob.token == sequence[0, position]
+        np.testing.assert_allclose(logprob.logprob, row[logprob.token], atol=1e-4)
+        assert logprob.rank == 1 + np.sum(row > row[logprob.token])
+        assert [t for t, _ in logprob.top] == list(np.argsort(-row)[:alternatives])
+        np.testing.assert_allclose([v for _, v in logprob.top], -np.sort(-row)[:alternatives],
+                                   atol=1e-4)  # fmt: skip
+
+    for i, logprob in enumerate(generated):
+        check(logprob, len(prompt) + i, 3)
+    assert len(done.prompt_logprobs) == len(prompt) and done.prompt_logprobs[0] is None
+    for position, logprob in enumerate(done.prompt_logprobs[1:], start=1):
+        check(logprob, position, 2)
 
 
 @pytest.mark.parametrize(

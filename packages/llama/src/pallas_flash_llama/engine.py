@@ -25,9 +25,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import pallas_flash as pf
 from pallas_flash_llama import sharding
 from pallas_flash_llama.config import LlamaConfig
-from pallas_flash_llama.engine_step import StepBatch, bucket_for, run_step, token_buckets
+from pallas_flash_llama.engine_step import (
+    StepBatch,
+    bucket_for,
+    run_step,
+    run_step_with_logprobs,
+    token_buckets,
+)
 from pallas_flash_llama.generation import inference_params
 from pallas_flash_llama.kv_cache import init_cache
+from pallas_flash_llama.logprobs import MAX_LOGPROBS, RowLogprobs, TokenLogprob, token_logprob
 from pallas_flash_llama.model import Params
 from pallas_flash_llama.scheduler import (
     SEEDS,
@@ -36,6 +43,7 @@ from pallas_flash_llama.scheduler import (
     Scheduler,
     SchedulerStats,
     StepPlan,
+    Work,
 )
 
 
@@ -44,9 +52,23 @@ class _Live:
     """A submitted request that has not ended: its callbacks and tokens generated so far."""
 
     request: Request
-    on_token: Callable[[int], None]
+    on_token: Callable[[int, TokenLogprob | None], None]
     on_finish: Callable[[Finished], None]
     generated: int = 0
+    prompt_logprobs: dict[int, TokenLogprob] = dataclasses.field(default_factory=dict)
+    """With ``prompt_logprobs``: each scored prompt token's, by its position."""
+
+    @property
+    def scored(self) -> bool:
+        """Whether its steps score tokens (`logprobs`)."""
+        return self.request.logprobs is not None or self.request.prompt_logprobs is not None
+
+    def ended(self, finished: Finished) -> Finished:
+        """``finished`` with the prompt's logprobs, where the request asked for them."""
+        if self.request.prompt_logprobs is None:
+            return finished
+        scored = [self.prompt_logprobs.get(p) for p in range(1, len(self.request.prompt))]
+        return dataclasses.replace(finished, prompt_logprobs=(None, *scored))
 
 
 class Engine:
@@ -135,17 +157,25 @@ class Engine:
         with self._lock:
             return self._scheduler.stats()
 
-    def submit(self, request: Request, on_token: Callable[[int], None],
+    def submit(self, request: Request, on_token: Callable[[int, TokenLogprob | None], None],
                on_finish: Callable[[Finished], None]) -> None:  # fmt: skip
-        """Queues ``request``: ``on_token(token)`` is called for each token it generates (the
-        last included), then ``on_finish`` once, from the thread that steps.
+        """Queues ``request``: ``on_token(token, logprob)`` is called for each token it
+        generates (the last included; ``logprob`` None unless the request asks for
+        ``logprobs``), then ``on_finish`` once, from the thread that steps.
 
         Raises:
           pf.InvalidInputError: a prompt token outside the vocabulary, a seed outside ``[0,
-            2**32)``, or what `Scheduler.add` refuses (an empty prompt, ``max_tokens`` below
-            1 or past `max_len`, an id already queued or running).
+            2**32)``, ``logprobs`` or ``prompt_logprobs`` outside ``[0, MAX_LOGPROBS]``, or
+            what `Scheduler.add` refuses (an empty prompt, ``max_tokens`` below 1 or past
+            `max_len`, an id already queued or running).
           RuntimeError: the stepping thread failed (the error is its cause).
         """
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(request, name)
+            if count is not None and not 0 <= count <= MAX_LOGPROBS:
+                raise pf.InvalidInputError(
+                    f"{name}: expected 0 to {MAX_LOGPROBS} alternatives, got {count}"
+                )
         bad = [t for t in request.prompt if not 0 <= t < self.config.vocab]
         if bad:
             raise pf.InvalidInputError(
@@ -210,7 +240,7 @@ class Engine:
                 all_done.set()
 
         for request in requests:
-            self.submit(request, lambda token: None, finish)
+            self.submit(request, lambda token, logprob: None, finish)
         while requests and not all_done.is_set():
             if self._thread is None:
                 self._step()
@@ -244,21 +274,71 @@ class Engine:
                 self._cancels.clear()
                 plan = self._scheduler.schedule()
                 batch = self._batch(plan)
+                scored = [w for w in plan.work if self._live[w.request_id].scored]
+                next_tokens = self._next_tokens(scored, batch) if scored else None
             sampled = np.full(self._scheduler.slots, -1, np.int32)
-            if plan.work:
+            found = None
+            if next_tokens is not None:
+                (sampled, *found), self._cache = run_step_with_logprobs(
+                    self._params, self._cache, batch, next_tokens, self.config, self.backend,
+                    self.mesh,
+                )  # fmt: skip
+                found = jax.device_get(found)
+            elif plan.work:
                 sampled, self._cache = run_step(
                     self._params, self._cache, batch, self.config, self.backend, self.mesh
                 )
-                sampled = np.asarray(sampled)
+            sampled = np.asarray(sampled)
             with self._lock:
-                tokens = [(w.request_id, int(sampled[w.slot])) for w in plan.work if w.sample]
-                finished = cancelled + self._scheduler.commit(plan, dict(tokens))
-                calls = [(self._live[i].on_token, t) for i, t in tokens]
-                for request_id, _ in tokens:
-                    self._live[request_id].generated += 1
-                calls += [(self._live.pop(f.request_id).on_finish, f) for f in finished]
-        for call, argument in calls:
-            call(argument)
+                if found is not None:
+                    self._keep_prompt_logprobs(scored, batch, found[1])
+                tokens = [(w.request_id, int(sampled[w.slot]), w.slot)
+                          for w in plan.work if w.sample]  # fmt: skip
+                finished = cancelled + self._scheduler.commit(
+                    plan, {i: t for i, t, _ in tokens}
+                )  # fmt: skip
+                calls = []
+                for request_id, token, slot in tokens:
+                    live = self._live[request_id]
+                    count = live.request.logprobs
+                    logprob = None if count is None else token_logprob(found[0], slot, token, count)
+                    calls.append((live.on_token, (token, logprob)))
+                    live.generated += 1
+                for f in finished:
+                    live = self._live.pop(f.request_id)
+                    calls.append((live.on_finish, (live.ended(f),)))
+        for call, arguments in calls:
+            call(*arguments)
+
+    def _prompt_rows(self, scored: list[Work], batch: StepBatch) -> list[tuple[_Live, int, int]]:
+        """``(request, row, position)`` of each of the step's rows whose next token is a
+        prompt token at ``position`` that its request asks to score (``prompt_logprobs``)."""
+        rows = []
+        for item in scored:
+            live = self._live[item.request_id]
+            if live.request.prompt_logprobs is None:
+                continue
+            first = int(batch.query_starts[item.slot])
+            for i in range(len(item.tokens)):
+                if item.start + i + 1 < len(live.request.prompt):
+                    rows.append((live, first + i, item.start + i + 1))
+        return rows
+
+    def _next_tokens(self, scored: list[Work], batch: StepBatch) -> np.ndarray:
+        """``[bucket]`` int32: the prompt token after each row's token that a request scores
+        (`_prompt_rows`); -1 elsewhere."""
+        next_tokens = np.full(batch.tokens.shape, -1, np.int32)
+        for live, row, position in self._prompt_rows(scored, batch):
+            next_tokens[row] = live.request.prompt[position]
+        return next_tokens
+
+    def _keep_prompt_logprobs(self, scored: list[Work], batch: StepBatch,
+                              found: RowLogprobs) -> None:  # fmt: skip
+        """Keeps the prompt tokens' logprobs the step scored, by position (a preempted
+        request's recomputed ones overwrite theirs)."""
+        for live, row, position in self._prompt_rows(scored, batch):
+            count, token = live.request.prompt_logprobs, live.request.prompt[position]
+            live.prompt_logprobs[position] = token_logprob(found, row, token, count)
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         """``plan`` as the step's inputs (`engine_step.StepBatch`)."""

@@ -43,6 +43,7 @@ from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.generation import jit_step
 from pallas_flash_llama.kv_cache import KVCache
 from pallas_flash_llama.layers import decoder_layer
+from pallas_flash_llama.logprobs import RowLogprobs, row_logprobs
 from pallas_flash_llama.model import Params, embed, unembed
 from pallas_flash_llama.sampling import sample_rows
 
@@ -132,10 +133,15 @@ def run_step(
 
 
 def step_program(
-    cache: KVCache, config: LlamaConfig, backend: str | None, mesh: Mesh | None = None
+    cache: KVCache,
+    config: LlamaConfig,
+    backend: str | None,
+    mesh: Mesh | None = None,
+    logprobs: bool = False,
 ) -> jax.stages.Wrapped:
     """The jitted step of `run_step` for ``cache`` (its arrays may be abstract, to compile it
-    ahead of time).
+    ahead of time). With ``logprobs``, the program of its own that also scores tokens
+    (`run_step_with_logprobs`).
 
     Raises:
       pf.InvalidInputError: a cache not paged, or with ``mesh`` not split over its kv heads.
@@ -146,10 +152,54 @@ def step_program(
             f"(kv_cache.init_cache(..., split='heads')); got paged={cache.paged}, "
             f"split={cache.split!r}"
         )
-    return jit_step(_step, cache, config, backend, mesh)
+    return jit_step(_step_with_logprobs if logprobs else _step, cache, config, backend, mesh)
+
+
+def run_step_with_logprobs(
+    params: Params,
+    cache: KVCache,
+    batch: StepBatch,
+    next_tokens: jax.Array,
+    config: LlamaConfig,
+    backend: str | None,
+    mesh: Mesh | None = None,
+) -> tuple[tuple[jax.Array, RowLogprobs, RowLogprobs], KVCache]:
+    """`run_step`, and the logprobs (`logprobs.row_logprobs`) of each slot's sampled token
+    (``[slots]`` rows) and of ``next_tokens [bucket]`` int32, the token after each of the
+    step's tokens to score (-1: none; a prompt's next token, for ``prompt_logprobs``), every
+    one from the raw logits of its row. The sampled tokens are drawn from the same logits
+    as `run_step`'s, computed for every row."""
+    program = step_program(cache, config, backend, mesh, logprobs=True)
+    return program(params, cache, batch, next_tokens)
 
 
 def _step(params, cache, batch, config, backend, mesh):
+    x, cache = _forward(params, cache, batch, config, backend, mesh)
+    logits = unembed(params, x[0, jnp.maximum(batch.sample_rows, 0)], config)
+    return _sample(logits, batch), cache
+
+
+def _step_with_logprobs(params, cache, batch, next_tokens, config, backend, mesh):
+    x, cache = _forward(params, cache, batch, config, backend, mesh)
+    every = unembed(params, x[0], config)  # [bucket, vocab]
+    logits = every[jnp.maximum(batch.sample_rows, 0)]
+    sampled = _sample(logits, batch)
+    return (sampled, row_logprobs(logits, sampled), row_logprobs(every, next_tokens)), cache
+
+
+def _sample(logits: jax.Array, batch: StepBatch) -> jax.Array:
+    """Each sampling slot's next token from its ``logits [slots, vocab]`` (-1 for the
+    others), drawn with a key folded from its request's seed and the token's index."""
+    keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
+        batch.seeds, batch.counts
+    )
+    tokens = sample_rows(logits, keys, batch.temperature, batch.top_k, batch.top_p)
+    return jnp.where(batch.sample_rows >= 0, tokens, -1)
+
+
+def _forward(params, cache, batch, config, backend, mesh):
+    """The step's tokens through the model: hidden states ``[1, bucket, embed]`` and the
+    cache with their K/V written."""
     pages = dataclasses.replace(cache.pages, page_table=batch.page_table)
     cache = dataclasses.replace(cache, pages=pages)
     places = token_places(batch.query_starts, batch.kv_lengths, batch.tokens.shape[0])
@@ -163,10 +213,4 @@ def _step(params, cache, batch, config, backend, mesh):
                                    mesh=mesh)  # fmt: skip
         x, layer_cache = decoder_layer(x, layer, places.position[None], attend, config, mesh)
         layers.append(layer_cache)
-    logits = unembed(params, x[0, jnp.maximum(batch.sample_rows, 0)], config)
-    keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(
-        batch.seeds, batch.counts
-    )
-    tokens = sample_rows(logits, keys, batch.temperature, batch.top_k, batch.top_p)
-    sampled = jnp.where(batch.sample_rows >= 0, tokens, -1)
-    return sampled, cache.with_layers(layers, batch.kv_lengths)
+    return x, cache.with_layers(layers, batch.kv_lengths)

@@ -2,12 +2,14 @@
 
 Only what `server` serves: ``/v1/completions`` and ``/v1/chat/completions`` with ``n``
 choices (up to `MAX_CHOICES`), text or token-id prompts, temperature, top-p, seed, stop
-strings and streaming, and vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
-``include_stop_str_in_output`` (as vLLM's ``SamplingParams`` define them).
+strings, streaming, ``logprobs`` (completions: an int, with ``echo`` the prompt's too; chat:
+``logprobs`` and ``top_logprobs``), and vLLM's extensions ``top_k``, ``stop_token_ids``,
+``ignore_eos``, ``include_stop_str_in_output`` and ``prompt_logprobs`` (as vLLM's
+``SamplingParams`` define them; a prompt's logprobs only in a whole answer, not streamed).
 
 No field is accepted and then ignored (`refuse_unserved`): a field of OpenAI's or vLLM's API
 that this server does not implement is refused with a 400 naming it unless it holds its no-op
-value (`NO_OP_VALUES`: ``presence_penalty: 0``, ``logprobs: false``, ...); fields that only
+value (`NO_OP_VALUES`: ``presence_penalty: 0``, ``logit_bias: {}``, ...); fields that only
 name or file the request (`BOOKKEEPING`: ``user``, ``metadata``, ...) are accepted; any other
 field is refused as OpenAI refuses it ("Unrecognized request argument").
 """
@@ -18,13 +20,15 @@ from typing import Any, Literal
 
 import pydantic
 
+from pallas_flash_llama.logprobs import MAX_LOGPROBS
+
 MAX_CHOICES = 16
 """The most choices (``n``) one request may ask for; each is a sequence of its own in the
 engine."""
 
 NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     # OpenAI's
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "echo": (False,), "best_of": (1,),
     "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0), "response_format": ({"type": "text"},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
@@ -32,7 +36,7 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     "verbosity": (), "web_search_options": (),
     # vLLM's extensions
     "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,),
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "prompt_logprobs": (),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "add_special_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
@@ -93,6 +97,23 @@ class _Sampled(pydantic.BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @pydantic.model_validator(mode="after")
+    def _prompt_logprobs_whole(self) -> _Sampled:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not supported with stream")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per generated token to score, or None: none scored."""
+        return None
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """Alternatives per prompt token to score, or None: none scored."""
+        return self.prompt_logprobs
 
     @pydantic.field_validator("stop")
     @classmethod
@@ -132,6 +153,24 @@ class CompletionRequest(_Sampled):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = pydantic.Field(16, ge=1)
+    logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _echo_scored_whole(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo: with logprobs, not supported with stream")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` the prompt's tokens' ``logprobs``."""
+        counts = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((c for c in counts if c is not None), default=None)
 
     @pydantic.field_validator("prompt")
     @classmethod
@@ -176,6 +215,18 @@ class ChatCompletionRequest(_Sampled):
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_tokens: int | None = pydantic.Field(None, ge=1)
     max_completion_tokens: int | None = pydantic.Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @pydantic.model_validator(mode="after")
+    def _top_with_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: expected logprobs set to true with it")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(pydantic.BaseModel):

@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import pallas_flash as pf
+from pallas_flash_llama.logprobs import TokenLogprob
 from pallas_flash_llama.page_pool import ROOT, PagePool, page_keys
 from pallas_flash_llama.sampling import Sampling
 
@@ -49,8 +50,11 @@ SEEDS = 2**32
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One request: ``prompt`` token ids, at most ``max_tokens`` tokens generated, ending early
-    at any of ``stop_ids``; the engine samples its tokens by ``sampling`` with ``seed`` (the
-    scheduler does not read them)."""
+    at any of ``stop_ids``; the engine samples its tokens by ``sampling`` with ``seed`` and,
+    where they are not None, scores each generated token with ``logprobs`` alternatives and
+    each prompt token after the first with ``prompt_logprobs`` (`logprobs`; the scheduler
+    reads only ``prompt_logprobs``: such a request computes its whole prompt, no prefix
+    taken from the cache)."""
 
     id: str
     prompt: tuple[int, ...]
@@ -58,6 +62,8 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     sampling: Sampling = GREEDY
     seed: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -106,12 +112,14 @@ class StepPlan:
 class Finished:
     """A request that ended: its generated tokens and why (``stop``, ``length`` or
     ``cancelled``); ``cached_tokens``: its prompt tokens found in the prefix cache when it
-    was first admitted."""
+    was first admitted; ``prompt_logprobs``: with `Request.prompt_logprobs`, each prompt
+    token's (None for the first, and for those not computed: a request cancelled first)."""
 
     request_id: str
     tokens: tuple[int, ...]
     reason: str
     cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +239,7 @@ class Scheduler:
         """Gives an admitted ``seq`` the cached pages of its longest cached prefix, short of
         its last token (which the step computes, to sample after it)."""
         keys = page_keys(seq.tokens[:-1], self.page_size)
-        seq.pages = self.pool.match(keys)
+        seq.pages = [] if seq.request.prompt_logprobs is not None else self.pool.match(keys)
         seq.keys = keys[: len(seq.pages)]
         seq.cached = len(seq.pages) * self.page_size
         if seq.cached_prompt is None:

@@ -19,10 +19,13 @@ lines, then ``data: [DONE]``), ``GET /v1/models`` and ``/v1/models/{id}``, and v
   cut before them, and the request is cancelled. Neither the stop token nor the stop string is
   in the text (OpenAI's behaviour) unless ``include_stop_str_in_output`` (vLLM's: the stop
   token decoded as the rest, special tokens skipped; the text cut after the stop string).
-- **Threads.** The engine calls ``on_token`` and ``on_finish`` from its own thread; each is
-  handed to the event loop with ``loop.call_soon_threadsafe`` into the request's
-  ``asyncio.Queue``. A client that disconnects before its request ends gets it cancelled in
-  the engine (``engine.cancel``), which frees its pages, and one log line.
+- **Threads.** The engine calls back from its own thread; `engine_bridge.Choice` hands each
+  call to the event loop. A client that disconnects before its request ends gets it
+  cancelled in the engine, which frees its pages, and one log line.
+- **Logprobs** (`openai_logprobs`): completions' ``logprobs`` (with ``echo``, the prompt's
+  tokens' first, the first unscored), chat's ``logprobs`` and ``top_logprobs``, vLLM's
+  ``prompt_logprobs``: the engine scores the tokens (`logprobs`), a request that scores its
+  prompt computing it whole.
 - **Metrics.** Each request, once it ends, is counted and timed (`server_metrics`) and
   logged in one line.
 - **Choices.** A request for ``n`` choices submits ``n`` sequences of the same prompt to the
@@ -47,8 +50,8 @@ import pathlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 import fastapi
 import fastapi.exceptions
@@ -58,6 +61,7 @@ import starlette.exceptions
 
 import pallas_flash as pf
 from pallas_flash_llama.config import LlamaConfig
+from pallas_flash_llama.engine_bridge import Choice, Engine, interleaved
 from pallas_flash_llama.openai_api import (
     ApiError,
     ChatCompletionRequest,
@@ -67,8 +71,14 @@ from pallas_flash_llama.openai_api import (
     error_body,
     refuse_unserved,
 )
+from pallas_flash_llama.openai_logprobs import (
+    Scored,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from pallas_flash_llama.sampling import Sampling
-from pallas_flash_llama.scheduler import SEEDS, Finished, Request, SchedulerStats
+from pallas_flash_llama.scheduler import SEEDS, Request
 from pallas_flash_llama.served_model import load_served_model
 from pallas_flash_llama.server_limits import (
     MAX_REQUEST_BYTES,
@@ -76,100 +86,9 @@ from pallas_flash_llama.server_limits import (
     surely_too_long,
     unicode_text,
 )
-from pallas_flash_llama.server_metrics import LOG, RequestTimes, ServingMetrics
+from pallas_flash_llama.server_metrics import LOG, ServingMetrics
 from pallas_flash_llama.text_stream import TextStream
 from pallas_flash_llama.tokenizer import SpecialTokens, encode
-
-
-class Engine(Protocol):
-    """What the server needs of `pallas_flash_llama.engine.Engine`."""
-
-    @property
-    def max_len(self) -> int: ...
-
-    def submit(self, request: Request, on_token: Callable[[int], None],
-               on_finish: Callable[[Finished], None]) -> None: ...  # fmt: skip
-
-    def cancel(self, request_id: str) -> None: ...
-
-    def stats(self) -> SchedulerStats: ...
-
-
-class _Generation:
-    """One request in the engine, its callbacks bridged into an asyncio queue."""
-
-    def __init__(self, engine: Engine, request: Request, text: TextStream) -> None:
-        self.engine, self.request, self.text = engine, request, text
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[int | Finished] = asyncio.Queue()
-        self.times = RequestTimes()
-        self.cached_tokens = 0  # prompt tokens the prefix cache held, once it ends
-        self.reason: str | None = None  # why the engine ended it, once it has
-        self.done = False
-        engine.submit(request, self._post, self._post)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens the request has generated so far."""
-        return self.times.tokens
-
-    def _post(self, item: int | Finished) -> None:  # the engine's thread
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for the request
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, finish reason or None) as the request advances; the last has its reason.
-        It ends when the engine has ended the request (a stop string cancels it there first).
-        Leaving early (a client gone) cancels the request in the engine."""
-        stopped = False
-        try:
-            while not self.done:
-                item = await self.queue.get()
-                if isinstance(item, Finished):
-                    self.done, self.cached_tokens = True, item.cached_tokens
-                    self.reason = "stop" if stopped else item.reason
-                    if not stopped:
-                        yield self.text.flush(), item.reason
-                    continue
-                if stopped:  # sampled before the engine took the cancel
-                    continue
-                self.times.token()
-                piece, stopped = self.text.push(item)
-                if stopped:
-                    self.engine.cancel(self.request.id)
-                    yield piece, "stop"
-                elif piece:
-                    yield piece, None
-        finally:
-            if not self.done:
-                self.engine.cancel(self.request.id)
-
-
-async def _interleaved(
-    generations: list[_Generation],
-) -> AsyncIterator[tuple[int, str, str | None]]:
-    """``(choice index, text, finish reason or None)`` of every generation, as each comes.
-    Leaving early cancels those not ended (`_Generation.pieces`)."""
-    merged: asyncio.Queue[tuple[int, str, str | None] | None] = asyncio.Queue()
-
-    async def forward(index: int, generation: _Generation) -> None:
-        async for piece, reason in generation.pieces():
-            await merged.put((index, piece, reason))
-        await merged.put(None)
-
-    tasks = [asyncio.ensure_future(forward(i, g)) for i, g in enumerate(generations)]
-    try:
-        ended = 0
-        while ended < len(tasks):
-            item = await merged.get()
-            if item is None:
-                ended += 1
-            else:
-                yield item
-        await asyncio.gather(*tasks)  # a failure in one is the response's
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 async def _disconnected(request: fastapi.Request) -> None:
@@ -190,7 +109,10 @@ def _validation_error(error: fastapi.exceptions.RequestValidationError) -> ApiEr
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     prefix = f"{'.'.join(loc)}: " if loc and not message.startswith(f"{loc[0]}:") else ""
-    return ApiError(400, prefix + message, param=loc[0] if loc else None)
+    # a check across fields names its field first: "prompt_logprobs: ..."
+    named = message.split(":", 1)[0] if ":" in message else ""
+    param = loc[0] if loc else named if named.isidentifier() else None
+    return ApiError(400, prefix + message, param=param)
 
 
 def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
@@ -230,7 +152,7 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             raise ApiError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
     def start(body: CompletionRequest | ChatCompletionRequest, prompt: list[int],
-              max_tokens: int | None, prefix: str, field: str) -> list[_Generation]:  # fmt: skip
+              max_tokens: int | None, prefix: str, field: str) -> list[Choice]:  # fmt: skip
         """Checks the request against the context, and submits its ``n`` choices."""
         if any(not 0 <= token < model.vocab for token in prompt):
             raise ApiError(400, f"{field}: token ids must be in [0, {model.vocab})", field)
@@ -258,7 +180,7 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
         top_k = None if body.top_k is None or body.top_k < 1 else body.top_k
         first = f"{prefix}-{uuid.uuid4().hex}"
         seed = secrets.randbits(31) if body.seed is None else body.seed
-        generations = []
+        choices = []
         for i in range(body.n):
             request = Request(
                 id=first if i == 0 else f"{first}-{i}",
@@ -267,52 +189,69 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
                 stop_ids=tuple(sorted(stop_ids)),
                 sampling=Sampling(body.temperature, top_k, body.top_p),
                 seed=(seed + i) % SEEDS,
+                logprobs=body.logprob_count,
+                prompt_logprobs=body.prompt_logprob_count,
             )
             text = TextStream(model.tokenizer, body.stop_strings, stop_ids,
                               body.include_stop_str_in_output)  # fmt: skip
-            generations.append(_Generation(engine, request, text))
-        return generations
+            choices.append(Choice(engine, request, text))
+        return choices
 
-    async def answer(request: fastapi.Request, generations: list[_Generation],
+    async def answer(request: fastapi.Request, choices: list[Choice],
                      body: CompletionRequest | ChatCompletionRequest, chat: bool,
-                     ) -> fastapi.responses.Response | dict[str, Any]:  # fmt: skip
-        """The response: streamed chunks, or the whole texts once every choice ends; either
-        way the request is counted in the metrics and logged once it ends."""
-        first = generations[0].request
+                     echo: str = "") -> fastapi.responses.Response | dict[str, Any]:  # fmt: skip
+        """The response: streamed chunks, or the whole texts once every choice ends, each
+        completion's led by ``echo`` (the prompt's text, with ``echo``); either way the
+        request is counted in the metrics and logged once it ends."""
+        first = choices[0].request
         head = {"id": first.id, "created": int(time.time()), "model": model.name}
+        count = body.logprob_count
 
         def ended() -> None:
-            metrics.finished(first.id, len(first.prompt), generations[0].cached_tokens,
-                             [g.times for g in generations],
-                             [g.reason for g in generations])  # fmt: skip
+            metrics.finished(first.id, len(first.prompt), choices[0].cached_tokens,
+                             [c.times for c in choices], [c.reason for c in choices])  # fmt: skip
 
         def usage() -> dict[str, Any]:
-            prompt, completion = len(first.prompt), sum(g.tokens for g in generations)
-            cached = {"cached_tokens": generations[0].cached_tokens}
+            prompt, completion = len(first.prompt), sum(c.tokens for c in choices)
+            cached = {"cached_tokens": choices[0].cached_tokens}
             return {"prompt_tokens": prompt, "completion_tokens": completion,
                     "total_tokens": prompt + completion,
                     "prompt_tokens_details": cached}  # fmt: skip
 
-        def choice(index: int, piece: str, reason: str | None,
-                   delta: dict[str, str] | None = None) -> dict:  # fmt: skip
+        def scored_logprobs(scored: list[Scored], offset: int) -> dict[str, Any] | None:
+            if count is None:
+                return None
             if chat:
-                return {"index": index, "delta": {"content": piece} if delta is None else delta,
-                        "logprobs": None, "finish_reason": reason}  # fmt: skip
-            return {"index": index, "text": piece, "logprobs": None, "finish_reason": reason}
+                return chat_logprobs(model.tokenizer, [lp for _, lp in scored if lp])
+            return completion_logprobs(model.tokenizer, scored, count, offset)
+
+        def entry(index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None,
+                  delta: dict[str, str] | None = None) -> dict:  # fmt: skip
+            if chat:
+                return {"index": index, "delta": {"content": text} if delta is None else delta,
+                        "logprobs": logprobs, "finish_reason": reason}  # fmt: skip
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         if body.stream:
             kind = "chat.completion.chunk" if chat else "text_completion"
 
+            def chunk(index: int, *choice: Any) -> str:
+                return _sse({**head, "object": kind, "choices": [entry(index, *choice)]})
+
             async def events() -> AsyncIterator[str]:
+                offsets = [len(echo)] * len(choices)  # of the next token's text, a choice's
                 try:
-                    if chat:
-                        opening = {"role": "assistant", "content": ""}
-                        for i in range(len(generations)):
-                            yield _sse({**head, "object": kind,
-                                        "choices": [choice(i, "", None, opening)]})  # fmt: skip
-                    async for i, piece, reason in _interleaved(generations):
-                        yield _sse({**head, "object": kind,
-                                    "choices": [choice(i, piece, reason)]})  # fmt: skip
+                    for i in range(len(choices)):
+                        if chat:
+                            yield chunk(i, "", None, None, {"role": "assistant", "content": ""})
+                        elif echo:
+                            yield chunk(i, echo, None, None)
+                    async for i, piece in interleaved(choices):
+                        scored = [(lp.token, lp) for lp in piece.scored]
+                        logprobs = scored_logprobs(scored, offsets[i])
+                        if logprobs is not None and not chat:
+                            offsets[i] += sum(map(len, logprobs["tokens"]))
+                        yield chunk(i, piece.text, piece.reason, logprobs)
                     if body.stream_options and body.stream_options.include_usage:
                         yield _sse({**head, "object": kind, "choices": [], "usage": usage()})
                     yield _sse("[DONE]")
@@ -321,14 +260,11 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
 
             return fastapi.responses.StreamingResponse(events(), media_type="text/event-stream")
 
-        async def collect(generation: _Generation) -> tuple[str, str | None]:
-            pieces, last = [], None
-            async for piece, reason in generation.pieces():
-                pieces.append(piece)
-                last = reason
-            return "".join(pieces), last
+        async def collect(choice: Choice) -> tuple[str, str | None]:
+            pieces = [piece async for piece in choice.pieces()]
+            return "".join(piece.text for piece in pieces), pieces[-1].reason if pieces else None
 
-        whole = asyncio.ensure_future(asyncio.gather(*map(collect, generations)))
+        whole = asyncio.ensure_future(asyncio.gather(*map(collect, choices)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -341,14 +277,28 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             return fastapi.responses.Response(status_code=499)
         texts = whole.result()
         ended()
-        if chat:
-            results = [{"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(texts)]  # fmt: skip
-            return {**head, "object": "chat.completion", "choices": results, "usage": usage()}
-        return {**head, "object": "text_completion",
-                "choices": [choice(i, text, reason) for i, (text, reason) in enumerate(texts)],
-                "usage": usage()}  # fmt: skip
+        results = []
+        for i, (choice, (text, reason)) in enumerate(zip(choices, texts, strict=True)):
+            scored: list[Scored] = [(lp.token, lp) for lp in choice.logprobs]
+            if echo and count is not None:  # the prompt's tokens first, the first unscored
+                scored = [*zip(first.prompt, choice.prompt_logprobs, strict=True), *scored]
+            logprobs = scored_logprobs(scored, 0)
+            if chat:
+                results.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": reason})  # fmt: skip
+                continue
+            results.append(entry(i, echo + text, reason, logprobs))
+            if body.prompt_logprobs is not None:
+                results[-1]["prompt_logprobs"] = prompt_logprobs(
+                    model.tokenizer, choice.prompt_logprobs, body.prompt_logprobs
+                )  # fmt: skip
+        answered = {**head, "object": "chat.completion" if chat else "text_completion",
+                    "choices": results, "usage": usage()}  # fmt: skip
+        if chat and body.prompt_logprobs is not None:  # vLLM's: the response's, for chat
+            answered["prompt_logprobs"] = prompt_logprobs(
+                model.tokenizer, choices[0].prompt_logprobs, body.prompt_logprobs
+            )  # fmt: skip
+        return answered
 
     async def tokens_of(text: str, field: str, special: SpecialTokens) -> list[int]:
         """``text`` tokenised off the event loop (a long text takes a while), after the
@@ -379,16 +329,19 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             prompt = await tokens_of(body.prompt, "prompt", model.special)
         else:
             prompt = list(body.prompt)
-        generations = start(body, prompt, body.max_tokens, "cmpl", "prompt")
-        return await answer(request, generations, body, chat=False)
+        choices = start(body, prompt, body.max_tokens, "cmpl", "prompt")
+        if not body.echo:
+            return await answer(request, choices, body, chat=False)
+        echo = body.prompt if isinstance(body.prompt, str) else model.tokenizer.decode(prompt)
+        return await answer(request, choices, body, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request) -> Any:
         served(body.model)
         prompt = await chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        generations = start(body, prompt, max_tokens, "chatcmpl", "messages")
-        return await answer(request, generations, body, chat=True)
+        choices = start(body, prompt, max_tokens, "chatcmpl", "messages")
+        return await answer(request, choices, body, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
