@@ -27,6 +27,7 @@ from server_testing import JSON, MODEL, FakeEngine, chat_model, serving
 
 from pallas_flash_llama import cli
 from pallas_flash_llama.config import LlamaConfig, get_config
+from pallas_flash_llama.logit_processing import LogitProcessing
 from pallas_flash_llama.scheduler import Request
 from pallas_flash_llama.server import make_app
 from pallas_flash_llama.text_stream import TextStream
@@ -211,9 +212,18 @@ def test_no_chat_template(model_dir: tuple, fake: FakeEngine, tmp_path: pathlib.
             "echo",
             "echo: with logprobs, not supported with stream",
         ),
-        ({"model": MODEL, "prompt": "hi", "presence_penalty": 99}, 400, "presence_penalty", ""),
-        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": -100}}, 400, "logit_bias", ""),
-        ({"model": MODEL, "prompt": "hi", "min_tokens": 3}, 400, "min_tokens", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 99}, 400, "presence_penalty", "2"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias", "ids as"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"9999": 1}}, 400, "logit_bias", "[0,"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "100]"),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", ""),
+        ({"model": MODEL, "prompt": "hi", "min_p": 2}, 400, "min_p", "less than or equal to 1"),
+        (
+            {"model": MODEL, "prompt": "hi", "min_tokens": 5, "max_tokens": 2},
+            400,
+            "min_tokens",
+            "at most max_tokens (2)",
+        ),
         (
             {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}},
             400,
@@ -301,6 +311,36 @@ def test_ignore_eos_and_stop_token_ids_as_vllm_s(
         extra_body={"stop_token_ids": [brown], "include_stop_str_in_output": True},
     )  # fmt: skip
     assert kept.choices[0].text == "The quick brown"
+
+
+def test_logit_edits_reach_the_engine(client: openai.OpenAI, fake: FakeEngine) -> None:
+    """``logit_bias``, the penalties, ``min_p`` and ``min_tokens`` as the request's logit
+    processing (`logit_processing`, whose tests hold its definitions against vLLM's); none
+    asked, none sent."""
+    edits = {"logit_bias": {"5": -100, "17": 2.5}, "presence_penalty": 0.5,
+             "frequency_penalty": -0.25, "repetition_penalty": 1.2, "min_p": 0.1,
+             "min_tokens": 2}  # fmt: skip
+    reply = client.completions.create(model=MODEL, prompt="The quick", max_tokens=4,
+                                      extra_body=edits)  # fmt: skip
+    assert _request(fake, reply.id).processing == LogitProcessing(
+        logit_bias=((5, -100.0), (17, 2.5)), min_tokens=2, presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.2, min_p=0.1,
+    )  # fmt: skip
+    plain = client.completions.create(model=MODEL, prompt="The quick", max_tokens=1)
+    assert _request(fake, plain.id).processing is None
+
+
+def test_no_stop_string_within_min_tokens(client: openai.OpenAI) -> None:
+    """vLLM's ``min_tokens``: a stop string in the text of the first ``min_tokens`` tokens
+    does not end the request (the fake engine echoes the prompt, bos first: bos, The, quick,
+    The, ...; the stop string spans tokens, so the text finds it, not the engine)."""
+    prompt = "The quick The quick brown"
+    early = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stop="k The")
+    assert (early.choices[0].text, early.choices[0].finish_reason) == ("The quic", "stop")
+    late = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stop="k The",
+                                     extra_body={"min_tokens": 4})  # fmt: skip
+    assert late.choices[0].text.startswith("The quick The quick brown")
+    assert late.choices[0].finish_reason == "length"
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import jax
@@ -27,13 +28,15 @@ from pallas_flash_llama import sharding
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.engine_step import (
     StepBatch,
+    StepExtras,
     bucket_for,
     run_step,
-    run_step_with_logprobs,
+    run_step_with,
     token_buckets,
 )
 from pallas_flash_llama.generation import inference_params
 from pallas_flash_llama.kv_cache import init_cache
+from pallas_flash_llama.logit_processing import LogitEdits
 from pallas_flash_llama.logprobs import MAX_LOGPROBS, RowLogprobs, TokenLogprob, token_logprob
 from pallas_flash_llama.model import Params
 from pallas_flash_llama.scheduler import (
@@ -57,11 +60,16 @@ class _Live:
     generated: int = 0
     prompt_logprobs: dict[int, TokenLogprob] = dataclasses.field(default_factory=dict)
     """With ``prompt_logprobs``: each scored prompt token's, by its position."""
+    output: Counter[int] = dataclasses.field(default_factory=Counter)
+    """Its generated tokens' counts (for its logit processing's penalties)."""
 
     @property
-    def scored(self) -> bool:
-        """Whether its steps score tokens (`logprobs`)."""
-        return self.request.logprobs is not None or self.request.prompt_logprobs is not None
+    def extra(self) -> bool:
+        """Whether its steps score tokens (`logprobs`) or edit its logits
+        (`logit_processing`): the step program of its own (`engine_step.run_step_with`)."""
+        request = self.request
+        asks = (request.logprobs, request.prompt_logprobs, request.processing)
+        return any(ask is not None for ask in asks)
 
     def ended(self, finished: Finished) -> Finished:
         """``finished`` with the prompt's logprobs, where the request asked for them."""
@@ -274,13 +282,13 @@ class Engine:
                 self._cancels.clear()
                 plan = self._scheduler.schedule()
                 batch = self._batch(plan)
-                scored = [w for w in plan.work if self._live[w.request_id].scored]
-                next_tokens = self._next_tokens(scored, batch) if scored else None
+                scored = [w for w in plan.work if self._live[w.request_id].extra]
+                extras = self._extras(scored, batch) if scored else None
             sampled = np.full(self._scheduler.slots, -1, np.int32)
             found = None
-            if next_tokens is not None:
-                (sampled, *found), self._cache = run_step_with_logprobs(
-                    self._params, self._cache, batch, next_tokens, self.config, self.backend,
+            if extras is not None:
+                (sampled, *found), self._cache = run_step_with(
+                    self._params, self._cache, batch, extras, self.config, self.backend,
                     self.mesh,
                 )  # fmt: skip
                 found = jax.device_get(found)
@@ -290,7 +298,7 @@ class Engine:
                 )
             sampled = np.asarray(sampled)
             with self._lock:
-                if found is not None:
+                if found is not None and found[1] is not None:
                     self._keep_prompt_logprobs(scored, batch, found[1])
                 tokens = [(w.request_id, int(sampled[w.slot]), w.slot)
                           for w in plan.work if w.sample]  # fmt: skip
@@ -304,6 +312,7 @@ class Engine:
                     logprob = None if count is None else token_logprob(found[0], slot, token, count)
                     calls.append((live.on_token, (token, logprob)))
                     live.generated += 1
+                    live.output[token] += 1
                 for f in finished:
                     live = self._live.pop(f.request_id)
                     calls.append((live.on_finish, (live.ended(f),)))
@@ -323,6 +332,24 @@ class Engine:
                 if item.start + i + 1 < len(live.request.prompt):
                     rows.append((live, first + i, item.start + i + 1))
         return rows
+
+    def _extras(self, scored: list[Work], batch: StepBatch) -> StepExtras:
+        """The step's `StepExtras` for the work ``scored`` of requests that ask for them:
+        the prompt tokens to score, and the logit edits of the slots that sample."""
+        prompts = any(self._live[w.request_id].request.prompt_logprobs is not None
+                      for w in scored)  # fmt: skip
+        rows = []
+        for item in scored:
+            live = self._live[item.request_id]
+            processing = live.request.processing
+            if processing is not None and item.sample:
+                request = live.request
+                edited = processing.tokens_edited(request.prompt, live.output, request.stop_ids)
+                rows.append((item.slot, processing, edited))
+        return StepExtras(
+            self._next_tokens(scored, batch) if prompts else None,
+            LogitEdits.build(self._scheduler.slots, rows) if rows else None,
+        )
 
     def _next_tokens(self, scored: list[Work], batch: StepBatch) -> np.ndarray:
         """``[bucket]`` int32: the prompt token after each row's token that a request scores

@@ -43,6 +43,7 @@ from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.generation import jit_step
 from pallas_flash_llama.kv_cache import KVCache
 from pallas_flash_llama.layers import decoder_layer
+from pallas_flash_llama.logit_processing import LogitEdits, apply_edits
 from pallas_flash_llama.logprobs import RowLogprobs, row_logprobs
 from pallas_flash_llama.model import Params, embed, unembed
 from pallas_flash_llama.sampling import sample_rows
@@ -137,11 +138,11 @@ def step_program(
     config: LlamaConfig,
     backend: str | None,
     mesh: Mesh | None = None,
-    logprobs: bool = False,
+    extras: bool = False,
 ) -> jax.stages.Wrapped:
     """The jitted step of `run_step` for ``cache`` (its arrays may be abstract, to compile it
-    ahead of time). With ``logprobs``, the program of its own that also scores tokens
-    (`run_step_with_logprobs`).
+    ahead of time). With ``extras``, the program of its own that also scores tokens or edits
+    logits (`run_step_with`).
 
     Raises:
       pf.InvalidInputError: a cache not paged, or with ``mesh`` not split over its kv heads.
@@ -152,25 +153,38 @@ def step_program(
             f"(kv_cache.init_cache(..., split='heads')); got paged={cache.paged}, "
             f"split={cache.split!r}"
         )
-    return jit_step(_step_with_logprobs if logprobs else _step, cache, config, backend, mesh)
+    return jit_step(_step_with if extras else _step, cache, config, backend, mesh)
 
 
-def run_step_with_logprobs(
+class StepExtras(NamedTuple):
+    """What a step does beyond `run_step` (`run_step_with`), each None where it is not done.
+
+    Attributes:
+      next_tokens: ``[bucket]`` int32, the token after each of the step's tokens to score
+        (-1: none; a prompt's next token, for ``prompt_logprobs``); None: the step scores
+        only the sampled tokens.
+      edits: the slots' logit edits before sampling (`logit_processing`).
+    """
+
+    next_tokens: jax.Array | None = None
+    edits: LogitEdits | None = None
+
+
+def run_step_with(
     params: Params,
     cache: KVCache,
     batch: StepBatch,
-    next_tokens: jax.Array,
+    extras: StepExtras,
     config: LlamaConfig,
     backend: str | None,
     mesh: Mesh | None = None,
-) -> tuple[tuple[jax.Array, RowLogprobs, RowLogprobs], KVCache]:
-    """`run_step`, and the logprobs (`logprobs.row_logprobs`) of each slot's sampled token
-    (``[slots]`` rows) and of ``next_tokens [bucket]`` int32, the token after each of the
-    step's tokens to score (-1: none; a prompt's next token, for ``prompt_logprobs``), every
-    one from the raw logits of its row. The sampled tokens are drawn from the same logits
-    as `run_step`'s, computed for every row."""
-    program = step_program(cache, config, backend, mesh, logprobs=True)
-    return program(params, cache, batch, next_tokens)
+) -> tuple[tuple[jax.Array, RowLogprobs, RowLogprobs | None], KVCache]:
+    """`run_step` in a program of its own (one per structure of ``extras``), whose sampled
+    tokens are drawn from logits edited by ``extras.edits``; it also returns the logprobs
+    (`logprobs.row_logprobs`) of each slot's sampled token (``[slots]`` rows) and, with
+    ``extras.next_tokens``, of those tokens, all from the raw logits of their rows."""
+    program = step_program(cache, config, backend, mesh, extras=True)
+    return program(params, cache, batch, extras)
 
 
 def _step(params, cache, batch, config, backend, mesh):
@@ -179,12 +193,18 @@ def _step(params, cache, batch, config, backend, mesh):
     return _sample(logits, batch), cache
 
 
-def _step_with_logprobs(params, cache, batch, next_tokens, config, backend, mesh):
+def _step_with(params, cache, batch, extras, config, backend, mesh):
     x, cache = _forward(params, cache, batch, config, backend, mesh)
-    every = unembed(params, x[0], config)  # [bucket, vocab]
-    logits = every[jnp.maximum(batch.sample_rows, 0)]
-    sampled = _sample(logits, batch)
-    return (sampled, row_logprobs(logits, sampled), row_logprobs(every, next_tokens)), cache
+    rows = jnp.maximum(batch.sample_rows, 0)
+    if extras.next_tokens is None:
+        logits, scored = unembed(params, x[0, rows], config), None
+    else:
+        every = unembed(params, x[0], config)  # [bucket, vocab]
+        logits, scored = every[rows], row_logprobs(every, extras.next_tokens)
+    edited = logits if extras.edits is None else apply_edits(logits, extras.edits,
+                                                              batch.temperature)  # fmt: skip
+    sampled = _sample(edited, batch)
+    return (sampled, row_logprobs(logits, sampled), scored), cache
 
 
 def _sample(logits: jax.Array, batch: StepBatch) -> jax.Array:

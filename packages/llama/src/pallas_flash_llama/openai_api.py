@@ -3,13 +3,15 @@
 Only what `server` serves: ``/v1/completions`` and ``/v1/chat/completions`` with ``n``
 choices (up to `MAX_CHOICES`), text or token-id prompts, temperature, top-p, seed, stop
 strings, streaming, ``logprobs`` (completions: an int, with ``echo`` the prompt's too; chat:
-``logprobs`` and ``top_logprobs``), and vLLM's extensions ``top_k``, ``stop_token_ids``,
-``ignore_eos``, ``include_stop_str_in_output`` and ``prompt_logprobs`` (as vLLM's
-``SamplingParams`` define them; a prompt's logprobs only in a whole answer, not streamed).
+``logprobs`` and ``top_logprobs``), ``logit_bias``, the presence and frequency penalties, and
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output`` and ``prompt_logprobs`` (as
+vLLM's ``SamplingParams`` define them, `logit_processing`; a prompt's logprobs only in a
+whole answer, not streamed).
 
 No field is accepted and then ignored (`refuse_unserved`): a field of OpenAI's or vLLM's API
 that this server does not implement is refused with a 400 naming it unless it holds its no-op
-value (`NO_OP_VALUES`: ``presence_penalty: 0``, ``logit_bias: {}``, ...); fields that only
+value (`NO_OP_VALUES`: ``best_of: 1``, ``response_format: {"type": "text"}``, ...); fields that only
 name or file the request (`BOOKKEEPING`: ``user``, ``metadata``, ...) are accepted; any other
 field is refused as OpenAI refuses it ("Unrecognized request argument").
 """
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 import pydantic
 
+from pallas_flash_llama.logit_processing import LogitProcessing
 from pallas_flash_llama.logprobs import MAX_LOGPROBS
 
 MAX_CHOICES = 16
@@ -29,13 +32,11 @@ engine."""
 NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     # OpenAI's
     "echo": (False,), "best_of": (1,),
-    "suffix": ("",), "logit_bias": ({},), "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0), "response_format": ({"type": "text"},), "tools": ([],),
+    "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
     "verbosity": (), "web_search_options": (),
     # vLLM's extensions
-    "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,),
     "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
@@ -98,6 +99,35 @@ class _Sampled(pydantic.BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = pydantic.Field(None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = pydantic.Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = pydantic.Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = pydantic.Field(1.0, gt=0)
+    min_p: float = pydantic.Field(0.0, ge=0, le=1)
+    min_tokens: int = pydantic.Field(0, ge=0)
+
+    @pydantic.field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias: expected token ids as keys, got {token!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: expected values in [-100, 100], got {value}")
+        return bias
+
+    @property
+    def processing(self) -> LogitProcessing | None:
+        """The logit edits asked for (`logit_processing`), or None: none."""
+        edits = LogitProcessing(
+            logit_bias=tuple((int(t), v) for t, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+        )
+        return None if edits == LogitProcessing() else edits
 
     @pydantic.model_validator(mode="after")
     def _prompt_logprobs_whole(self) -> _Sampled:

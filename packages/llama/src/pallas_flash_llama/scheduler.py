@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import pallas_flash as pf
+from pallas_flash_llama.logit_processing import LogitProcessing
 from pallas_flash_llama.logprobs import TokenLogprob
 from pallas_flash_llama.page_pool import ROOT, PagePool, page_keys
 from pallas_flash_llama.sampling import Sampling
@@ -50,7 +51,8 @@ SEEDS = 2**32
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One request: ``prompt`` token ids, at most ``max_tokens`` tokens generated, ending early
-    at any of ``stop_ids``; the engine samples its tokens by ``sampling`` with ``seed`` and,
+    at any of ``stop_ids``; the engine samples its tokens by ``sampling`` with ``seed``, its
+    logits edited first by ``processing`` (`logit_processing`), and,
     where they are not None, scores each generated token with ``logprobs`` alternatives and
     each prompt token after the first with ``prompt_logprobs`` (`logprobs`; the scheduler
     reads only ``prompt_logprobs``: such a request computes its whole prompt, no prefix
@@ -64,6 +66,7 @@ class Request:
     seed: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    processing: LogitProcessing | None = None
 
 
 @dataclasses.dataclass

@@ -167,6 +167,13 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
                 field if room < 1 else "max_tokens",
             )
         refuse_unserved(body)
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens: expected at most max_tokens ({max_tokens}), got "
+                           f"{body.min_tokens}", "min_tokens")  # fmt: skip
+        biased = [int(token) for token in body.logit_bias or ()]
+        if any(token >= model.vocab for token in biased):
+            raise ApiError(400, f"logit_bias: token ids must be in [0, {model.vocab})",
+                           "logit_bias")  # fmt: skip
         stop_ids = set() if body.ignore_eos else set(model.eos_ids)
         for token in body.stop_token_ids or ():
             if not 0 <= token < model.vocab:
@@ -191,9 +198,10 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
                 seed=(seed + i) % SEEDS,
                 logprobs=body.logprob_count,
                 prompt_logprobs=body.prompt_logprob_count,
+                processing=body.processing,
             )
             text = TextStream(model.tokenizer, body.stop_strings, stop_ids,
-                              body.include_stop_str_in_output)  # fmt: skip
+                              body.include_stop_str_in_output, body.min_tokens)  # fmt: skip
             choices.append(Choice(engine, request, text))
         return choices
 
