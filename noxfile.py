@@ -341,6 +341,20 @@ def maxtext(session: nox.Session) -> None:
         shutil.rmtree(work / "dump")  # gigabytes of LLO dump, read
 
 
+@nox.session(name="lm_eval", python=_python(STACKS["pinned"][0]))
+def lm_eval(session: nox.Session) -> None:
+    """lm-evaluation-harness's ``local-completions`` against ``pallas-flash-llama serve`` on
+    the tiny model: one loglikelihood and one generation task from local data, each
+    loglikelihood checked against the model's float64 log-softmax and each generation against
+    the server's greedy text (packages/llama/tests/lm_eval_against_server.py). Not in the
+    default run: lm-eval brings torch, installed first as its CPU build (which this project's
+    machines keep in /opt/wheels)."""
+    wheels = ["--find-links", "/opt/wheels"] if pathlib.Path("/opt/wheels").is_dir() else []
+    _install(session, *wheels, "torch")
+    _install(session, CORE, BACKENDS["xla"], f"{LLAMA}[serve]", "lm-eval[api]", "httpx")
+    session.run("python", str(PACKAGES / "llama" / "tests" / "lm_eval_against_server.py"))
+
+
 @nox.session(name="maxtext-serving", python=_python("3.12"))
 def maxtext_serving(session: nox.Session) -> None:
     """MaxText's inference engine (prefill, insert, generate) compiled for v5e-8 at

@@ -21,7 +21,7 @@ import openai
 import pytest
 from llama_testing import HANG_S
 from prometheus_client.parser import text_string_to_metric_families
-from server_testing import JSON, MODEL, FakeEngine, chat_model, serving
+from server_testing import JSON, MODEL, TEMPLATE, FakeEngine, chat_model, serving
 
 from pallas_flash_llama import server, tiny
 from pallas_flash_llama.config import LlamaConfig, get_config
@@ -176,7 +176,7 @@ def test_metrics_count_requests_by_vllm_s_names(url: str, client: openai.OpenAI)
     assert content_type.startswith("text/plain; version=")
 
 
-def test_tokenize_detokenize_version_and_the_model_s_card(
+def test_tokenize_detokenize_tokenizer_info_version_and_the_model_s_card(
     url: str, model_dir: tuple[pathlib.Path, LlamaConfig]
 ) -> None:
     tokenizer = load_tokenizer(model_dir[0])
@@ -196,6 +196,10 @@ def test_tokenize_detokenize_version_and_the_model_s_card(
     assert text.json() == {"prompt": "The quick brown"}  # bos skipped
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+    info = httpx.get(f"{url}/tokenizer_info").json()  # lm-eval's remote tokenizer reads it
+    assert (info["bos_token"], info["eos_token"], info["model_max_length"]) == ("<s>", "</s>", 256)
+    assert info["chat_template"] == TEMPLATE
 
     version = httpx.get(f"{url}/version").json()
     assert version == {"version": importlib.metadata.version("pallas-flash-llama")}

@@ -52,7 +52,7 @@ class ChatTemplate:
         environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_exception
         environment.globals["strftime_now"] = _strftime_now
-        self.template = environment.from_string(source)
+        self.source, self.template = source, environment.from_string(source)
         self.special_tokens = dict(special_tokens)
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:

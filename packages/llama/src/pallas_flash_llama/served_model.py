@@ -32,6 +32,9 @@ class ServedModel:
     created: int
     token_bytes: int
     """The longest vocabulary entry's UTF-8 bytes (`server_limits.longest_token_bytes`)."""
+    special_strings: dict[str, str]
+    """The special tokens as text (``bos_token``, ``eos_token``, ...): ``tokenizer_config.json``'s,
+    else the config's bos and first eos id's."""
 
 
 def load_served_model(directory: str | pathlib.Path, config: LlamaConfig,
@@ -51,4 +54,13 @@ def load_served_model(directory: str | pathlib.Path, config: LlamaConfig,
         chat_template=load_chat_template(directory),
         created=int(time.time()),
         token_bytes=longest_token_bytes(tokenizer),
+        special_strings=_special_strings(directory, tokenizer, config),
     )
+
+
+def _special_strings(directory: str | pathlib.Path, tokenizer: Tokenizer,
+                     config: LlamaConfig) -> dict[str, str]:  # fmt: skip
+    ids = {"bos_token": config.bos_id, "eos_token": config.eos_ids[0] if config.eos_ids else None}
+    found = {name: tokenizer.id_to_token(i) for name, i in ids.items() if i is not None}
+    return {**{k: v for k, v in found.items() if v is not None},
+            **special_token_strings(directory)}  # fmt: skip

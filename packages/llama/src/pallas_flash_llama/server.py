@@ -4,7 +4,7 @@ FastAPI served by uvicorn, the stack of vLLM's OpenAI server: pydantic validates
 bodies into typed models (`openai_api`). Endpoints: ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (both plain or streamed as server-sent events: ``data: {chunk}``
 lines, then ``data: [DONE]``), ``GET /v1/models`` and ``/v1/models/{id}``, and vLLM's ``POST
-/tokenize`` and ``/detokenize``, ``GET /version``, ``/metrics`` (Prometheus,
+/tokenize`` and ``/detokenize``, ``GET /tokenizer_info``, ``/version``, ``/metrics`` (Prometheus,
 `server_metrics`) and ``/health``.
 
 - **Text** in and out as transformers would: a prompt is encoded with the directory's
@@ -60,6 +60,7 @@ import prometheus_client
 import starlette.exceptions
 
 import pallas_flash as pf
+from pallas_flash_llama.chat_template import SPECIAL_TOKEN_NAMES
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.engine_bridge import Choice, Engine, interleaved
 from pallas_flash_llama.openai_api import (
@@ -363,6 +364,17 @@ def make_app(engine: Engine, directory: str | pathlib.Path, config: LlamaConfig,
             tokens = await tokens_of(body.prompt, "prompt", special)
         return {"count": len(tokens), "max_model_len": engine.max_len, "tokens": tokens,
                 "token_strs": None}  # fmt: skip
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: the special tokens, chat template and context length
+        a client needs to tokenise as the server does (lm-evaluation-harness's ``remote``
+        tokenizer reads it, then calls ``/tokenize`` and ``/detokenize``)."""
+        template = model.chat_template
+        return {**{name: model.special_strings.get(name) for name in SPECIAL_TOKEN_NAMES},
+                "chat_template": None if template is None else template.source,
+                "model_max_length": engine.max_len,
+                "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
