@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import pathlib
 import shutil
 import statistics
@@ -558,6 +559,8 @@ def test_serve_command(model_dir: tuple, monkeypatch: pytest.MonkeyPatch) -> Non
         "prefix_caching": False,
     }
     assert engine._stop.is_set()  # stopped once uvicorn returned
+    log = logging.getLogger("pallas_flash_llama.server")  # a line per request, on stderr
+    assert log.level == logging.INFO and log.handlers
 
 
 def test_real_engine_tiny_model(model_dir: tuple) -> None:

@@ -145,6 +145,7 @@ def _serve(args: argparse.Namespace) -> None:
 
         from pallas_flash_llama.engine import Engine
         from pallas_flash_llama.server import make_app
+        from pallas_flash_llama.server_metrics import log_to_stderr
     except ModuleNotFoundError as error:
         raise pf.UnsupportedFeatureError(
             f"serve: {error} (pip install 'pallas-flash-llama[serve]')"
@@ -167,6 +168,7 @@ def _serve(args: argparse.Namespace) -> None:
     )
     limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
     app = make_app(engine, args.model, config, args.served_model_name, **limit)
+    log_to_stderr()  # a line per request beside uvicorn's
     engine.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port)

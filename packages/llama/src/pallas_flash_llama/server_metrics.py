@@ -31,6 +31,17 @@ from pallas_flash_llama.scheduler import SchedulerStats
 
 LOG = logging.getLogger("pallas_flash_llama.server")
 
+
+def log_to_stderr() -> None:
+    """Sends the server's log lines (`LOG`, INFO and above) to stderr as uvicorn writes its
+    own (``pallas-flash-llama serve``); once."""
+    if not LOG.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        LOG.addHandler(handler)
+    LOG.setLevel(logging.INFO)
+
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 """Seconds, the histograms' buckets (vLLM's time-to-first-token buckets up to 80 s)."""
