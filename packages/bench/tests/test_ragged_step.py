@@ -186,13 +186,13 @@ def test_the_serving_sweep_with_ops_ragged_is_the_mixed_steps() -> None:
     assert cli._models(args, []) == ENGINE
 
 
-def test_the_steps_run_is_the_step_matrix_and_the_windowed_steps_alone() -> None:
+def test_the_steps_run_is_the_step_matrix_alone() -> None:
     """``pallas-flash bench --steps``: the committed serving-step matrix page's run, no model
     or context rows and no longest-sequence search."""
     from pallas_flash_bench import cli
 
     args = cli._parser().parse_args(["bench", "--steps"])
-    assert cli._workloads(args) == step_sweep() + window_sweep()
+    assert cli._workloads(args) == step_sweep()
     assert cli._models(args, []) == [] and cli._context(args, []) == []
 
 
@@ -212,14 +212,20 @@ def test_the_step_matrix_covers_every_kv_head_share_page_size_and_mix() -> None:
     assert serving_step("decode", 32, 8) in steps
 
 
-def test_the_windowed_steps_are_the_matrix_s_steps_at_each_window() -> None:
-    """Mistral-7B's heads over 4 chips, vLLM's pages of 16, decode-only and prefill-heavy, at
-    windows of 4096 and 1024: each the matrix's step but for its window."""
-    windowed = window_sweep()
-    assert [w.sliding_window for w in windowed] == [4096, 1024, 4096, 1024]
-    whole = {dataclasses.replace(w, sliding_window=None) for w in windowed}
+def test_the_windows_run_is_the_matrix_s_steps_without_and_at_each_window() -> None:
+    """``pallas-flash bench --windows``: Mistral-7B's heads over 4 chips, vLLM's pages of 16,
+    decode-only and prefill-heavy, without a window (steps of the matrix too) and at windows
+    of 4096 and 1024; no model or context rows."""
+    from pallas_flash_bench import cli
+
+    steps = window_sweep()
+    assert [w.sliding_window for w in steps] == [None, None, 4096, 1024, 4096, 1024]
+    whole = {dataclasses.replace(w, sliding_window=None) for w in steps}
     assert whole == {serving_step(mix, 8, 2, 16) for mix in ("decode", "vllm-2048")}
     assert whole <= set(step_sweep())
+    args = cli._parser().parse_args(["bench", "--windows"])
+    assert cli._workloads(args) == steps
+    assert cli._models(args, []) == [] and cli._context(args, []) == []
 
 
 def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:

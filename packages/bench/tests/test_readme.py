@@ -21,6 +21,7 @@ CONTEXT_RUN = DOCS / "results" / "context-v5e.json"
 NEWEST_RUN = DOCS / "results" / "quick-v5e-4-newest.json"
 SERVING_RUN = DOCS / "results" / "serving-ragged-v5e-4.json"
 STEPS_RUN = DOCS / "results" / "serving-steps-v5e-4.json"
+WINDOWS_RUN = DOCS / "results" / "serving-windows-v5e-4.json"
 
 if not (ROOT / "mkdocs.yml").exists():
     pytest.skip("not run from the repository: no README to check", allow_module_level=True)
@@ -80,6 +81,23 @@ def test_the_serving_page_states_the_committed_mixed_steps_run() -> None:
     assert any(row["subject"].startswith("tpu-inference-rpa") for row in results["rows"])
     page = (DOCS / readme.SERVING_PAGE).read_text()
     assert page == readme.render_serving_page(results), RERUN
+
+
+def test_the_windows_page_states_the_committed_windowed_steps_run() -> None:
+    """The windowed layers' steps against RPA v3 at its widest search: every step, windowed
+    or not, has our row and RPA v3's, of this analysis."""
+    from pallas_flash_bench.kernels.sweeps import window_sweep
+
+    results = json.loads(WINDOWS_RUN.read_text())
+    assert _made_by_this_analysis(results, rows=True), RERUN
+    assert results["meta"]["sweep"] == "default"  # RPA v3's widest block search
+    steps = {json.dumps(w.to_json(), sort_keys=True) for w in window_sweep()}
+    for subject in ("splitkv", "tpu-inference-rpa-v3"):
+        rows = [r for r in results["rows"] if r["subject"] == subject and r.get("compiled")]
+        assert {json.dumps(r["workload"], sort_keys=True) for r in rows} == steps, subject
+    page = (DOCS / readme.WINDOWS_PAGE).read_text()
+    assert page == readme.render_windows_page(results), RERUN
+    assert "## Windowed layers" in page
 
 
 def test_the_steps_page_states_the_committed_step_matrix_run() -> None:

@@ -48,8 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the serving-step matrix: pf.ragged_attention against RPA v3 at one chip's "
         "share of Llama-3-8B's heads (1, 2, 4 and 8 kv heads), pages of 16, 64 and 128, "
-        "decode-only and mixed steps (up to 4 kv heads); and windowed layers' steps (windows "
-        "of 4096 and 1024)",
+        "decode-only and mixed steps (up to 4 kv heads)",
+    )
+    bench.add_argument(
+        "--windows",
+        action="store_true",
+        help="only the windowed layers' steps: pf.ragged_attention against RPA v3 at windows "
+        "of 4096 and 1024 and without one (Mistral-7B's heads over 4 chips, pages of 16)",
     )
     bench.add_argument(
         "--models",
@@ -160,6 +165,12 @@ def _parser() -> argparse.ArgumentParser:
         "matrix page",
     )
     readme.add_argument(
+        "--windows",
+        type=pathlib.Path,
+        help="a `pallas-flash bench --windows` run's results.json: rewrite the docs' windowed "
+        "layers page",
+    )
+    readme.add_argument(
         "--calibration",
         type=pathlib.Path,
         help="a `pallas-flash bench --calibrate` run's calibration.json: rewrite the calibration "
@@ -182,7 +193,8 @@ def _models(args: argparse.Namespace, notes: list[str]) -> list:
     ``--serving``, both in the full sweep, the quick sweep's one small row with ``--quick``;
     none without the LLaMa package, and none that needs a backend not installed (each left
     out with a note in ``notes``)."""
-    if (args.ops or args.seq_lens or args.context or args.steps) and not args.serving:
+    selected = args.ops or args.seq_lens or args.context or args.steps or args.windows
+    if selected and not args.serving:
         return []
     if importlib.util.find_spec("pallas_flash_llama") is None:
         _note(notes, "pallas-flash-llama is not installed: no model rows")
@@ -209,7 +221,7 @@ def _context(args: argparse.Namespace, notes: list[str]) -> list:
     all; none for a sweep of other rows only, or without the pallas backend (with a note)."""
     from pallas_flash_bench.context import context_workloads
 
-    if args.serving or args.steps or args.ops or args.seq_lens or args.models:
+    if args.serving or args.steps or args.windows or args.ops or args.seq_lens or args.models:
         return []
     if "pallas" not in {b.name for b in pf.list_backends()}:
         _note(notes, "backend pallas not installed: no context-parallel rows")
@@ -230,7 +242,9 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     if args.models or args.context:
         return []
     if args.steps:
-        sweep = step_sweep() + window_sweep()
+        sweep = step_sweep()
+    elif args.windows:
+        sweep = window_sweep()
     elif args.serving:
         sweep = serving_sweep(chips) + ragged_sweep() + _engine_attention()
     else:
@@ -278,7 +292,7 @@ def _bench(args: argparse.Namespace) -> int:
         context=_context(args, left_out),
         backends=args.backends.split(",") if args.backends else None,
         references=not args.no_reference,
-        fit=not args.no_fit and not args.models and not args.context and not args.steps,
+        fit=not (args.no_fit or args.models or args.context or args.steps or args.windows),
         measure=not args.no_measure,
         price_per_chip_hour=args.price if args.price is not None else target.price_per_chip_hour,
         out_dir=args.out,
@@ -371,9 +385,12 @@ def _readme(args: argparse.Namespace) -> int:
     newest = None if args.newest is None else json.loads(args.newest.read_text())
     serving = None if args.serving is None else json.loads(args.serving.read_text())
     steps = None if args.steps is None else json.loads(args.steps.read_text())
-    readme.update(args.readme, results, models, args.docs, context, newest, serving, steps)
+    windows = None if args.windows is None else json.loads(args.windows.read_text())
+    readme.update(args.readme, results, models, args.docs, context, newest, serving, steps,
+                  windows)  # fmt: skip
     runs = ((args.results, results), (args.models, models), (args.context, context),
-            (args.newest, newest), (args.serving, serving), (args.steps, steps))  # fmt: skip
+            (args.newest, newest), (args.serving, serving), (args.steps, steps),
+            (args.windows, windows))  # fmt: skip
     sources = [str(p) for p, used in runs if used]
     print(f"{args.readme}: rewritten from {' and '.join(sources)}")
     return 0

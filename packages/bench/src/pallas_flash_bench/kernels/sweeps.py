@@ -185,15 +185,15 @@ shape) over 4 chips."""
 
 
 def window_sweep() -> list[Workload]:
-    """The windowed-layer steps: the decode-only and prefill-heavy mixes (vLLM's pages of 16)
-    at each of `STEP_WINDOWS`, beside the same steps without a window (in `step_sweep`): a
-    windowed layer's cost should fall with its window, its decodes longer than it."""
+    """The windowed-layer steps (``pallas-flash bench --windows``): the decode-only and
+    prefill-heavy mixes (vLLM's pages of 16) without a window, then at each of
+    `STEP_WINDOWS`: a windowed layer's cost should fall with its window, its decodes longer
+    than it."""
     q_heads, kv_heads = WINDOW_STEP_HEADS
-    return [
-        dataclasses.replace(serving_step(mix, q_heads, kv_heads, VLLM_PAGE_SIZE), sliding_window=w)
-        for mix in ("decode", "vllm-2048")
-        for w in STEP_WINDOWS
-    ]
+    mixes = ("decode", "vllm-2048")
+    steps = [serving_step(mix, q_heads, kv_heads, VLLM_PAGE_SIZE) for mix in mixes]
+    windowed = [dataclasses.replace(w, sliding_window=n) for w in steps for n in STEP_WINDOWS]
+    return steps + windowed
 
 
 def quick_sweep(chips: int = 1) -> list[Workload]:

@@ -138,7 +138,7 @@ def windows_table(rows: Sequence[Mapping[str, Any]], backend: str = "splitkv") -
     found = _ragged_rows(rows, backend)
     table = []
     for w in window_sweep():
-        if w not in found:
+        if w.sliding_window is None or w not in found:
             continue
         ours, theirs = _step_times(found[w])
         our_whole, their_whole = _step_times(found.get(dataclasses.replace(w, sliding_window=None)))
