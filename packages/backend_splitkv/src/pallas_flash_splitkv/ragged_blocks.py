@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.ragged_batch import count_at_most, lookup, new_tokens
+from pallas_flash_splitkv.blocks import LANES
 
 KERNEL_NAME = "pallas_flash_ragged_paged_attention"
 DECODE_KERNEL_NAME = "pallas_flash_ragged_paged_attention_decode"
@@ -182,7 +183,9 @@ class RaggedBlocks:
         """Pages per kv block of the call named ``kernel`` (`KERNEL_NAME` or
         `DECODE_KERNEL_NAME`) for pages of ``page_size`` positions, ``heads`` kv heads a grid
         step (`heads_for`). Automatic, with a sliding ``window`` no more than a quarter of the
-        positions a token sees (``window + 1``, rounded up to a power of two): a block some
+        positions a token sees (``window + 1``, rounded up to a power of two), and no fewer
+        than 128 (an int8 cache's scales are copied a block at a time, 128 to a lane row): a
+        block some
         row sees only part of is folded whole under a mask, so smaller blocks fold fewer
         positions outside the window. At a quarter the decode steps of 8 query over 2 kv heads
         (128 sequences of 512 to 8192 positions, pages of 16) were fastest: 0.271, 0.231,
@@ -193,8 +196,8 @@ class RaggedBlocks:
         if kernel == DECODE_KERNEL_NAME:
             per_block = self.decode_pages_per_block or per_block
             positions = min(DECODE_KV_BLOCK_POSITIONS, DECODE_KV_BLOCK_HEAD_POSITIONS // heads)
-        if window is not None:
-            positions = min(positions, 1 << max(window.bit_length() - 2, 0))
+        if window is not None:  # a quarter, but no block under a lane row (int8 scales)
+            positions = min(positions, max(1 << max(window.bit_length() - 2, 0), LANES))
         if per_block is None:
             per_block = max(1, positions // page_size)
         return min(per_block, pages_per_sequence)

@@ -176,9 +176,10 @@ def _kernel(
             held = jnp.maximum(held - jnp.clip(begin, 0, pages_per_block), 0)
         for a, buffer in enumerate(buffers[:2]):
 
-            def pages(start: jax.Array, size: int, buffer=buffer, a=a):
-                rows = buffer.at[slot, :, pl.ds(pl.multiple_of(start * page_size, page_size),
-                                                size * page_size)]  # fmt: skip
+            def pages(_: jax.Array, size: int, buffer=buffer, a=a):
+                # a wait counts bytes, not places: the first `size` pages' rows, at a static
+                # offset (a dynamic one need not fall on a tile of an int8 buffer)
+                rows = buffer.at[slot, :, pl.ds(0, size * page_size)]
                 return pltpu.make_async_copy(rows, rows, sems.at[slot, a])
 
             row_copies.by_powers_of_two(held, pages_per_block, pages, lambda c: c.wait())
