@@ -17,47 +17,23 @@ import statistics
 import sys
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import openai
 import pytest
 import uvicorn
 from llama_testing import HANG_S
-from server_testing import JSON, MODEL, FakeEngine, chat_model, serving
+from server_testing import JSON, MODEL, FakeEngine, serving
 
 from pallas_flash_llama import cli
-from pallas_flash_llama.config import LlamaConfig, get_config
+from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.logit_processing import LogitProcessing
 from pallas_flash_llama.scheduler import Request
 from pallas_flash_llama.server import make_app
 from pallas_flash_llama.text_stream import TextStream
 from pallas_flash_llama.tokenizer import TOKENIZER_FILE, load_tokenizer
 from pallas_flash_llama.weights import load_params
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, LlamaConfig]:
-    return chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeEngine]:
-    engine = FakeEngine(get_config("tiny").max_len)
-    engine.start()
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def url(model_dir: tuple[pathlib.Path, LlamaConfig], fake: FakeEngine) -> Iterator[str]:
-    with serving(make_app(fake, *model_dir, model_name=MODEL)) as address:
-        yield address
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -14,46 +14,22 @@ import logging
 import pathlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import openai
 import pytest
 from llama_testing import HANG_S
 from prometheus_client.parser import text_string_to_metric_families
-from server_testing import JSON, MODEL, TEMPLATE, FakeEngine, chat_model, serving
+from server_testing import JSON, MODEL, TEMPLATE, FakeEngine, serving
 
 from pallas_flash_llama import server, tiny
-from pallas_flash_llama.config import LlamaConfig, get_config
+from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.server import make_app
 from pallas_flash_llama.tokenizer import load_tokenizer
 
 LIMIT = 4096
 """The small app's body limit, bytes."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, LlamaConfig]:
-    return chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeEngine]:
-    engine = FakeEngine(get_config("tiny").max_len)
-    engine.start()
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def url(model_dir: tuple[pathlib.Path, LlamaConfig], fake: FakeEngine) -> Iterator[str]:
-    with serving(make_app(fake, *model_dir, model_name=MODEL)) as address:
-        yield address
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture

@@ -7,45 +7,19 @@ tiny model, a loglikelihood as lm-evaluation-harness's ``local-completions`` ask
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 
 import httpx
 import jax.numpy as jnp
 import numpy as np
-import openai
 import pytest
 import scipy.special
-from server_testing import MODEL, FakeEngine, chat_model, fake_logprob, serving
+from server_testing import MODEL, fake_logprob, serving
 
-from pallas_flash_llama.config import LlamaConfig, get_config
+from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.model import forward
 from pallas_flash_llama.server import make_app
 from pallas_flash_llama.tokenizer import load_tokenizer
 from pallas_flash_llama.weights import load_params
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, LlamaConfig]:
-    return chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeEngine]:
-    engine = FakeEngine(get_config("tiny").max_len)
-    engine.start()
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def url(model_dir: tuple[pathlib.Path, LlamaConfig], fake: FakeEngine) -> Iterator[str]:
-    with serving(make_app(fake, *model_dir, model_name=MODEL)) as address:
-        yield address
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -6,34 +6,13 @@ not served, it is refused with a 400 naming it unless it holds a value that asks
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Iterator
-
 import httpx
 import pytest
-from server_testing import MODEL, FakeEngine, chat_model, serving
+from server_testing import MODEL
 
-from pallas_flash_llama.config import LlamaConfig, get_config
 from pallas_flash_llama.logit_processing import LogitProcessing
 from pallas_flash_llama.openai_api import BOOKKEEPING, NO_OP_VALUES
 from pallas_flash_llama.sampling import Sampling
-from pallas_flash_llama.server import make_app
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeEngine]:
-    engine = FakeEngine(get_config("tiny").max_len)
-    engine.start()
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory, fake: FakeEngine) -> Iterator[str]:
-    model_dir: tuple[pathlib.Path, LlamaConfig] = chat_model(tmp_path_factory.mktemp("chat"))
-    with serving(make_app(fake, *model_dir, model_name=MODEL)) as address:
-        yield address
-
 
 COMPLETION = {"model": MODEL, "prompt": "The quick", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
