@@ -83,18 +83,25 @@ def test_the_serving_page_states_the_committed_mixed_steps_run() -> None:
     assert page == readme.render_serving_page(results), RERUN
 
 
+def _rows_against_rpa(run: pathlib.Path, sweep: list) -> dict:
+    """The committed run ``run``, checked: of this analysis, RPA v3 at its widest block search,
+    our row and RPA v3's compiled for every step of ``sweep``."""
+    results = json.loads(run.read_text())
+    assert _made_by_this_analysis(results, rows=True), RERUN
+    assert results["meta"]["sweep"] == "default"  # RPA v3's widest block search
+    steps = {json.dumps(w.to_json(), sort_keys=True) for w in sweep}
+    for subject in ("splitkv", "tpu-inference-rpa-v3"):
+        rows = [r for r in results["rows"] if r["subject"] == subject and r.get("compiled")]
+        assert {json.dumps(r["workload"], sort_keys=True) for r in rows} == steps, subject
+    return results
+
+
 def test_the_windows_page_states_the_committed_windowed_steps_run() -> None:
     """The windowed layers' steps against RPA v3 at its widest search: every step, windowed
     or not, has our row and RPA v3's, of this analysis."""
     from pallas_flash_bench.kernels.sweeps import window_sweep
 
-    results = json.loads(WINDOWS_RUN.read_text())
-    assert _made_by_this_analysis(results, rows=True), RERUN
-    assert results["meta"]["sweep"] == "default"  # RPA v3's widest block search
-    steps = {json.dumps(w.to_json(), sort_keys=True) for w in window_sweep()}
-    for subject in ("splitkv", "tpu-inference-rpa-v3"):
-        rows = [r for r in results["rows"] if r["subject"] == subject and r.get("compiled")]
-        assert {json.dumps(r["workload"], sort_keys=True) for r in rows} == steps, subject
+    results = _rows_against_rpa(WINDOWS_RUN, window_sweep())
     page = (DOCS / readme.WINDOWS_PAGE).read_text()
     assert page == readme.render_windows_page(results), RERUN
     assert "## Windowed layers" in page
@@ -105,13 +112,7 @@ def test_the_steps_page_states_the_committed_step_matrix_run() -> None:
     has our row and RPA v3's, of this analysis."""
     from pallas_flash_bench.kernels.sweeps import step_sweep
 
-    results = json.loads(STEPS_RUN.read_text())
-    assert _made_by_this_analysis(results, rows=True), RERUN
-    assert results["meta"]["sweep"] == "default"  # RPA v3's widest block search
-    steps = {json.dumps(w.to_json(), sort_keys=True) for w in step_sweep()}
-    for subject in ("splitkv", "tpu-inference-rpa-v3"):
-        rows = [r for r in results["rows"] if r["subject"] == subject and r.get("compiled")]
-        assert {json.dumps(r["workload"], sort_keys=True) for r in rows} == steps, subject
+    results = _rows_against_rpa(STEPS_RUN, step_sweep())
     page = (DOCS / readme.STEPS_PAGE).read_text()
     assert page == readme.render_steps_page(results), RERUN
 
