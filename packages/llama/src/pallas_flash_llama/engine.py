@@ -283,7 +283,8 @@ class Engine:
                 plan = self._scheduler.schedule()
                 batch = self._batch(plan)
                 scored = [w for w in plan.work if self._live[w.request_id].extra]
-                extras = self._extras(scored, batch) if scored else None
+                prompt_rows = self._prompt_rows(scored, batch)
+                extras = self._extras(scored, batch, prompt_rows) if scored else None
             sampled = np.full(self._scheduler.slots, -1, np.int32)
             found = None
             if extras is not None:
@@ -299,7 +300,7 @@ class Engine:
             sampled = np.asarray(sampled)
             with self._lock:
                 if found is not None and found[1] is not None:
-                    self._keep_prompt_logprobs(scored, batch, found[1])
+                    self._keep_prompt_logprobs(prompt_rows, found[1])
                 tokens = [(w.request_id, int(sampled[w.slot]), w.slot)
                           for w in plan.work if w.sample]  # fmt: skip
                 finished = cancelled + self._scheduler.commit(
@@ -333,9 +334,11 @@ class Engine:
                     rows.append((live, first + i, item.start + i + 1))
         return rows
 
-    def _extras(self, scored: list[Work], batch: StepBatch) -> StepExtras:
+    def _extras(self, scored: list[Work], batch: StepBatch,
+                prompt_rows: list[tuple[_Live, int, int]]) -> StepExtras:  # fmt: skip
         """The step's `StepExtras` for the work ``scored`` of requests that ask for them:
-        the prompt tokens to score, and the logit edits of the slots that sample."""
+        the prompt tokens to score (at ``prompt_rows``, `_prompt_rows`), and the logit edits
+        of the slots that sample."""
         prompts = any(self._live[w.request_id].request.prompt_logprobs is not None
                       for w in scored)  # fmt: skip
         rows = []
@@ -347,23 +350,25 @@ class Engine:
                 edited = processing.tokens_edited(request.prompt, live.output, request.stop_ids)
                 rows.append((item.slot, processing, edited))
         return StepExtras(
-            self._next_tokens(scored, batch) if prompts else None,
+            self._next_tokens(prompt_rows, batch) if prompts else None,
             LogitEdits.build(self._scheduler.slots, rows) if rows else None,
         )
 
-    def _next_tokens(self, scored: list[Work], batch: StepBatch) -> np.ndarray:
+    @staticmethod
+    def _next_tokens(prompt_rows: list[tuple[_Live, int, int]], batch: StepBatch) -> np.ndarray:
         """``[bucket]`` int32: the prompt token after each row's token that a request scores
-        (`_prompt_rows`); -1 elsewhere."""
+        (``prompt_rows``, `_prompt_rows`); -1 elsewhere."""
         next_tokens = np.full(batch.tokens.shape, -1, np.int32)
-        for live, row, position in self._prompt_rows(scored, batch):
+        for live, row, position in prompt_rows:
             next_tokens[row] = live.request.prompt[position]
         return next_tokens
 
-    def _keep_prompt_logprobs(self, scored: list[Work], batch: StepBatch,
+    @staticmethod
+    def _keep_prompt_logprobs(prompt_rows: list[tuple[_Live, int, int]],
                               found: RowLogprobs) -> None:  # fmt: skip
-        """Keeps the prompt tokens' logprobs the step scored, by position (a preempted
-        request's recomputed ones overwrite theirs)."""
-        for live, row, position in self._prompt_rows(scored, batch):
+        """Keeps the prompt tokens' logprobs the step scored at ``prompt_rows``, by position
+        (a preempted request's recomputed ones overwrite theirs)."""
+        for live, row, position in prompt_rows:
             count, token = live.request.prompt_logprobs, live.request.prompt[position]
             live.prompt_logprobs[position] = token_logprob(found, row, token, count)
 
