@@ -64,7 +64,7 @@ def test_edits_are_vllm_s_on_random_logits(processing: LogitProcessing, temperat
     prompt, stop_ids = rng.integers(0, VOCAB, 12).tolist(), [2, 5]
     outputs = [rng.integers(0, VOCAB, n).tolist() for n in (0, 3, 8)]  # one slot each
     logits = rng.normal(0, 3, (len(outputs), VOCAB)).astype(np.float32)
-    rows = [(slot, processing, processing.tokens_edited(prompt, Counter(out), stop_ids))
+    rows = [(slot, processing, processing.tokens_edited(frozenset(prompt), Counter(out), stop_ids))
             for slot, out in enumerate(outputs)]  # fmt: skip
     edits = LogitEdits.build(len(outputs), rows)
     temperatures = jnp.full(len(outputs), temperature, jnp.float32)
@@ -115,4 +115,5 @@ def test_the_engine_s_greedy_tokens_follow_the_edited_logits() -> None:
 def test_bad_settings_name_their_field(fields: dict, message: str) -> None:
     with pytest.raises(pf.InvalidInputError, match=message):
         LogitProcessing(**fields)
-    assert math.isinf(LogitProcessing(min_tokens=1).tokens_edited([], Counter(), [4])[4][0])
+    held_back = LogitProcessing(min_tokens=1).tokens_edited(frozenset(), Counter(), [4])
+    assert math.isinf(held_back[4][0])

@@ -15,6 +15,7 @@ waits on a condition otherwise; `submit` and `cancel` may be called from any thr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -62,6 +63,11 @@ class _Live:
     """With ``prompt_logprobs``: each scored prompt token's, by its position."""
     output: Counter[int] = dataclasses.field(default_factory=Counter)
     """Its generated tokens' counts (for its logit processing's penalties)."""
+
+    @functools.cached_property
+    def prompt_tokens(self) -> frozenset[int]:
+        """The tokens its prompt holds (for its logit processing's repetition penalty)."""
+        return frozenset(self.request.prompt)
 
     @property
     def extra(self) -> bool:
@@ -338,20 +344,25 @@ class Engine:
                 prompt_rows: list[tuple[_Live, int, int]]) -> StepExtras:  # fmt: skip
         """The step's `StepExtras` for the work ``scored`` of requests that ask for them:
         the prompt tokens to score (at ``prompt_rows``, `_prompt_rows`), and the logit edits
-        of the slots that sample."""
+        and sampled tokens to score of the slots that sample."""
         prompts = any(self._live[w.request_id].request.prompt_logprobs is not None
                       for w in scored)  # fmt: skip
         rows = []
+        sampled_scored = np.zeros(self._scheduler.slots, bool)
         for item in scored:
-            live = self._live[item.request_id]
-            processing = live.request.processing
-            if processing is not None and item.sample:
-                request = live.request
-                edited = processing.tokens_edited(request.prompt, live.output, request.stop_ids)
-                rows.append((item.slot, processing, edited))
+            request = self._live[item.request_id].request
+            if not item.sample:
+                continue
+            sampled_scored[item.slot] = request.logprobs is not None
+            if request.processing is not None:
+                live = self._live[item.request_id]
+                edited = request.processing.tokens_edited(live.prompt_tokens, live.output,
+                                                          request.stop_ids)  # fmt: skip
+                rows.append((item.slot, request.processing, edited))
         return StepExtras(
             self._next_tokens(prompt_rows, batch) if prompts else None,
             LogitEdits.build(self._scheduler.slots, rows) if rows else None,
+            sampled_scored if sampled_scored.any() else None,
         )
 
     @staticmethod

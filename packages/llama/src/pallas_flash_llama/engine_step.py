@@ -164,10 +164,13 @@ class StepExtras(NamedTuple):
         (-1: none; a prompt's next token, for ``prompt_logprobs``); None: the step scores
         only the sampled tokens.
       edits: the slots' logit edits before sampling (`logit_processing`).
+      sampled_scored: ``[slots]`` bool, the slots whose sampled token the step scores (the
+        others' rows score nothing); None: the step scores no sampled token.
     """
 
     next_tokens: jax.Array | None = None
     edits: LogitEdits | None = None
+    sampled_scored: jax.Array | None = None
 
 
 def run_step_with(
@@ -178,11 +181,12 @@ def run_step_with(
     config: LlamaConfig,
     backend: str | None,
     mesh: Mesh | None = None,
-) -> tuple[tuple[jax.Array, RowLogprobs, RowLogprobs | None], KVCache]:
+) -> tuple[tuple[jax.Array, RowLogprobs | None, RowLogprobs | None], KVCache]:
     """`run_step` in a program of its own (one per structure of ``extras``), whose sampled
-    tokens are drawn from logits edited by ``extras.edits``; it also returns the logprobs
-    (`logprobs.row_logprobs`) of each slot's sampled token (``[slots]`` rows) and, with
-    ``extras.next_tokens``, of those tokens, all from the raw logits of their rows."""
+    tokens are drawn from logits edited by ``extras.edits``; it also returns, with
+    ``extras.sampled_scored``, the logprobs (`logprobs.row_logprobs`) of those slots'
+    sampled tokens (``[slots]`` rows) and, with ``extras.next_tokens``, of those tokens, all
+    from the raw logits of their rows (None: not asked)."""
     program = step_program(cache, config, backend, mesh, extras=True)
     return program(params, cache, batch, extras)
 
@@ -204,7 +208,11 @@ def _step_with(params, cache, batch, extras, config, backend, mesh):
     edited = logits if extras.edits is None else apply_edits(logits, extras.edits,
                                                               batch.temperature)  # fmt: skip
     sampled = _sample(edited, batch)
-    return (sampled, row_logprobs(logits, sampled), scored), cache
+    if extras.sampled_scored is not None:
+        chosen = row_logprobs(logits, jnp.where(extras.sampled_scored, sampled, -1))
+    else:
+        chosen = None
+    return (sampled, chosen, scored), cache
 
 
 def _sample(logits: jax.Array, batch: StepBatch) -> jax.Array:

@@ -61,15 +61,16 @@ class LogitProcessing:
         if not 0 <= self.min_p <= 1:
             raise pf.InvalidInputError(f"min_p: expected 0 to 1, got {self.min_p}")
 
-    def tokens_edited(self, prompt: Collection[int], output: Counter[int],
+    def tokens_edited(self, prompt: frozenset[int], output: Counter[int],
                       stop_ids: Collection[int]) -> Edited:  # fmt: skip
         """``{token: (bias, output count, in the prompt or output)}`` of the tokens a step
-        edits for a request of ``prompt`` that has generated ``output`` (counts), its
-        ``stop_ids`` held back while it has generated fewer than ``min_tokens``."""
+        edits for a request whose prompt holds the tokens ``prompt`` (kept by the caller for
+        the request's steps) and that has generated ``output`` (counts), its ``stop_ids``
+        held back while it has generated fewer than ``min_tokens``."""
         bias = dict(self.logit_bias)
         if sum(output.values()) < self.min_tokens:
             bias.update({token: -math.inf for token in stop_ids})
-        seen = set(output) | (set(prompt) if self.repetition_penalty != 1 else set())
+        seen = prompt.union(output) if self.repetition_penalty != 1 else set(output)
         return {t: (bias.get(t, 0.0), float(output.get(t, 0)), t in seen)
                 for t in seen | set(bias)}  # fmt: skip
 
