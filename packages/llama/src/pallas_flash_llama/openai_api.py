@@ -137,8 +137,9 @@ class _Sampled(pydantic.BaseModel):
 
     @property
     def logprob_count(self) -> int | None:
-        """Alternatives per generated token to score, or None: none scored."""
-        return None
+        """Alternatives per generated token to score, or None: none scored (each endpoint
+        asks for them in its own fields)."""
+        raise NotImplementedError
 
     @property
     def prompt_logprob_count(self) -> int | None:
