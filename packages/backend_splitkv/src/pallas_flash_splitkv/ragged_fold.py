@@ -16,6 +16,9 @@ q's dtype and its scales applied to the scores (K) and to the probabilities (V).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -25,14 +28,24 @@ from pallas_flash.masking import apply_softcap
 from pallas_flash.specs import RaggedSpec
 
 _F32 = jnp.float32
+LANES = 128
+
+
+class HeadRefs(NamedTuple):
+    """One kv head's refs in a fold: its query rows ``q [rows, head_dim]``, its kv block
+    ``views`` (k, v ``[block_kv, head_dim]`` and, for int8, their scales ``[block_kv]``), and
+    its rows' running ``max`` and ``sum`` ``[rows, 128]`` and accumulator ``acc [rows,
+    head_dim]``."""
+
+    q: jax.Ref
+    views: list[jax.Ref]
+    max: jax.Ref
+    sum: jax.Ref
+    acc: jax.Ref
 
 
 def fold_block(
-    q_ref: jax.Ref,
-    views: list[jax.Ref],
-    m_ref: jax.Ref,
-    l_ref: jax.Ref,
-    acc_ref: jax.Ref,
+    heads: Sequence[HeadRefs],
     q_pos: jax.Array,
     first: jax.Array,
     lo: jax.Array,
@@ -41,49 +54,61 @@ def fold_block(
     masked: bool,
     page_size: int,
 ) -> None:
-    """Folds one kv block (``views``: k, v ``[block_kv, head_dim]`` and, for int8, their
-    scales ``[block_kv]``) at position ``first`` into the running max and sum ``[rows, 128]``
-    and accumulator ``[rows, head_dim]`` of the query rows ``q_ref [rows, head_dim]``.
-    ``q_pos [rows, 1]``: each row's position; ``[lo, hi]``: the positions any row sees;
+    """Folds one kv block at position ``first`` into the running max, sum and accumulator
+    of each of ``heads``, stage by stage across them (every head's scores, then every head's
+    softmax, then every head's ``p @ v``): the heads' dependent chains, each a matmul, a
+    cross-lane max, an ``exp`` and a matmul, overlap in one basic block and take the MXUs in
+    turn. ``q_pos [rows, 1]``: each row's position; ``[lo, hi]``: the positions any row sees;
     ``masked``: False for a block every row sees whole (module doc; then the positions are
     not read); ``page_size``: positions per page of the block."""
-    q = q_ref[...]
-    dtype = q.dtype
+    dtype = heads[0].q.dtype
     precision = lax.Precision.HIGHEST if dtype == _F32 else None
-    k_view, v_view = views[0], views[1]
-    block_kv = k_view.shape[0]
-    if masked and len(views) == 2:  # first: off the scores' dependent chain
-        zero_stale_rows(v_view, hi - first, page_size)
-    k = k_view[...].astype(dtype)
-    scores = lax.dot_general(
-        q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32, precision=precision
-    )  # [rows, block_kv]
-    if len(views) == 4:
-        scores = scores * views[2][...].reshape(1, block_kv)
-    scores = apply_softcap(scores * spec.sm_scale, spec.softcap)
+    block_kv = heads[0].views[0].shape[0]
+    int8 = len(heads[0].views) == 4
+    if masked and not int8:  # first: off the scores' dependent chains
+        for head in heads:
+            zero_stale_rows(head.views[1], hi - first, page_size)
+    scores = []  # [rows, block_kv] each
+    for head in heads:
+        k = head.views[0][...].astype(dtype)
+        dims = (((1,), (1,)), ((), ()))
+        s = lax.dot_general(head.q[...], k, dims, preferred_element_type=_F32, precision=precision)
+        scores.append(s * head.views[2][...].reshape(1, block_kv) if int8 else s)
+    scores = [apply_softcap(s * spec.sm_scale, spec.softcap) for s in scores]
     if masked:
         kv_pos = first + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         seen = (kv_pos >= lo) & (kv_pos <= hi)  # [1, block_kv]: held by a copied page
         visible = seen & (kv_pos <= q_pos)
         if spec.window is not None:
             visible = visible & (kv_pos >= q_pos - spec.window)
-        scores = jnp.where(visible, scores, -jnp.inf)
-    m_prev = m_ref[...]
-    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-    p = jnp.exp(scores - m_safe[:, :1])
-    alpha = jnp.exp(m_prev - m_safe)
-    m_ref[...] = m_next
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    if len(views) == 4:
-        v_scales = views[3][...].reshape(1, block_kv)
-        p = p * (jnp.where(seen, v_scales, 0.0) if masked else v_scales)
-    v = v_view[...].astype(dtype)
-    pv = lax.dot_general(
-        p.astype(dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32,
-        precision=precision,
-    )  # fmt: skip
-    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+        scores = [jnp.where(visible, s, -jnp.inf) for s in scores]
+    probabilities = []
+    for s, head in zip(scores, heads, strict=True):
+        m_prev = head.max[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
+        p = jnp.exp(s - lanes(m_safe, block_kv))
+        alpha = jnp.exp(m_prev - m_safe)
+        head.max[...] = m_next
+        head.sum[...] = alpha * head.sum[...] + jnp.sum(p, axis=1, keepdims=True)
+        if int8:
+            v_scales = head.views[3][...].reshape(1, block_kv)
+            p = p * (jnp.where(seen, v_scales, 0.0) if masked else v_scales)
+        probabilities.append((p, alpha))
+    for (p, alpha), head in zip(probabilities, heads, strict=True):
+        pv = lax.dot_general(
+            p.astype(dtype), head.views[1][...].astype(dtype), (((1,), (0,)), ((), ())),
+            preferred_element_type=_F32, precision=precision,
+        )  # fmt: skip
+        head.acc[...] = head.acc[...] * alpha[:, :1] + pv
+
+
+def lanes(x: jax.Array, width: int) -> jax.Array:
+    """``x [rows, 128]``, its lanes equal, as ``[rows, width]``: tiled where ``width`` is
+    whole vregs of lanes (no permute across lanes), else broadcast from its first lane."""
+    if width % LANES == 0:
+        return jnp.tile(x, (1, width // LANES))
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
 def zero_stale_rows(v_ref: jax.Ref, last: jax.Array, page_size: int) -> None:

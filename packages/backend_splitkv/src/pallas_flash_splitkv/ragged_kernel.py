@@ -61,7 +61,7 @@ from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
 from pallas_flash_splitkv.blocks import LANES
 from pallas_flash_splitkv.ragged_blocks import ItemRange, item_span
-from pallas_flash_splitkv.ragged_fold import finish_rows, fold_block
+from pallas_flash_splitkv.ragged_fold import HeadRefs, finish_rows, fold_block
 
 _F32 = jnp.float32
 
@@ -271,10 +271,12 @@ def _kernel(
                 copies(ahead, ahead_group, ahead_block, 1 - slot, lambda c: c.start())
 
             first = block * block_kv
-            for j in range(heads):  # each kv head of the group: its own 2-D matmuls
-                views = [buffer.at[slot, j] for buffer in buffers]
-                fold_block(qs_ref.at[j], views, m_ref.at[j], l_ref.at[j], acc_ref.at[j], q_pos,
-                           first, r.lo, r.hi, spec, masked, page_size)  # fmt: skip
+            group = [  # each kv head of the group: its own 2-D matmuls
+                HeadRefs(qs_ref.at[j], [buffer.at[slot, j] for buffer in buffers], m_ref.at[j],
+                         l_ref.at[j], acc_ref.at[j])
+                for j in range(heads)
+            ]  # fmt: skip
+            fold_block(group, q_pos, first, r.lo, r.hi, spec, masked, page_size)
             return carry
 
         # the masked blocks before the whole ones (a window's only), the whole, the rest
