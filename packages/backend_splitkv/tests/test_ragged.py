@@ -151,7 +151,8 @@ def test_a_window_s_blocks_every_row_sees_are_folded_unmasked(int8: bool) -> Non
 
 def test_a_window_s_default_blocks_through_the_api() -> None:
     """The default blocks under a window of 30: a quarter of the 31 positions a token sees
-    rounded up is 8, raised to 128 (the whole sequence in one block here)."""
+    rounded up is 8, raised to `ragged_blocks.WINDOW_BLOCK_POSITIONS` (the whole sequence in
+    one block here)."""
     actual, expected, valid = _call([1, 9, 3], [48, 40, 45], sliding_window=30, backend=None)
     _check(actual, expected, valid, F32)
 
@@ -188,12 +189,15 @@ def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
     prefill_most = ragged_blocks.KV_BLOCK_HEAD_POSITIONS  # fewer at 8 kv heads a step
     assert default.pages_for(128, 64, heads=8) == prefill_most // 8 // 128
     assert default.pages_for(128, 3, decode) == 3  # at most a sequence's pages
-    # a window: a quarter of the positions a token sees, at least 128 of them
-    assert default.pages_for(16, 512, decode, window=1023) == 256 // 16
+    # a window: a quarter of the positions a token sees, at least WINDOW_BLOCK_POSITIONS
+    fewest = ragged_blocks.WINDOW_BLOCK_POSITIONS
+    assert default.pages_for(16, 512, decode, window=1023) == fewest // 16
+    assert default.pages_for(128, 64, decode, window=8191) == 2048 // 128
     assert default.pages_for(128, 64, decode, window=4095) == 1024 // 128
     assert default.pages_for(128, 64, window=10**6) == ragged_blocks.KV_BLOCK_POSITIONS // 128
-    assert default.pages_for(16, 512, decode, window=1) == default.pages_for(16, 64, window=0) == 8
-    assert default.pages_for(256, 64, decode, window=30) == 1  # whole pages
+    assert default.pages_for(16, 512, decode, window=1) == default.pages_for(16, 64, window=0)
+    assert default.pages_for(16, 64, window=0) == fewest // 16
+    assert default.pages_for(256, 64, decode, window=30) == fewest // 256
     with pytest.raises(ValueError, match="decode_pages_per_block"):
         RaggedBlocks(decode_pages_per_block=0)
 

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.ragged_batch import count_at_most, lookup, new_tokens
-from pallas_flash_splitkv.blocks import LANES
 
 KERNEL_NAME = "pallas_flash_ragged_paged_attention"
 DECODE_KERNEL_NAME = "pallas_flash_ragged_paged_attention_decode"
@@ -85,6 +84,10 @@ positions, 217k at 1024, 149k at 2048)."""
 DECODE_KV_BLOCK_HEAD_POSITIONS = 8192
 """Positions times kv heads of one decode kv block at most: 8 MiB of VMEM for bfloat16 K and
 V of head_dim 128, double-buffered (v5e's default scoped VMEM is 16 MiB)."""
+
+WINDOW_BLOCK_POSITIONS = 1024
+"""The fewest positions of an automatic kv block that a sliding window shrinks
+(`RaggedBlocks.pages_for`): at or above an int8 cache's lane row of scales (128)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,22 +185,25 @@ class RaggedBlocks:
     ) -> int:
         """Pages per kv block of the call named ``kernel`` (`KERNEL_NAME` or
         `DECODE_KERNEL_NAME`) for pages of ``page_size`` positions, ``heads`` kv heads a grid
-        step (`heads_for`). Automatic, with a sliding ``window`` no more than a quarter of the
-        positions a token sees (``window + 1``, rounded up to a power of two), and no fewer
-        than 128 (an int8 cache's scales are copied a block at a time, 128 to a lane row): a
-        block some
-        row sees only part of is folded whole under a mask, so smaller blocks fold fewer
-        positions outside the window. At a quarter the decode steps of 8 query over 2 kv heads
-        (128 sequences of 512 to 8192 positions, pages of 16) were fastest: 0.271, 0.231,
-        0.222 and 0.236 ms with blocks of 1024, 512, 256 and 128 positions at a window of 1024
-        (v5e, static, calibrated)."""
+        step (`heads_for`). Automatic, with a sliding ``window``, no more than a quarter of
+        the positions a token sees (``window + 1``, rounded up to a power of two) or
+        `WINDOW_BLOCK_POSITIONS`, whichever is more: a block some row sees only part of is
+        folded whole under a mask, so smaller blocks fold fewer positions outside the window,
+        but each block is a dependent chain of the fold (`ragged_fold`), so more blocks make
+        a longer critical path. On the decode steps of 8 query over 2 kv heads (128
+        sequences of 512 to 8192 positions, pages of 16) at a window of 1024, blocks of 256,
+        512 and 1024 positions put ours at 1.51x, 1.42x and 1.23x of RPA v3 under the
+        schedule (calibrated) but 0.59x, 0.83x and 0.95x under the critical path; the
+        prefill-heavy step (3 chunks of 640 tokens beside 128 decodes) at 1.38x, 1.33x and
+        1.11x, and 0.61x, 0.78x and 0.86x (v5e, static; `pallas-flash bench --windows`)."""
         per_block = self.pages_per_block
         positions = min(KV_BLOCK_POSITIONS, KV_BLOCK_HEAD_POSITIONS // heads)
         if kernel == DECODE_KERNEL_NAME:
             per_block = self.decode_pages_per_block or per_block
             positions = min(DECODE_KV_BLOCK_POSITIONS, DECODE_KV_BLOCK_HEAD_POSITIONS // heads)
-        if window is not None:  # a quarter, but no block under a lane row (int8 scales)
-            positions = min(positions, max(1 << max(window.bit_length() - 2, 0), LANES))
+        if window is not None:
+            quarter = 1 << max(window.bit_length() - 2, 0)
+            positions = min(positions, max(quarter, WINDOW_BLOCK_POSITIONS))
         if per_block is None:
             per_block = max(1, positions // page_size)
         return min(per_block, pages_per_sequence)
