@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
 import pathlib
 import types
 
@@ -10,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash_estimate import TARGETS, estimate_program
+from pallas_flash_estimate import TARGETS, Target, estimate_program
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef, parse_array
 
@@ -69,6 +71,24 @@ def test_array_arguments_are_read_from_their_dtype_and_shape() -> None:
         parse_array("bf17[8]")
     with pytest.raises(ValueError, match=r"expected DTYPE\[D0,D1,...\]"):
         parse_array("4096x4096")
+
+
+def test_a_target_round_trips_through_json() -> None:
+    for target in TARGETS.values():
+        assert Target.from_json(json.loads(json.dumps(target.to_json()))) == target
+
+
+@needs_libtpu
+def test_a_user_s_own_target_is_compiled_for_and_divides_the_figures(sample_programs) -> None:
+    """A `Target` that is not one of `TARGETS` (v5e at half its HBM bandwidth): estimated
+    under its own name, a memory-bound program taking twice v5e's time."""
+    half = dataclasses.replace(TARGETS["v5e-1"], name="v5e-1 at half bandwidth",
+                               hbm_bandwidth=TARGETS["v5e-1"].hbm_bandwidth / 2)  # fmt: skip
+    x = _bf16(4096, 4096)
+    ours = estimate_program(sample_programs.doubled, x, target=half)
+    v5e = estimate_program(sample_programs.doubled, x, target="v5e-1")
+    assert ours.target == "v5e-1 at half bandwidth"
+    assert ours.seconds == pytest.approx(2 * v5e.seconds, rel=0.05)
 
 
 @needs_libtpu

@@ -64,6 +64,13 @@ class Target:
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> Target:
+        """The target `to_json` wrote (its tuples come back from JSON lists)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+                      if k in fields})  # fmt: skip
+
 
 _V5E = dict(
     generation="v5e",

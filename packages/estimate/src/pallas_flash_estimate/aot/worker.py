@@ -43,7 +43,7 @@ def run(ref: ProgramRef, target: Target) -> dict:
     what this one can (its ``sys.path``); raises the worker's error if it printed no result."""
     with tempfile.TemporaryDirectory(prefix="pallas-flash-estimate-") as scratch:
         job, dump = pathlib.Path(scratch) / "job.json", pathlib.Path(scratch) / "dump"
-        job.write_text(json.dumps({"program": ref.to_json(), "target": target.name}))
+        job.write_text(json.dumps({"program": ref.to_json(), "target": target.to_json()}))
         env = dump_env(dump)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         args = [sys.executable, "-m", "pallas_flash_estimate.aot.worker", str(job), str(dump)]
@@ -80,13 +80,11 @@ def analyse(ref: ProgramRef, target: Target, dump_dir: pathlib.Path) -> dict:
 def main(argv: list[str]) -> None:
     import jax
 
-    from pallas_flash_estimate.targets import TARGETS
-
     # the estimate reads the dumps a compile writes, so every program is compiled
     jax.config.update("jax_enable_compilation_cache", False)
     job = json.loads(pathlib.Path(argv[0]).read_text())
     ref = ProgramRef.from_json(job["program"])
-    result = analyse(ref, TARGETS[job["target"]], pathlib.Path(argv[1]))
+    result = analyse(ref, Target.from_json(job["target"]), pathlib.Path(argv[1]))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
