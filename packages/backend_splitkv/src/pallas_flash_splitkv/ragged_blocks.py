@@ -79,7 +79,7 @@ that is fewer. A decode item's rows are one token's query heads, so a kv block's
 one dependent chain (``q k^T``, its row max across lanes, ``exp``, ``p v``) whose latency the
 MXU and cross-lane units set, not its size: fewer, larger blocks make fewer chains (v5e,
 static, Llama-3-8B's step at one chip: the decode call's critical path 322k cycles at 512
-positions, 217k at 1024, 149k at 2048)."""
+positions, 217k at 1024, 149k at 2048, when each kv head was folded on its own)."""
 
 DECODE_KV_BLOCK_HEAD_POSITIONS = 8192
 """Positions times kv heads of one decode kv block at most: 8 MiB of VMEM for bfloat16 K and

@@ -319,8 +319,9 @@ def _kernel(
 
 
 SCORE_TEMPORARIES = 3
-"""``[rows, block_kv]`` float32 arrays a kv head's fold keeps live at once (scores, their
-exponentials, the probabilities cast for the second matmul), beside the scratch: the VMEM
+"""``[rows, block_kv]`` float32 arrays each kv head of a grid step keeps live at once in a
+fold (scores, their exponentials, the probabilities cast for the second matmul; the step's
+heads are folded together, `ragged_fold.fold_block`), beside the scratch: the VMEM
 estimate's temporaries (`kernel_call` asks Mosaic for a scoped-VMEM limit from it; at 4 kv
 heads a step, items of 128 tokens of 4 query heads and kv blocks of 1024 positions outgrew
 Mosaic's default 16 MiB)."""
@@ -375,7 +376,7 @@ def kernel_call(
         pltpu.SMEM((1,), jnp.int32),
         pltpu.SMEM((2, 2), jnp.int32),
     ]
-    temporaries = SCORE_TEMPORARIES * rows * block_kv * 4  # one kv head's at a time
+    temporaries = SCORE_TEMPORARIES * heads * rows * block_kv * 4  # the step's heads at once
     sinks_block = 2 * heads * rows * LANES * 4 if sinks is not None else 0  # double-buffered
     needed = sum(_vmem_bytes(s) for s in scratch) + sinks_block + temporaries
     body = functools.partial(
