@@ -67,9 +67,7 @@ class Target:
     @classmethod
     def from_json(cls, data: dict[str, object]) -> Target:
         """The target `to_json` wrote (its tuples come back from JSON lists)."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
-                      if k in fields})  # fmt: skip
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 _V5E = dict(
