@@ -167,6 +167,24 @@ def test_kv_heads_a_grid_step_in_groups() -> None:
         _check(*got, 1e-4)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"int8": True, "sinks": True}, {"sliding_window": 12}, {"dtype": jnp.bfloat16}],
+    ids=["float32", "int8-sinks", "window", "bfloat16"],
+)
+def test_items_of_several_decoding_sequences(options: dict) -> None:
+    """The decode call's items take 4 decoding sequences each (2 query heads a kv head): 7 of
+    them in two items, the second partly used, of 1 to 3 kv blocks each (an item runs its
+    longest entry's), beside a prefill chunk, one kv head a grid step (an item's last block
+    starts the next head group's first): the same as the dense reference."""
+    blocks = RaggedBlocks(block_q=8, pages_per_block=2, kv_heads_per_step=1)
+    new, lengths = [1, 1, 9, 1, 1, 1, 1, 1], [3, 40, 25, 17, 48, 16, 33, 9]
+    dtype = options.pop("dtype", jnp.float32)
+    got = _call(new, lengths, dtype=dtype, backend=SplitKvBackend(ragged_blocks=blocks),
+                **options)  # fmt: skip
+    _check(*got, FORWARD_TOLERANCE["bfloat16"] if dtype == jnp.bfloat16 else 1e-4)
+
+
 def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
     """The decode call's kv blocks of 3 pages beside the other call's 2 (an int8 cache's
     scales laid out in whole blocks of both), against the dense reference; and the default:
@@ -233,6 +251,18 @@ def test_schedule_gives_each_sequence_its_query_blocks() -> None:
     assert plan.count.tolist() == [1, 8, 8, 2, 2, 0, 0]
 
 
+def test_decode_entries_are_taken_longest_first() -> None:
+    """An item of several decoding sequences runs its longest one's kv blocks: the entries
+    come longest first (ties in batch order), the unused ones after them."""
+    starts = jnp.array([0, 1, 2, 5, 6, 7], jnp.int32)  # sequence 2 is a prefill chunk
+    decoding = jnp.array([True, True, False, True, True])
+    plan = ragged_blocks.schedule(starts, 1, 6, decoding)
+    ordered = ragged_blocks.longest_first(plan, jnp.array([40, 9, 100, 33, 40], jnp.int32))
+    assert ordered.sequence.tolist()[:4] == [0, 4, 3, 1]
+    assert ordered.first.tolist()[:4] == [0, 6, 5, 1]
+    assert ordered.count.tolist() == [1, 1, 1, 1, 0, 0]
+
+
 @pytest.mark.parametrize("bad", [0, 4, 12, True])
 def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
     with pytest.raises(ValueError, match="block_q"):
@@ -243,8 +273,8 @@ def test_block_q_must_be_a_power_of_two_from_8(bad: int) -> None:
     ("window", "runs"),
     [
         (None, ((1, 2, 1), (3, 2, 1 + 1 + 1))),
-        (20, ((1, 0, 0, 2), (3, 0, 0, 1 + 1 + 2))),
-        (40, ((1, 0, 2, 1), (3, 1, 1, 1 + 1 + 1))),
+        (20, ((1, 0, 2), (3, 0, 0, 1 + 1 + 2))),
+        (40, ((1, 2, 1), (3, 1, 1, 1 + 1 + 1))),
     ],
 )
 def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_kv_heads(
@@ -256,7 +286,8 @@ def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_
     # without one. The other call: 9 new tokens at 5..13 (items of 8 and 1, 1 masked block
     # each) and 3 at 45..47: 3 blocks, 2 whole; with a window of 20, 25..47, 2 masked; of 40,
     # 5..47: every row sees 7..45, so block 0 masked, 1 whole, 2 masked (a window's loops:
-    # the masked blocks before the whole ones, the whole, the rest)
+    # the masked blocks before the whole ones, the whole, the rest; the decode call's items,
+    # of several sequences, have no loop before their whole blocks)
     starts = jnp.asarray([0, 1, 1, 10, 13], jnp.int32)
     lengths = jnp.asarray([41, 7, 14, 48], jnp.int32)
     spec = pf.RaggedSpec(sm_scale=1.0, window=window)
@@ -274,7 +305,8 @@ def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_
     one_call = RaggedBlocks(block_q=8, pages_per_block=2, decode_block_q=8, kv_heads_per_step=1)
     whole = ragged_attention.loop_runs(starts, lengths, kernel=ragged_attention.KERNEL_NAME,
                                     blocks=one_call, **shapes)  # fmt: skip
-    assert whole == tuple(2 * (a + b) for a, b in zip(*runs, strict=True))
+    decode = runs[0] if window is None else (runs[0][0], 0, *runs[0][1:])
+    assert whole == tuple(2 * (a + b) for a, b in zip(decode, runs[1], strict=True))
 
 
 def test_prefill_items_hold_at_most_half_a_mebibyte_of_queries() -> None:
@@ -294,12 +326,15 @@ def test_prefill_items_hold_at_most_half_a_mebibyte_of_queries() -> None:
 
 def test_decoding_sequences_get_items_of_whole_row_tiles() -> None:
     blocks = RaggedBlocks()
-    assert [blocks.decode_rows_for(g) for g in (1, 2, 3, 4, 8, 16)] == [8, 4, 8, 2, 1, 1]
-    assert RaggedBlocks(decode_block_q=4).decode_rows_for(4) == 4
+    # whole tiles of 8 rows, towards 4 sequences within 16 rows
+    assert [blocks.decode_rows_for(g) for g in (1, 2, 3, 4, 8, 16)] == [8, 4, 8, 4, 2, 1]
+    assert RaggedBlocks(decode_block_q=2).decode_rows_for(4) == 2
     starts = jnp.asarray([0, 1, 7, 8], jnp.int32)
     # 8 tokens of 4 query heads over one kv head, head_dim 128 in bfloat16
     decode, rest = kernel_calls(starts, jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16), 1, blocks)
-    assert (decode.block_q, decode.items, decode.include.tolist()) == (2, 3, [True, False, True])
+    # items of 4 decoding sequences: 3 sequences' entries, in whole items
+    assert (decode.block_q, decode.sequences, decode.items) == (4, 4, 4)
+    assert decode.include.tolist() == [True, False, True]
     # the prefill call's items: the most tokens whose rows stay within 512 KiB, at most 256
     # and at most the batch's 8
     assert (rest.block_q, rest.items, rest.include.tolist()) == (8, 1 + 3, [False, True, False])

@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import interpret
@@ -48,6 +49,15 @@ def _scales_by_sequence(scales: jax.Array, page_table: jax.Array, columns: int) 
     return by_sequence.transpose(0, 2, 1, 3).reshape(seqs, kv_heads, columns * page_size)
 
 
+def _schedule(
+    query_starts: jax.Array, kv_lengths: jax.Array, call: ragged_blocks.KernelCall
+) -> ragged_blocks.Schedule:
+    """The schedule of ``call``: its entries longest first where an item takes several
+    (`ragged_blocks.longest_first`)."""
+    plan = ragged_blocks.schedule(query_starts, call.entry_tokens, call.items, call.include)
+    return plan if call.sequences == 1 else ragged_blocks.longest_first(plan, kv_lengths)
+
+
 def _ragged_kernel(
     q: jax.Array,
     cache: DecodeCache,
@@ -68,7 +78,9 @@ def _ragged_kernel(
     heads = blocks.heads_for(kv_heads)
     calls = ragged_blocks.kernel_calls(query_starts, q, kv_heads, blocks)
     per_block = {
-        c.name: blocks.pages_for(page_size, pages_per_sequence, c.name, heads, spec.window)
+        c.name: blocks.pages_for(
+            page_size, pages_per_sequence, c.name, heads, spec.window, c.sequences
+        )
         for c in calls
     }
     # every entry a page of the pool: the kernels read an entry once per page they copy
@@ -85,8 +97,8 @@ def _ragged_kernel(
     q_rows = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, 0))).reshape(by_group)
     out = jnp.zeros(by_group, q.dtype)  # padding rows stay zeros
     for call in calls:
-        plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
-        used = jnp.sum(plan.count > 0, dtype=jnp.int32)[None]  # the items the loop takes
+        plan = _schedule(query_starts, kv_lengths, call)
+        used = jnp.sum(plan.count > 0, dtype=jnp.int32)[None]  # the entries the items take
         prefetch = [kv_lengths, query_starts, table.reshape(-1), *plan, used]
         out = kernel_call(q_rows, out, prefetch, arrays, sinks, spec, call, per_block[call.name],
                           heads, pages_per_sequence, interpret)  # fmt: skip
@@ -132,29 +144,41 @@ def loop_runs(
     head_dim]`` in ``dtype``, in program order: its item loop (every used work item once per
     group of kv heads a grid step takes, `RaggedBlocks.heads_for`), then its loops over kv
     blocks, likewise per group of kv heads (`ItemRange`): the blocks folded whole and the
-    masked ones after them; with a window (``spec.window``) first the masked ones before the
-    whole ones; zeros for a call the batch does not make. These trip counts are read from
-    memory, so a static schedule needs them given (the bench's ``Subject.loop_trips``)."""
+    masked ones after them; with a window (``spec.window``), at one sequence an item, first
+    the masked ones before the whole ones; zeros for a call the batch does not make. An item
+    of several sequences (the decode call's) runs its entries' most blocks, whole as long as
+    every entry's are. These trip counts are read from memory, so a static schedule needs
+    them given (the bench's ``Subject.loop_trips``)."""
     heads = blocks.heads_for(kv_heads)
-    block_kv = blocks.pages_for(page_size, pages_per_sequence, kernel, heads, spec.window)
-    block_kv *= page_size
     head_groups = kv_heads // heads
     queries = jax.ShapeDtypeStruct((tokens, q_heads, head_dim), dtype)
     calls = ragged_blocks.kernel_calls(query_starts, queries, kv_heads, blocks)
-    items = head = whole = tail = 0
-    for call in (c for c in calls if c.name == kernel):
-        plan = ragged_blocks.schedule(query_starts, call.block_q, call.items, call.include)
-        seq = plan.sequence
-        r = ItemRange(seq, *item_span(kv_lengths[seq], query_starts[seq + 1], plan.first,
-                                      plan.count, spec.window, block_kv,
-                                      pages_per_sequence * page_size))  # fmt: skip
-        used = plan.count > 0
+    call = next((c for c in calls if c.name == kernel), None)
+    sequences = 1 if call is None else call.sequences
+    windowed = spec.window is not None and sequences == 1
+    if call is None:
+        return (0, 0, 0, 0) if windowed else (0, 0, 0)
+    block_kv = page_size * blocks.pages_for(page_size, pages_per_sequence, kernel, heads,
+                                            spec.window, sequences)  # fmt: skip
+    plan = _schedule(query_starts, kv_lengths, call)
+    seq = plan.sequence
+    r = ItemRange(seq, *item_span(kv_lengths[seq], query_starts[seq + 1], plan.first,
+                                  plan.count, spec.window, block_kv,
+                                  pages_per_sequence * page_size))  # fmt: skip
+    used = np.asarray(plan.count) > 0
+    items = -(-int(used.sum()) // sequences)  # the used entries come first
 
-        def runs(blocks: jax.Array, used: jax.Array = used) -> int:
-            return head_groups * int(jnp.sum(jnp.where(used, blocks, 0)))
+    def by_item(x: jax.Array, unused: int) -> np.ndarray:
+        """``[items, sequences]``: each used item's entries' ``x``, ``unused`` for unused
+        entries."""
+        entries = np.where(used, np.asarray(x), unused)
+        return np.pad(entries, (0, items * sequences))[: items * sequences].reshape(items, -1)
 
-        items += head_groups * int(jnp.sum(used))
-        head += runs(r.head)
-        whole += runs(r.whole)
-        tail += runs(r.blocks - r.head - r.whole)
-    return (items, whole, tail) if spec.window is None else (items, head, whole, tail)
+    item_blocks = by_item(r.blocks, 0).max(axis=1)
+    if sequences == 1:
+        head, whole = by_item(r.head, 0)[:, 0], by_item(r.whole, 0)[:, 0]
+    else:  # whole for every entry, from the first block
+        head = np.zeros_like(item_blocks)
+        whole = by_item(np.where(np.asarray(r.head) == 0, r.whole, 0), 2**30).min(axis=1)
+    runs = [head_groups * int(x.sum()) for x in (head, whole, item_blocks - head - whole)]
+    return (head_groups * items, *runs) if windowed else (head_groups * items, *runs[1:])

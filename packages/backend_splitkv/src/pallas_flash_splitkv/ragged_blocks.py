@@ -12,10 +12,13 @@ at most one partly filled item), the used items come first, and the kernel's loo
 those.
 
 A decoding sequence (one new token) fills one row of an item's ``block_q`` per query head, so
-the decoding sequences get a kernel call of their own with items of `decode_block_q` tokens,
-the fewest that fill whole sublane tiles (``group x decode_block_q`` rows, a multiple of 8),
-and the other sequences one with ``block_q`` (`kernel_calls`): the rows a decode token leaves
-empty are the rows every kv block's softmax works on for nothing.
+the decoding sequences get a kernel call of their own (`kernel_calls`) whose items each take
+`decode_block_q` decoding sequences, the fewest that fill whole sublane tiles (``group x
+decode_block_q`` rows, a multiple of 8), a row per query head of each; the other sequences
+get one with items of ``block_q`` tokens of one sequence. An item of several sequences folds
+a kv block of each at once (`ragged_fold.fold_block`): their dependent chains (matmul, row
+max, ``exp``, matmul) are one chain, where items of one decoding sequence each would fold one
+after another with rows left empty.
 
 The schedule is computed in jax before the kernel (a few ``[items]`` int32 arrays, prefetched
 into SMEM); the kernel copies each item's query rows from, and its output rows to, the batch's
@@ -81,9 +84,24 @@ MXU and cross-lane units set, not its size: fewer, larger blocks make fewer chai
 static, Llama-3-8B's step at one chip: the decode call's critical path 322k cycles at 512
 positions, 217k at 1024, 149k at 2048, when each kv head was folded on its own)."""
 
-DECODE_KV_BLOCK_HEAD_POSITIONS = 8192
-"""Positions times kv heads of one decode kv block at most: 8 MiB of VMEM for bfloat16 K and
-V of head_dim 128, double-buffered (v5e's default scoped VMEM is 16 MiB)."""
+DECODE_KV_BLOCK_HEAD_POSITIONS = 16384
+"""Positions times kv heads times sequences of one decode item's kv blocks at most: 16 MiB of
+VMEM for bfloat16 K and V of head_dim 128, double-buffered (the kernel asks Mosaic for the
+scoped VMEM it needs): 2048 positions at 4 kv heads a step of items of 2 sequences."""
+
+DECODE_ITEM_SEQUENCES = 4
+"""Decoding sequences one decode work item takes when ``decode_block_q`` is automatic, where
+their rows stay within `DECODE_ITEM_ROWS` (more where a tile of 8 rows needs them): an item
+folds a kv block of each at once, their dependent chains one chain (v5e, static, the
+1,270-token step of 127 decodes at 4 query heads over 1 kv head: the decode call's critical
+path 122k cycles at one sequence an item, 79k at 2, 59k at 4, 54k at 8; its schedule 85k,
+76k, 72k and 75k)."""
+
+DECODE_ITEM_ROWS = 16
+"""Query rows (sequences x group) of a decode work item at most when doubling the sequences
+towards `DECODE_ITEM_SEQUENCES`: every sequence's block is multiplied by all the item's rows
+(v5e, static, 87 decodes at 4 query over 4 kv heads: the decode call's schedule 152k cycles
+at 8 sequences an item, 165k at 16)."""
 
 WINDOW_BLOCK_POSITIONS = 1024
 """The fewest positions of an automatic kv block that a sliding window shrinks
@@ -104,9 +122,9 @@ class RaggedBlocks:
       pages_per_block: pages per kv block (one inner-loop step, copied by manual DMA, double
         buffered). None: `KV_BLOCK_POSITIONS` positions' worth (fewer at several kv heads a
         step; at least 1), at most a sequence's pages.
-      decode_block_q: tokens per work item of the decoding sequences' call (a power of two;
-        only the first row of each query head is a token). None: the least that makes whole
-        tiles of 8 rows (`decode_rows_for`); at ``block_q`` or more, one call takes them all.
+      decode_block_q: decoding sequences per work item of their call (a power of two), one
+        token and a row per query head each. None: the least that makes whole tiles of 8
+        rows (`decode_rows_for`); at ``block_q`` or more, one call takes them all.
       decode_pages_per_block: pages per kv block of the decoding sequences' call. None:
         ``pages_per_block`` where that is given, else `DECODE_KV_BLOCK_POSITIONS` positions'
         worth (fewer at several kv heads a step; at least 1), at most a sequence's pages.
@@ -166,14 +184,18 @@ class RaggedBlocks:
         return tokens
 
     def decode_rows_for(self, group: int) -> int:
-        """Tokens per decode work item at ``group`` query heads per kv head: `decode_block_q`,
-        or the least power of two whose ``group x`` it is a multiple of 8."""
+        """Decoding sequences (a token each) per decode work item at ``group`` query heads per
+        kv head: `decode_block_q`, or the least power of two whose ``group x`` it is a
+        multiple of 8, doubled towards `DECODE_ITEM_SEQUENCES` while the rows stay within
+        `DECODE_ITEM_ROWS`."""
         if self.decode_block_q is not None:
             return self.decode_block_q
-        tokens = 1
-        while (group * tokens) % 8:
-            tokens *= 2
-        return tokens
+        sequences = 1
+        while (group * sequences) % 8:
+            sequences *= 2
+        while sequences < DECODE_ITEM_SEQUENCES and 2 * group * sequences <= DECODE_ITEM_ROWS:
+            sequences *= 2
+        return sequences
 
     def pages_for(
         self,
@@ -182,10 +204,12 @@ class RaggedBlocks:
         kernel: str = KERNEL_NAME,
         heads: int = 1,
         window: int | None = None,
+        sequences: int = 1,
     ) -> int:
         """Pages per kv block of the call named ``kernel`` (`KERNEL_NAME` or
         `DECODE_KERNEL_NAME`) for pages of ``page_size`` positions, ``heads`` kv heads a grid
-        step (`heads_for`). Automatic, with a sliding ``window``, no more than a quarter of
+        step (`heads_for`), ``sequences`` sequences a work item (the decode call's, each with
+        its own kv block). Automatic, with a sliding ``window``, no more than a quarter of
         the positions a token sees (``window + 1``, rounded up to a power of two) or
         `WINDOW_BLOCK_POSITIONS`, whichever is more: a block some row sees only part of is
         folded whole under a mask, so smaller blocks fold fewer positions outside the window,
@@ -200,7 +224,8 @@ class RaggedBlocks:
         positions = min(KV_BLOCK_POSITIONS, KV_BLOCK_HEAD_POSITIONS // heads)
         if kernel == DECODE_KERNEL_NAME:
             per_block = self.decode_pages_per_block or per_block
-            positions = min(DECODE_KV_BLOCK_POSITIONS, DECODE_KV_BLOCK_HEAD_POSITIONS // heads)
+            most = DECODE_KV_BLOCK_HEAD_POSITIONS // (heads * sequences)
+            positions = min(DECODE_KV_BLOCK_POSITIONS, most)
         if window is not None:
             quarter = 1 << max(window.bit_length() - 2, 0)
             positions = min(positions, max(quarter, WINDOW_BLOCK_POSITIONS))
@@ -229,14 +254,22 @@ class KernelCall(NamedTuple):
     Attributes:
       name: the kernel's name (`KERNEL_NAME` or `DECODE_KERNEL_NAME`).
       block_q: tokens per work item.
-      items: the static bound on its work items.
+      items: the static bound on its schedule's entries (`schedule`).
       include: ``[seqs]`` bool, the sequences it takes; None: all of them.
+      sequences: schedule entries per work item, each of ``block_q / sequences`` tokens of
+        its own sequence: 1, or the decode call's ``block_q`` decoding sequences.
     """
 
     name: str
     block_q: int
     items: int
     include: jax.Array | None
+    sequences: int = 1
+
+    @property
+    def entry_tokens(self) -> int:
+        """Tokens of one schedule entry: ``block_q / sequences``."""
+        return self.block_q // self.sequences
 
 
 def kernel_calls(
@@ -248,7 +281,7 @@ def kernel_calls(
     """The kernel calls of a batch of queries ``q [tokens, q_heads, head_dim]``
     (``query_starts [seqs + 1]``) over ``kv_heads`` kv heads: the decoding sequences' and the
     others', or one for all where decode items would be no smaller. Each has the static bound
-    on its work items (module doc)."""
+    on its schedule's entries (module doc)."""
     tokens, q_heads, head_dim = q.shape
     group = q_heads // kv_heads
     step_rows = blocks.heads_for(kv_heads) * group
@@ -260,7 +293,10 @@ def kernel_calls(
         return [whole]
     decoding = new_tokens(query_starts) == 1
     return [
-        KernelCall(DECODE_KERNEL_NAME, decode_q, seqs, decoding),
+        # entries in whole items (the kernel reads every entry of an item, used or not)
+        KernelCall(
+            DECODE_KERNEL_NAME, decode_q, -(-seqs // decode_q) * decode_q, decoding, decode_q
+        ),
         whole._replace(include=~decoding),
     ]
 
@@ -295,6 +331,15 @@ def schedule(
         jnp.where(used, first, 0).astype(jnp.int32),
         jnp.where(used, count, 0).astype(jnp.int32),
     )
+
+
+def longest_first(plan: Schedule, kv_lengths: jax.Array) -> Schedule:
+    """``plan``'s used entries ordered by their sequences' lengths (``kv_lengths [seqs]``),
+    longest first (ties in batch order), the unused after them: an item of several sequences
+    runs its longest entry's kv blocks, so its entries should need about as many."""
+    length = jnp.where(plan.count > 0, kv_lengths[plan.sequence], -1)
+    order = jnp.argsort(-length, stable=True)
+    return Schedule(*(x[order] for x in plan))
 
 
 def item_span(

@@ -26,59 +26,85 @@ from jax.experimental import pallas as pl
 
 from pallas_flash.masking import apply_softcap
 from pallas_flash.specs import RaggedSpec
+from pallas_flash_splitkv.blocks import LANES
 
 _F32 = jnp.float32
-LANES = 128
 
 
 class HeadRefs(NamedTuple):
-    """One kv head's refs in a fold: its query rows ``q [rows, head_dim]``, its kv block
-    ``views`` (k, v ``[block_kv, head_dim]`` and, for int8, their scales ``[block_kv]``), and
-    its rows' running ``max`` and ``sum`` ``[rows, 128]`` and accumulator ``acc [rows,
-    head_dim]``."""
+    """One kv head's refs in a fold: its query rows ``q [rows, head_dim]``, the kv block of
+    each sequence of the item (`BlockSpan`), ``views[e]``: k, v ``[block_kv, head_dim]`` and,
+    for int8, their scales ``[block_kv]``; and its rows' running ``max`` and ``sum`` ``[rows,
+    128]`` and accumulator ``acc [rows, head_dim]``."""
 
     q: jax.Ref
-    views: list[jax.Ref]
+    views: Sequence[Sequence[jax.Ref]]
     max: jax.Ref
     sum: jax.Ref
     acc: jax.Ref
 
 
+class BlockSpan(NamedTuple):
+    """Where one sequence's kv block lies: its first position ``first``, and the positions
+    ``[lo, hi]`` some row of that sequence sees."""
+
+    first: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+
 def fold_block(
     heads: Sequence[HeadRefs],
     q_pos: jax.Array,
-    first: jax.Array,
-    lo: jax.Array,
-    hi: jax.Array,
+    spans: Sequence[BlockSpan],
+    sequence_of_row: jax.Array | None,
     spec: RaggedSpec,
     masked: bool,
     page_size: int,
 ) -> None:
-    """Folds one kv block at position ``first`` into the running max, sum and accumulator
-    of each of ``heads``, stage by stage across them (every head's scores, then every head's
-    softmax, then every head's ``p @ v``): the heads' dependent chains, each a matmul, a
-    cross-lane max, an ``exp`` and a matmul, overlap in one basic block and take the MXUs in
-    turn. ``q_pos [rows, 1]``: each row's position; ``[lo, hi]``: the positions any row sees;
-    ``masked``: False for a block every row sees whole (module doc; then the positions are
-    not read); ``page_size``: positions per page of the block."""
+    """Folds one kv block of each sequence of an item into the running max, sum and
+    accumulator of each of ``heads``, stage by stage across them (every head's scores, then
+    every head's softmax, then every head's ``p @ v``): the heads' dependent chains, each a
+    matmul, a cross-lane max, an ``exp`` and a matmul, overlap in one basic block and take
+    the MXUs in turn. An item of several sequences (``spans``, the decode call's) multiplies
+    all its rows by each sequence's block and keeps, row by row, its own sequence's
+    (``sequence_of_row [rows, 1]``; None for one sequence): their chains are one chain.
+    ``q_pos [rows, 1]``: each row's position; ``masked``: False for blocks every row sees
+    whole (module doc; then the spans' ``lo`` and ``hi`` are not read); ``page_size``:
+    positions per page of the block."""
     dtype = heads[0].q.dtype
     precision = lax.Precision.HIGHEST if dtype == _F32 else None
-    block_kv = heads[0].views[0].shape[0]
-    int8 = len(heads[0].views) == 4
+    block_kv = heads[0].views[0][0].shape[0]
+    int8 = len(heads[0].views[0]) == 4
+
+    def by_row(values: Sequence[jax.Array]) -> jax.Array:
+        """Each row's value of its own sequence, of one value per sequence."""
+        chosen = values[0]
+        for e, value in enumerate(values[1:], start=1):
+            chosen = jnp.where(sequence_of_row == e, value, chosen)
+        return chosen
+
     if masked and not int8:  # first: off the scores' dependent chains
         for head in heads:
-            zero_stale_rows(head.views[1], hi - first, page_size)
+            for views, span in zip(head.views, spans, strict=True):
+                zero_stale_rows(views[1], span.hi - span.first, page_size)
     scores = []  # [rows, block_kv] each
     for head in heads:
-        k = head.views[0][...].astype(dtype)
-        dims = (((1,), (1,)), ((), ()))
-        s = lax.dot_general(head.q[...], k, dims, preferred_element_type=_F32, precision=precision)
-        scores.append(s * head.views[2][...].reshape(1, block_kv) if int8 else s)
+        per_sequence = []
+        for views in head.views:
+            k = views[0][...].astype(dtype)
+            dims = (((1,), (1,)), ((), ()))
+            s = lax.dot_general(head.q[...], k, dims, preferred_element_type=_F32,
+                                precision=precision)  # fmt: skip
+            per_sequence.append(s * views[2][...].reshape(1, block_kv) if int8 else s)
+        scores.append(by_row(per_sequence))
     scores = [apply_softcap(s * spec.sm_scale, spec.softcap) for s in scores]
-    if masked:
-        kv_pos = first + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-        seen = (kv_pos >= lo) & (kv_pos <= hi)  # [1, block_kv]: held by a copied page
-        visible = seen & (kv_pos <= q_pos)
+    iota = lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    if masked:  # each row's own sequence's span: scalars, or [rows, 1] (no select of masks)
+        first, lo, hi = (by_row(values) for values in zip(*spans, strict=True))
+        kv_pos = first + iota
+        visible = (kv_pos >= lo) & (kv_pos <= hi)  # held by a copied page
+        visible = visible & (kv_pos <= q_pos)
         if spec.window is not None:
             visible = visible & (kv_pos >= q_pos - spec.window)
         scores = [jnp.where(visible, s, -jnp.inf) for s in scores]
@@ -91,16 +117,23 @@ def fold_block(
         alpha = jnp.exp(m_prev - m_safe)
         head.max[...] = m_next
         head.sum[...] = alpha * head.sum[...] + jnp.sum(p, axis=1, keepdims=True)
-        if int8:
-            v_scales = head.views[3][...].reshape(1, block_kv)
-            p = p * (jnp.where(seen, v_scales, 0.0) if masked else v_scales)
         probabilities.append((p, alpha))
     for (p, alpha), head in zip(probabilities, heads, strict=True):
-        pv = lax.dot_general(
-            p.astype(dtype), head.views[1][...].astype(dtype), (((1,), (0,)), ((), ())),
-            preferred_element_type=_F32, precision=precision,
-        )  # fmt: skip
-        head.acc[...] = head.acc[...] * alpha[:, :1] + pv
+        per_sequence = []
+        for e, views in enumerate(head.views):
+            p_e = p
+            if int8:
+                v_scales = views[3][...].reshape(1, block_kv)
+                if masked:  # the scales outside the sequence's span: stale, maybe not finite
+                    kv_pos = spans[e].first + iota
+                    seen = (kv_pos >= spans[e].lo) & (kv_pos <= spans[e].hi)
+                    v_scales = jnp.where(seen, v_scales, 0.0)
+                p_e = p * v_scales
+            per_sequence.append(lax.dot_general(
+                p_e.astype(dtype), views[1][...].astype(dtype), (((1,), (0,)), ((), ())),
+                preferred_element_type=_F32, precision=precision,
+            ))  # fmt: skip
+        head.acc[...] = head.acc[...] * alpha[:, :1] + by_row(per_sequence)
 
 
 def lanes(x: jax.Array, width: int) -> jax.Array:

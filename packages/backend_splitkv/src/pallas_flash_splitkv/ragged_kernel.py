@@ -61,7 +61,7 @@ from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
 from pallas_flash_splitkv.blocks import LANES
 from pallas_flash_splitkv.ragged_blocks import ItemRange, item_span
-from pallas_flash_splitkv.ragged_fold import HeadRefs, finish_rows, fold_block
+from pallas_flash_splitkv.ragged_fold import BlockSpan, HeadRefs, finish_rows, fold_block
 
 _F32 = jnp.float32
 
@@ -78,21 +78,24 @@ def _kernel(
     *refs: jax.Ref,
     spec: RaggedSpec,
     block_q: int,
+    sequences: int,
     pages_per_block: int,
     pages_per_sequence: int,
     quantized: bool,
     has_sinks: bool,
 ) -> None:
-    """One grid step ``h``: every used item ``w`` on kv heads ``h x H`` to ``h x H + H - 1`` (module
-    doc). ``q_hbm`` and the output ``[tokens, kv_heads / H, H x group, head_dim]`` in HBM; refs
+    """One grid step ``h``: every used item ``w`` on kv heads ``h x H`` to ``h x H + H - 1``
+    (module doc); item ``w`` takes the schedule's entries ``w x S`` to ``w x S + S - 1`` (``S =
+    sequences``, those below the used count), each ``block_q / S`` token rows of one sequence.
+    ``q_hbm`` and the output ``[tokens, kv_heads / H, H x group, head_dim]`` in HBM; refs
     after q: sinks ``[H, rows, 128]`` when given; the cache's arrays in HBM (k, v and, when
     quantized, their scales); the output's first value (aliased, unread); the output; scratch:
     the item's query and output rows ``[2, block_q, H x group, head_dim]`` (double-buffered
     across items), the query per kv head ``[H, rows, head_dim]``, running max and sum ``[H,
-    rows, 128]``, accumulator ``[H, rows, head_dim]``, one double-buffered block per cache
-    array (``[2, H, block_kv, ...]``), DMA semaphores ``[2, arrays]`` and ``[2, 2]`` (queries,
-    outputs), and SMEM counters: kv blocks folded, items done, and each output buffer's
-    pending copy (first row, rows)."""
+    rows, 128]``, accumulator ``[H, rows, head_dim]``, one double-buffered block of each
+    entry per cache array (``[2, S, H, block_kv, ...]``), DMA semaphores ``[2, arrays]`` and
+    ``[2, 2]`` (queries, outputs), and SMEM counters: kv blocks folded, items done, and each
+    output buffer's pending copies (first row and rows of each entry)."""
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     arrays = 4 if quantized else 2
     cache, refs = refs[:arrays], refs[arrays + 1 :]  # the aliased first output is not read
@@ -101,17 +104,20 @@ def _kernel(
     heads = qs_ref.shape[0]
     q_per_kv = q_buf.shape[2] // heads
     tokens = q_hbm.shape[0]
-    page_size = buffers[0].shape[2] // pages_per_block
+    entry_rows = block_q // sequences
+    page_size = buffers[0].shape[3] // pages_per_block
     block_kv = pages_per_block * page_size
     max_len = pages_per_sequence * page_size
     h, head_groups = pl.program_id(0), pl.num_programs(0)
-    items = used_ref[0]
+    entries = used_ref[0]
+    # lax.div, not //: Mosaic lowers a signed // through `sign` (`ragged_blocks.item_span`)
+    items = lax.div(entries + sequences - 1, jnp.int32(sequences))
 
-    def item_range(item: jax.Array) -> ItemRange:
-        """The positions work item ``item`` reads (module doc)."""
-        seq = sequence_ref[item]
-        span = item_span(lengths_ref[seq], starts_ref[seq + 1], first_ref[item], count_ref[item],
-                         spec.window, block_kv, max_len)  # fmt: skip
+    def entry_range(entry: jax.Array) -> ItemRange:
+        """The positions schedule entry ``entry`` reads (module doc)."""
+        seq = sequence_ref[entry]
+        span = item_span(lengths_ref[seq], starts_ref[seq + 1], first_ref[entry],
+                         count_ref[entry], spec.window, block_kv, max_len)  # fmt: skip
         return ItemRange(seq, *span)
 
     def page_span(r: ItemRange, block: jax.Array) -> tuple[jax.Array | None, jax.Array]:
@@ -122,10 +128,12 @@ def _kernel(
         begin = None if spec.window is None else lax.div(r.lo, jnp.int32(page_size)) - first_page
         return begin, end
 
-    def copies(r: ItemRange, head_group: jax.Array, block: jax.Array, slot: jax.Array, act) -> None:
-        """``act`` on the copies of kv head group ``head_group``'s block ``block`` of item
-        range ``r``: its pages that hold a position in ``[r.lo, r.hi]`` (`page_span`), each
-        one copy of all the group's heads, and its int8 scales (`scale_copies`)."""
+    def copies(r: ItemRange, head_group: jax.Array, block: jax.Array, slot: jax.Array, e: int,
+               act) -> None:  # fmt: skip
+        """``act`` on the copies of kv head group ``head_group``'s block ``block`` of entry
+        ``e``'s range ``r``: its pages that hold a position in ``[r.lo, r.hi]``
+        (`page_span`), each one copy of all the group's heads, and its int8 scales
+        (`scale_copies`)."""
         kv = pl.ds(pl.multiple_of(head_group * heads, heads), heads)
         begin, end = page_span(r, block)
         row_of_sequence = r.seq * pages_per_sequence + block * pages_per_block
@@ -137,39 +145,39 @@ def _kernel(
                 page = table_ref[row_of_sequence + k]  # clipped into the pool before the call
                 rows = pl.ds(k * page_size, page_size)
                 for a, (src, dst) in enumerate(zip(cache[:2], buffers[:2], strict=True)):
-                    act(pltpu.make_async_copy(src.at[page, kv], dst.at[slot, :, rows],
+                    act(pltpu.make_async_copy(src.at[page, kv], dst.at[slot, e, :, rows],
                                               sems.at[slot, a]))  # fmt: skip
 
-        scale_copies(r, head_group, block, slot, act)
+        scale_copies(r, head_group, block, slot, e, act)
 
     def scale_copies(r: ItemRange, head_group: jax.Array, block: jax.Array, slot: jax.Array,
-                     act) -> None:  # fmt: skip
-        """``act`` on the copies of an int8 cache's scales for ``block`` of item range ``r``
-        on kv head group ``head_group``: the block's positions of the sequence's gathered
-        scales, one copy per array (none for a float cache)."""
+                     e: int, act) -> None:  # fmt: skip
+        """``act`` on the copies of an int8 cache's scales for ``block`` of entry ``e``'s range
+        ``r`` on kv head group ``head_group``: the block's positions of the sequence's
+        gathered scales, one copy per array (none for a float cache)."""
         kv = pl.ds(pl.multiple_of(head_group * heads, heads), heads)
         start = pl.multiple_of(block * block_kv, block_kv)
         for a in range(2, arrays):
             src = cache[a].at[r.seq, kv, pl.ds(start, block_kv)]
-            act(pltpu.make_async_copy(src, buffers[a].at[slot], sems.at[slot, a]))
+            act(pltpu.make_async_copy(src, buffers[a].at[slot, e], sems.at[slot, a]))
 
-    def wait_block(r: ItemRange, block: jax.Array, slot: jax.Array) -> None:
-        """Waits for the copies of ``block`` of item range ``r`` into buffer ``slot``: where
-        every page of the block holds a position in ``[r.lo, r.hi]``, once per array for the
-        whole buffer (a DMA semaphore counts bytes: the pages' copies together fill it), so
-        no page's table entry and descriptor is made again; else `wait_pages`."""
+    def wait_block(r: ItemRange, block: jax.Array, slot: jax.Array, e: int) -> None:
+        """Waits for the copies of ``block`` of entry ``e``'s range ``r`` into buffer
+        ``slot``: where every page of the block holds a position in ``[r.lo, r.hi]``, once per
+        array for the whole block (a DMA semaphore counts bytes: the pages' copies together
+        fill it), so no page's table entry and descriptor is made again; else `wait_pages`."""
         first_page = block * pages_per_block
         whole = ((first_page + 1) * page_size > r.lo) & (
             (first_page + pages_per_block - 1) * page_size <= r.hi
         )
-        pl.when(whole)(lambda: wait_whole(slot))
-        pl.when(jnp.logical_not(whole))(lambda: wait_pages(r, block, slot))
+        pl.when(whole)(lambda: wait_whole(slot, e))
+        pl.when(jnp.logical_not(whole))(lambda: wait_pages(r, block, slot, e))
 
-    def wait_pages(r: ItemRange, block: jax.Array, slot: jax.Array) -> None:
+    def wait_pages(r: ItemRange, block: jax.Array, slot: jax.Array, e: int) -> None:
         """Waits for the copies of the pages of ``block`` that hold a position of ``r`` (one
-        run of them, `page_span`) into buffer ``slot``: for their count, a few waits of static
-        sizes (`row_copies.by_powers_of_two`; a DMA semaphore counts bytes), not one a page;
-        then its scales'."""
+        run of them, `page_span`) into entry ``e``'s buffer ``slot``: for their count, a few
+        waits of static sizes (`row_copies.by_powers_of_two`; a DMA semaphore counts bytes),
+        not one a page; then its scales'."""
         begin, end = page_span(r, block)
         held = jnp.clip(end, 0, pages_per_block)
         if begin is not None:
@@ -179,66 +187,74 @@ def _kernel(
             def pages(_: jax.Array, size: int, buffer=buffer, a=a):
                 # a wait counts bytes, not places: the first `size` pages' rows, at a static
                 # offset (a dynamic one need not fall on a tile of an int8 buffer)
-                rows = buffer.at[slot, :, pl.ds(0, size * page_size)]
+                rows = buffer.at[slot, e, :, pl.ds(0, size * page_size)]
                 return pltpu.make_async_copy(rows, rows, sems.at[slot, a])
 
             row_copies.by_powers_of_two(held, pages_per_block, pages, lambda c: c.wait())
-        scale_copies(r, h, block, slot, lambda c: c.wait())
+        scale_copies(r, h, block, slot, e, lambda c: c.wait())
 
-    def wait_whole(slot: jax.Array) -> None:
-        """Waits for every page's copies into buffer ``slot``, once per array."""
+    def wait_whole(slot: jax.Array, e: int) -> None:
+        """Waits for every page's copies into entry ``e``'s buffer ``slot``, once per array."""
         for a, buffer in enumerate(buffers):
-            pltpu.make_async_copy(buffer.at[slot], buffer.at[slot], sems.at[slot, a]).wait()
+            whole = buffer.at[slot, e]
+            pltpu.make_async_copy(whole, whole, sems.at[slot, a]).wait()
 
     def window_start(first: jax.Array) -> jax.Array:
-        """The first of the ``block_q`` token rows copied for an item whose first token is row
-        ``first``: that row, moved back where the rows would run past the batch (the rows
-        before it are other tokens')."""
-        return jnp.minimum(first, tokens - block_q)
+        """The first of an entry's ``block_q / sequences`` token rows copied for an entry whose
+        first token is row ``first``: that row, moved back where the rows would run past the
+        batch (the rows before it are other tokens')."""
+        return jnp.minimum(first, tokens - entry_rows)
 
-    def query_copy(item: jax.Array, head_group: jax.Array, slot: jax.Array):
-        """The copy of ``item``'s ``block_q`` query rows (`window_start`) on kv head group
-        ``head_group`` into query buffer ``slot``."""
-        rows = q_hbm.at[pl.ds(window_start(first_ref[item]), block_q), head_group]
-        return pltpu.make_async_copy(rows, q_buf.at[slot], row_sems.at[slot, 0])
+    def query_copy(entry: jax.Array, head_group: jax.Array, slot: jax.Array, e: int):
+        """The copy of schedule entry ``entry``'s query rows (`window_start`) on kv head group
+        ``head_group`` into its rows of query buffer ``slot`` (the item's ``e``-th)."""
+        rows = q_hbm.at[pl.ds(window_start(first_ref[entry]), entry_rows), head_group]
+        dst = q_buf.at[slot, pl.ds(e * entry_rows, entry_rows)]
+        return pltpu.make_async_copy(rows, dst, row_sems.at[slot, 0])
 
-    def output_copies(slot: jax.Array, first: jax.Array, rows: jax.Array, act) -> None:
-        """``act`` on the copies of ``rows`` (1 to ``block_q``) output rows from buffer
-        ``slot`` to token rows ``first`` on, on kv head group ``h`` (static sizes,
-        `row_copies`)."""
-        offset = first - window_start(first)
+    def query_copies(item: jax.Array, head_group: jax.Array, slot: jax.Array, act) -> None:
+        """``act`` on the query copies of every used entry of ``item``."""
+        for e in range(sequences):
+            entry = item * sequences + e
+            pl.when(entry < entries)(lambda e=e, entry=entry: act(
+                query_copy(entry, head_group, slot, e)))  # fmt: skip
+
+    def output_copies(slot: jax.Array, e: int, first: jax.Array, rows: jax.Array, act) -> None:
+        """``act`` on the copies of ``rows`` (1 to ``block_q / sequences``) output rows of the
+        item's ``e``-th entry from buffer ``slot`` to token rows ``first`` on, on kv head
+        group ``h`` (static sizes, `row_copies`)."""
+        offset = e * entry_rows + first - window_start(first)
 
         def piece(start: jax.Array, size: int):
             src = o_buf.at[slot, pl.ds(offset + start, size)]
             dst = o_hbm.at[pl.ds(first + start, size), h]
             return pltpu.make_async_copy(src, dst, row_sems.at[slot, 1])
 
-        row_copies.by_powers_of_two(rows, block_q, piece, act)
+        row_copies.by_powers_of_two(rows, entry_rows, piece, act)
 
     def wait_output(slot: int | jax.Array) -> None:
         """Waits for buffer ``slot``'s output copies, if some are in flight."""
-        rows = pending[slot, 1]
+        for e in range(sequences):
+            rows = pending[slot, 2 * e + 1]
 
-        @pl.when(rows > 0)
-        def _wait() -> None:
-            output_copies(slot, pending[slot, 0], rows, lambda c: c.wait())
-            pending[slot, 1] = 0
+            @pl.when(rows > 0)
+            def _wait(e: int = e, rows: jax.Array = rows) -> None:
+                output_copies(slot, e, pending[slot, 2 * e], rows, lambda c: c.wait())
+                pending[slot, 2 * e + 1] = 0
 
     def item(w: jax.Array, carry: None) -> None:
         """Work item ``w`` on kv head group ``h`` (module doc)."""
-        count = count_ref[w]
-        r = item_range(w)
         row_slot = done[0] & 1
         # the next step that reads the cache: the next item of this head group, else item 0 of
         # the next group
         same_group = w + 1 < items
         next_group = jnp.where(same_group, h, h + 1)
         next_item = jnp.where(same_group, w + 1, 0)
-        query_copy(w, h, row_slot).wait()
+        query_copies(w, h, row_slot, lambda c: c.wait())
 
         @pl.when(next_group < head_groups)
         def _start_next_queries() -> None:
-            query_copy(next_item, next_group, 1 - row_slot).start()
+            query_copies(next_item, next_group, 1 - row_slot, lambda c: c.start())
 
         for j in range(heads):  # the rows of kv head j, query head g's first (module doc)
             rows = q_buf[row_slot, :, j * q_per_kv : (j + 1) * q_per_kv, :]
@@ -246,69 +262,106 @@ def _kernel(
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
-        # row t of the copied rows is token window_start + t, at position p0 + t - offset
-        offset = first_ref[w] - window_start(first_ref[w])
-        row = lax.broadcasted_iota(jnp.int32, (q_per_kv * block_q, 1), 0)
-        q_pos = r.p0 - offset + (row & (block_q - 1))
+        entry = [w * sequences + e for e in range(sequences)]
+        used = [x < entries for x in entry]
+        ranges = [entry_range(x) for x in entry]
+        # row t of an entry's copied rows is token window_start + t, at position p0 + t - offset
+        token = lax.broadcasted_iota(jnp.int32, (q_per_kv * block_q, 1), 0) & (block_q - 1)
+        sequence_of_row = None if sequences == 1 else lax.div(token, jnp.int32(entry_rows))
+        q_pos = None
+        for e in reversed(range(sequences)):
+            first = first_ref[entry[e]]
+            pos = ranges[e].p0 - (first - window_start(first)) + (token & (entry_rows - 1))
+            q_pos = pos if q_pos is None else jnp.where(sequence_of_row == e, pos, q_pos)
+        # an entry's blocks (none for an unused one); the item's: the most of its entries'
+        blocks = [jnp.where(u, r.blocks, 0) for u, r in zip(used, ranges, strict=True)]
+        item_blocks = functools.reduce(jnp.maximum, blocks)
+        if sequences == 1:
+            head, whole = ranges[0].head, ranges[0].whole
+        else:  # whole for every entry: from the first block, where no entry has a head
+            head = jnp.int32(0)
+            whole = functools.reduce(jnp.minimum, [
+                jnp.where(u & (r.head == 0), r.whole, jnp.where(u, 0, max_len))
+                for u, r in zip(used, ranges, strict=True)
+            ])  # fmt: skip
         base = folded[0]
-        after = item_range(next_item)
+        after = [entry_range(next_item * sequences + e) for e in range(sequences)]
 
         def body(i: jax.Array, carry: None, masked: bool) -> None:
-            block, slot = r.first_block + i, (base + i) & 1
-            if masked:
-                wait_block(r, block, slot)
-            else:  # every page of the block copied
-                wait_whole(slot)
+            slot = (base + i) & 1
+            for e, r in enumerate(ranges):
+                if masked:
+                    pl.when(i < blocks[e])(lambda e=e, r=r: wait_block(r, r.first_block + i,
+                                                                       slot, e))  # fmt: skip
+                elif sequences == 1:  # every page of the block copied
+                    wait_whole(slot, e)
+                else:  # every page of a used entry's block copied
+                    pl.when(used[e])(lambda e=e: wait_whole(slot, e))
             # the next block's copies: this item's, or after its last the next step's first
             # (one region whichever it is, so that no step's schedule holds both)
-            last = i + 1 == r.blocks
-            ahead = ItemRange(*(jnp.where(last, a, b) for a, b in zip(after, r, strict=True)))
-            ahead_group = jnp.where(last, next_group, h)
-            ahead_block = jnp.where(last, after.first_block, block + 1)
+            last = i + 1 == item_blocks
+            for e, r in enumerate(ranges):
+                next_used = (next_item * sequences + e < entries) & (next_group < head_groups)
+                pairs = zip(after[e], r, strict=True)
+                ahead = ItemRange(*(jnp.where(last, a, b) for a, b in pairs))
+                ahead_group = jnp.where(last, next_group, h)
+                ahead_block = jnp.where(last, after[e].first_block, r.first_block + i + 1)
 
-            @pl.when(ahead_group < head_groups)
-            def _start_next() -> None:
-                copies(ahead, ahead_group, ahead_block, 1 - slot, lambda c: c.start())
+                @pl.when(jnp.where(last, next_used, i + 1 < blocks[e]))
+                def _start_next(e=e, ahead=ahead, ahead_group=ahead_group,
+                                ahead_block=ahead_block) -> None:  # fmt: skip
+                    copies(ahead, ahead_group, ahead_block, 1 - slot, e, lambda c: c.start())
 
-            first = block * block_kv
+            spans = [BlockSpan((r.first_block + i) * block_kv, r.lo, r.hi) for r in ranges]
             group = [  # each kv head of the group: its own 2-D matmuls
-                HeadRefs(qs_ref.at[j], [buffer.at[slot, j] for buffer in buffers], m_ref.at[j],
-                         l_ref.at[j], acc_ref.at[j])
+                HeadRefs(qs_ref.at[j], [[buffer.at[slot, e, j] for buffer in buffers]
+                                        for e in range(sequences)],
+                         m_ref.at[j], l_ref.at[j], acc_ref.at[j])
                 for j in range(heads)
             ]  # fmt: skip
-            fold_block(group, q_pos, first, r.lo, r.hi, spec, masked, page_size)
+            fold_block(group, q_pos, spans, sequence_of_row, spec, masked, page_size)
             return carry
 
         # the masked blocks before the whole ones (a window's only), the whole, the rest
-        unmasked = r.head + r.whole
-        if spec.window is not None:
-            lax.fori_loop(0, r.head, functools.partial(body, masked=True), None)
-        lax.fori_loop(r.head, unmasked, functools.partial(body, masked=False), None)
-        lax.fori_loop(unmasked, r.blocks, functools.partial(body, masked=True), None)
-        folded[0] = base + r.blocks
+        unmasked = head + whole
+        if spec.window is not None and sequences == 1:
+            lax.fori_loop(0, head, functools.partial(body, masked=True), None)
+        lax.fori_loop(head, unmasked, functools.partial(body, masked=False), None)
+        lax.fori_loop(unmasked, item_blocks, functools.partial(body, masked=True), None)
+        folded[0] = base + item_blocks
         done[0] = done[0] + 1
-        wait_output(row_slot)  # this buffer's copy of two items ago
+        wait_output(row_slot)  # this buffer's copies of two items ago
         for j in range(heads):
             sinks = None if sinks_ref is None else sinks_ref.at[j]
             out = finish_rows(sinks, m_ref.at[j], l_ref.at[j], acc_ref.at[j])
             rows = jnp.swapaxes(out.reshape(q_per_kv, block_q, -1), 0, 1)
             o_buf[row_slot, :, j * q_per_kv : (j + 1) * q_per_kv, :] = rows.astype(o_buf.dtype)
-        output_copies(row_slot, first_ref[w], count, lambda c: c.start())
-        pending[row_slot, 0], pending[row_slot, 1] = first_ref[w], count
+        for e in range(sequences):
+
+            @pl.when(used[e])
+            def _write_back(e: int = e) -> None:
+                first, count = first_ref[entry[e]], count_ref[entry[e]]
+                output_copies(row_slot, e, first, count, lambda c: c.start())
+                pending[row_slot, 2 * e], pending[row_slot, 2 * e + 1] = first, count
+
         return carry
 
     @pl.when(h == 0)
     def _first_step() -> None:
         folded[0], done[0] = 0, 0
-        pending[0, 1], pending[1, 1] = 0, 0
+        for e in range(sequences):
+            pending[0, 2 * e + 1], pending[1, 2 * e + 1] = 0, 0
         if not quantized:  # no NaN in the V buffers, ever (`ragged_fold`)
             buffers[1][...] = jnp.zeros(buffers[1].shape, buffers[1].dtype)
 
-        @pl.when(items > 0)
-        def _start_first() -> None:
-            r = item_range(0)
-            copies(r, 0, r.first_block, 0, lambda c: c.start())
-            query_copy(0, 0, 0).start()
+        for e in range(sequences):
+
+            @pl.when(e < entries)
+            def _start_first(e: int = e) -> None:
+                r = entry_range(jnp.int32(e))
+                copies(r, 0, r.first_block, 0, e, lambda c: c.start())
+
+        query_copies(jnp.int32(0), 0, 0, lambda c: c.start())
 
     lax.fori_loop(0, items, item, None)
 
@@ -360,6 +413,7 @@ def kernel_call(
         inputs.append(jnp.broadcast_to(per_row[..., None], (*per_row.shape, LANES)))
         in_specs.append(pl.BlockSpec((heads, rows, LANES), lambda h, *refs: (h, 0, 0)))
     block_kv = per_block * arrays[0].shape[2]
+    entries = call.sequences
     row_block = (2, call.block_q, head_rows, head_dim)
     scratch = [
         pltpu.VMEM(row_block, q_rows.dtype),
@@ -368,19 +422,20 @@ def kernel_call(
         pltpu.VMEM((heads, rows, LANES), _F32),
         pltpu.VMEM((heads, rows, LANES), _F32),
         pltpu.VMEM((heads, rows, head_dim), _F32),
-        *(pltpu.VMEM((2, heads, block_kv, head_dim), x.dtype) for x in arrays[:2]),
-        *(pltpu.VMEM((2, heads, block_kv), _F32) for _ in arrays[2:]),
+        *(pltpu.VMEM((2, entries, heads, block_kv, head_dim), x.dtype) for x in arrays[:2]),
+        *(pltpu.VMEM((2, entries, heads, block_kv), _F32) for _ in arrays[2:]),
         pltpu.SemaphoreType.DMA((2, len(arrays))),
         pltpu.SemaphoreType.DMA((2, 2)),
         pltpu.SMEM((1,), jnp.int32),
         pltpu.SMEM((1,), jnp.int32),
-        pltpu.SMEM((2, 2), jnp.int32),
+        pltpu.SMEM((2, 2 * entries), jnp.int32),
     ]
-    temporaries = SCORE_TEMPORARIES * heads * rows * block_kv * 4  # the step's heads at once
+    # the step's heads at once, and each entry's scores before they are chosen from
+    temporaries = (SCORE_TEMPORARIES + entries - 1) * heads * rows * block_kv * 4
     sinks_block = 2 * heads * rows * LANES * 4 if sinks is not None else 0  # double-buffered
     needed = sum(_vmem_bytes(s) for s in scratch) + sinks_block + temporaries
     body = functools.partial(
-        _kernel, spec=spec, block_q=call.block_q, pages_per_block=per_block,
+        _kernel, spec=spec, block_q=call.block_q, sequences=entries, pages_per_block=per_block,
         pages_per_sequence=pages_per_sequence, quantized=len(arrays) == 4,
         has_sinks=sinks is not None,
     )  # fmt: skip
