@@ -2,9 +2,10 @@
 (`ragged_kernel`) and how often their loops run.
 
 A batch makes two calls of the kernel (`ragged_blocks.kernel_calls`): the decoding sequences',
-whose items hold one token in the fewest rows that fill whole tiles (``DECODE_KERNEL_NAME``),
-and the other sequences', with ``block_q`` tokens an item (``KERNEL_NAME``); the second writes
-its tokens' rows into the first's output (aliased).
+whose items each take several of them, a token each, longest first (``DECODE_KERNEL_NAME``,
+`ragged_blocks.longest_first`), and the other sequences', with ``block_q`` tokens of one
+sequence an item (``KERNEL_NAME``); the second writes its tokens' rows into the first's
+output (aliased).
 
 An int8 cache's scales are gathered per sequence before the calls (`_scales_by_sequence`), in
 whole kv blocks of both calls.

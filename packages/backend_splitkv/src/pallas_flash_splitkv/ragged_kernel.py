@@ -8,24 +8,29 @@ sequence before the kernel: ``[seqs, kv_heads, positions]``, `ragged_attention`)
 flat page table, scalar-prefetched with ``kv_lengths``, ``query_starts`` and the schedule.
 
 Grid ``(kv_heads / H,)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`); each step loops
-over the used work items (their count prefetched: no empty step). Item ``w`` of step ``h``
-takes item ``w``'s ``count`` tokens of sequence ``s`` at positions ``p0 .. p0 + count -
-1`` on kv heads ``h H`` to ``h H + H - 1`` and folds, by online softmax in float32
-(`ragged_fold`), the kv blocks (``pages_per_block`` pages of those heads) that hold a position
-some row sees: from ``p0 - window`` (0 without a window) to ``p0 + count - 1``, no further
-than the sequence's length; blocks wholly before or after that range are never copied.
+over the used work items (the count of used schedule entries prefetched: no empty step). A
+schedule entry is ``count`` tokens of one sequence ``s`` at positions ``p0 .. p0 + count -
+1``; an item takes ``S`` entries (``sequences``: 1, or the decode call's several decoding
+sequences, a token each). Item ``w`` of step ``h`` takes its entries on kv heads ``h H`` to
+``h H + H - 1`` and folds, by online softmax in float32 (`ragged_fold`), each entry's kv
+blocks (``pages_per_block`` pages of those heads) that hold a position some row sees: from
+``p0 - window`` (0 without a window) to ``p0 + count - 1``, no further than the sequence's
+length; blocks wholly before or after that range are never copied. The entries' ``i``-th
+blocks are folded together, as one dependent chain, for as many blocks as the item's longest
+entry has (an entry past its last block is masked whole).
 
 Copies, all by manual DMA:
-- Queries and outputs: an item's ``block_q`` token rows are copied into a buffer
+- Queries and outputs: each entry's ``block_q / S`` token rows are copied into a buffer
   double-buffered across items (the next item's rows start when an item begins), and its
   ``count`` output rows copied back (one copy of a static size for each power of two in
   ``count``, waited for two items later),
-  so no relayout of q or of the output runs around the kernel. The rows start at the item's
-  first token, or at ``tokens - block_q`` where ``block_q`` rows would run past the batch (a
-  batch of fewer tokens is padded to ``block_q``): rows before its first token are other
-  tokens', computed for nothing and never copied back. In VMEM a kv head's rows are laid out
-  ``[group x block_q, head_dim]``, row ``g x block_q + t``: token ``t``, query head ``g``.
-- KV blocks: one copy per page that holds a position of the item's range, all ``H`` heads at
+  so no relayout of q or of the output runs around the kernel. The rows start at the entry's
+  first token, or earlier where they would run past the batch (a batch of fewer tokens is
+  padded to ``block_q``): rows before its first token are other tokens', computed for
+  nothing and never copied back. In VMEM a kv head's rows are laid out ``[group x block_q,
+  head_dim]``, row ``g x block_q + t``: token ``t`` (of entry ``t / (block_q / S)``), query
+  head ``g``.
+- KV blocks: one copy per page that holds a position of an entry's range, all ``H`` heads at
   once (the table's entries clipped into the pool by the caller; int8 scales one copy per
   block), into a double-buffered VMEM block (waited for once per array where all its pages
   are copied: a DMA semaphore counts bytes): block ``i + 1``'s copies start before block
@@ -36,7 +41,7 @@ Copies, all by manual DMA:
   (`ragged_fold`).
 
 All ``group`` query heads of a kv head share one ``[rows, block] @ [block, head_dim]`` matmul,
-one per kv head of the step (GQA reads each page once per item). Sinks join each row's
+one per kv head of the step and entry (GQA reads each page once per item). Sinks join each row's
 denominator at the end. Rows that see no position give zeros, and so do padding rows (the
 first call's output starts as zeros).
 

@@ -350,12 +350,12 @@ class Engine:
         rows = []
         sampled_scored = np.zeros(self._scheduler.slots, bool)
         for item in scored:
-            request = self._live[item.request_id].request
+            live = self._live[item.request_id]
+            request = live.request
             if not item.sample:
                 continue
             sampled_scored[item.slot] = request.logprobs is not None
             if request.processing is not None:
-                live = self._live[item.request_id]
                 edited = request.processing.tokens_edited(live.prompt_tokens, live.output,
                                                           request.stop_ids)  # fmt: skip
                 rows.append((item.slot, request.processing, edited))
