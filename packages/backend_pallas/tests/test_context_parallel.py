@@ -71,6 +71,61 @@ def test_one_kv_head_a_group_changes_nothing(monkeypatch: pytest.MonkeyPatch, ex
         assert_gradient_close(got, wanted, "float32", name=name)
 
 
+def _mesh(kind: str) -> jax.sharding.Mesh:
+    """A mesh of every device as users build it: ``jax.make_mesh`` (axes ``Explicit`` on this
+    jax) or ``Mesh`` (``Auto``)."""
+    if kind == "make_mesh":
+        return jax.make_mesh((len(jax.devices()),), ("seq",))
+    return jax.sharding.Mesh(np.array(jax.devices()), ("seq",))
+
+
+@pytest.mark.parametrize(
+    ("kind", "jit", "context"),
+    [("make_mesh", False, False), ("make_mesh", False, True), ("make_mesh", True, False),
+     ("Mesh", False, False)],
+    ids=["make_mesh-eager", "make_mesh-eager-set_mesh", "make_mesh-jit", "Mesh-eager"],
+)  # fmt: skip
+def test_gradients_of_plain_arrays_over_every_mesh(kind: str, jit: bool, context: bool) -> None:
+    """``jax.grad`` of attention over a mesh of plain (unplaced) arrays, eager or jitted,
+    inside ``jax.set_mesh`` or not: the reference's gradients. Eager over ``jax.make_mesh``
+    outside a mesh context, jax refused to build the cotangent of an output typed
+    ``Explicit`` (`mesh_placement.call_mesh`)."""
+    mesh = _mesh(kind)
+    seq = 128 * 2 * len(jax.devices())
+    q, k, v = inputs.qkv(1, 2, 2, seq, seq, 64)
+    d_out = inputs.normal(3, q.shape)
+
+    def loss(q, k, v):
+        out = pf.attention(q, k, v, causal=True, mesh=mesh, context_layout="zigzag",
+                           backend="pallas")  # fmt: skip
+        return jnp.sum(out * d_out)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    grad = jax.jit(grad) if jit else grad
+    if context:
+        with jax.set_mesh(mesh):
+            got = grad(q, k, v)
+    else:
+        got = grad(q, k, v)
+    zigzag = [pf.from_zigzag(x, len(jax.devices())) for x in (q, k, v, d_out)]
+    expected = reference.attention_vjp(*zigzag, sm_scale=64**-0.5, causal=True)
+    for name, mine, wanted in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        mine = pf.from_zigzag(mine, len(jax.devices()))
+        assert_gradient_close(mine, wanted, "float32", name=name)
+
+
+def test_inputs_laid_out_over_an_explicit_mesh_keep_it() -> None:
+    """q, k, v placed over ``jax.make_mesh``: the output is typed over the same mesh, so it
+    mixes with them as jax's own ops' outputs do."""
+    mesh = _mesh("make_mesh")
+    seq = 128 * 2 * len(jax.devices())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "seq"))
+    q, k, v = (jax.device_put(x, split) for x in inputs.qkv(1, 2, 2, seq, seq, 64))
+    out = pf.attention(q, k, v, mesh=mesh, context_layout="zigzag", backend="pallas")
+    assert out.sharding.mesh == mesh
+    assert (out + q).shape == q.shape
+
+
 def test_a_bias_over_a_mesh_raises_and_names_it() -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("seq",))
     q = inputs.normal(0, (1, 2, 256, 64))

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import pallas_flash as pf
 from pallas_flash.merge import merge, merge_across
-from pallas_flash.mesh_placement import place
+from pallas_flash.mesh_placement import call_mesh, place
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import placement
 from pallas_flash_splitkv.blocks import DecodeBlocks
@@ -147,6 +147,7 @@ def split_kv_decode(
             f"k_cache: expected {size} divisible by the mesh's {parts} devices, "
             f"got {size}={cache.k.shape[axis]}"
         )
+    mesh = call_mesh(mesh, (q, cache, lengths))  # for unplaced inputs, an Auto twin
     q, cache, lengths = place((q, cache, lengths), mesh, _in_specs(cache, axes))
     return _sharded(q, cache, lengths, spec=spec, blocks=blocks, mesh=mesh, axes=axes)
 

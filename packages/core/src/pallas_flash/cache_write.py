@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from pallas_flash import interpret, page_write_kernel, row_write_kernel
 from pallas_flash.decode_cache import DecodeCache
-from pallas_flash.mesh_placement import place
+from pallas_flash.mesh_placement import call_mesh, place
 from pallas_flash.quantization import quantize_int8
 
 Split = tuple[Mesh, tuple[str, ...]]
@@ -77,7 +77,7 @@ def _write_split(
     indices made local: a device writes only what falls in its own slice."""
     if split is None or not split[1]:
         return write(cache, values, blocks, positions)
-    mesh, axes = split
+    mesh, axes = call_mesh(split[0], (cache, values)), split[1]
     part = cache.shape[split_axis] // math.prod(mesh.shape[name] for name in axes)
 
     def on_device(cache, values, blocks, positions):

@@ -50,7 +50,7 @@ from jax.sharding import Mesh, PartitionSpec
 from pallas_flash import context_layout, tpu
 from pallas_flash.context_layout import ContextExchange, ContextLayout, chunk_ids
 from pallas_flash.merge import merge
-from pallas_flash.mesh_placement import place
+from pallas_flash.mesh_placement import call_mesh, place
 from pallas_flash.specs import AttentionSpec, SegmentIds
 from pallas_flash_pallas.blocks.block_sizes import BlockSizes
 from pallas_flash_pallas.kernels.attention import sinks_gradient
@@ -427,8 +427,13 @@ def context_parallel_attention(
     q_heads, seq, v_head_dim]`` split like q.
 
     Inputs not yet laid out over the mesh (NumPy arrays, arrays on one device) are placed
-    first (`place`), so the jitted ring takes them whatever device they were committed to."""
-    args = place((q, k, v, sinks, segment_ids), mesh, _in_specs(mesh))
+    first (`place`), so the jitted ring takes them whatever device they were committed to;
+    the ring runs over `call_mesh` (for inputs not typed ``Explicit`` outside
+    ``jax.set_mesh``, an ``Explicit`` mesh's ``Auto`` twin: ``jax.grad`` can differentiate
+    its outputs eagerly)."""
+    args = (q, k, v, sinks, segment_ids)
+    mesh = call_mesh(mesh, args)
+    args = place(args, mesh, _in_specs(mesh))
     return _context_parallel_attention(
         *args, spec=spec, mesh=mesh, layout=layout, block_sizes=block_sizes, exchange=exchange
     )
