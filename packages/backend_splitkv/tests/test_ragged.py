@@ -309,6 +309,25 @@ def test_loop_runs_count_grid_steps_and_whole_and_masked_kv_blocks_per_group_of_
     assert whole == tuple(2 * (a + b) for a, b in zip(decode, runs[1], strict=True))
 
 
+def test_loop_runs_of_a_decode_only_batch() -> None:
+    """Five decoding sequences, nothing else: two items of the decode call (4 sequences an
+    item at 2 query heads a kv head, longest first: 2 blocks, then 1), and the other call,
+    made with no entry, runs no loop."""
+    starts = jnp.arange(6, dtype=jnp.int32)
+    lengths = jnp.asarray([9, 17, 40, 3, 33], jnp.int32)
+    shapes = dict(tokens=5, q_heads=4, kv_heads=2, head_dim=128, dtype=jnp.float32,
+                  page_size=PAGE_SIZE, pages_per_sequence=PAGES_PER_SEQUENCE,
+                  spec=pf.RaggedSpec(sm_scale=1.0), blocks=SMALL.ragged_blocks)  # fmt: skip
+    decode = ragged_attention.loop_runs(
+        starts, lengths, kernel=ragged_attention.DECODE_KERNEL_NAME, **shapes
+    )
+    # blocks of 16 positions: 40, 33, 17, 9 -> 3, 3, 2, 1 blocks (whole: 2, 2, 1, 0), then 3
+    assert decode == (2, 0 + 0, 3 + 1)
+    assert ragged_attention.loop_runs(
+        starts, lengths, kernel=ragged_attention.KERNEL_NAME, **shapes
+    ) == (0, 0, 0)
+
+
 def test_prefill_items_hold_at_most_half_a_mebibyte_of_queries() -> None:
     automatic = RaggedBlocks()
     # 32 query rows a token (8 kv heads of 4) in bfloat16 at head_dim 128: 64 tokens, 512 KiB

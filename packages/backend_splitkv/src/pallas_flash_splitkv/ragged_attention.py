@@ -173,7 +173,8 @@ def loop_runs(
         """``[items, sequences]``: each used item's entries' ``x``, ``unused`` for unused
         entries."""
         entries = np.where(used, np.asarray(x), unused)
-        return np.pad(entries, (0, items * sequences))[: items * sequences].reshape(items, -1)
+        whole = np.pad(entries, (0, items * sequences))[: items * sequences]
+        return whole.reshape(items, sequences)
 
     item_blocks = by_item(r.blocks, 0).max(axis=1)
     if sequences == 1:
