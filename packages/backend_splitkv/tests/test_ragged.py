@@ -179,10 +179,8 @@ def test_items_of_several_decoding_sequences(options: dict) -> None:
     starts the next head group's first): the same as the dense reference."""
     blocks = RaggedBlocks(block_q=8, pages_per_block=2, kv_heads_per_step=1)
     new, lengths = [1, 1, 9, 1, 1, 1, 1, 1], [3, 40, 25, 17, 48, 16, 33, 9]
-    dtype = options.pop("dtype", jnp.float32)
-    got = _call(new, lengths, dtype=dtype, backend=SplitKvBackend(ragged_blocks=blocks),
-                **options)  # fmt: skip
-    _check(*got, FORWARD_TOLERANCE["bfloat16"] if dtype == jnp.bfloat16 else 1e-4)
+    got = _call(new, lengths, backend=SplitKvBackend(ragged_blocks=blocks), **options)
+    _check(*got, FORWARD_TOLERANCE["bfloat16"] if "dtype" in options else 1e-4)
 
 
 def test_decoding_sequences_kv_blocks_of_their_own_size() -> None:
