@@ -268,3 +268,31 @@ def test_a_kernel_call_without_a_dump_of_its_own_runs_its_identical_twins_schedu
     # the same body on the same shape, whatever its source metadata; not another body or shape
     assert hlo_ops.kernel_twins(calls, {"write.2"}) == {"write.3": "write.2"}
     assert hlo_ops.kernel_twins(calls, {"write.2", "write.3", "other", "small"}) == {}
+
+
+CONSTANT_OPERANDS = """\
+HloModule sparse, entry_computation_layout={(bf16[64,128]{1,0})->bf16[64,128]{1,0}}
+
+ENTRY %main (x: bf16[64,128]) -> bf16[64,128] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %steps = s32[]{:T(128)} constant(4)
+  %table = s32[4]{0:T(1024)} constant({1, 0, 1, 1})
+  %start = (s32[4]{0:T(1024)S(1)}, s32[4]{0:T(1024)}, u32[]{:S(2)}) copy-start(%table)
+  %done = s32[4]{0:T(1024)S(1)} copy-done(%start)
+  %grid = s32[2,2]{1,0} constant({ { 1, 2 }, { 3, 4 } })
+  %scale = f32[] constant(0.5)
+  ROOT %k = bf16[64,128]{1,0} custom-call(%steps, %done, %grid, %scale, %x),
+    custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_a_kernel_s_integer_constant_operands_are_read_through_a_move_into_vmem():
+    """A dynamic grid's size (a scalar) and a mask's block table (one dimension, moved into
+    VMEM by a copy-start/copy-done pair) are read; a two-dimensional table (its words lie in
+    the kernel's memory in tiles), a float and a parameter are not."""
+    assert hlo_ops.kernel_constant_operands(CONSTANT_OPERANDS) == {"k": {0: 4, 1: (1, 0, 1, 1)}}
+    ops = {op.name: op for op in hlo.parse_entry(CONSTANT_OPERANDS)}
+    assert hlo.integer_constant(ops["grid"]) == (1, 2, 3, 4)  # row-major, as printed
+    assert hlo.integer_constant(ops["scale"]) is None and ops["scale"].detail == ""
+    assert hlo.integer_constant(ops["x"]) is None

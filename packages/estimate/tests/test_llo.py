@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pallas_flash_estimate.cost import llo
-from pallas_flash_estimate.evaluate import bundle_listing, bundle_weights, scalar_flow
-from pallas_flash_estimate.read import dump_files
+from pallas_flash_estimate.evaluate import bundle_listing, bundle_weights, scalar_defs, scalar_flow
+from pallas_flash_estimate.read import bundles, dump_files
 
 SAMPLES = Path(__file__).parent / "samples" / "llo"
 FLASH = SAMPLES / "flash_causal"
@@ -588,3 +588,82 @@ def test_the_grid_is_read_from_the_index_counters():
     assert dump_files.parse_grid("no counters") is None
     # it stands in for the DMA descriptors' iteration bounds only when there are none
     assert bundle_listing.parse_bundles(TINY, "k.1", counter_grid=(10,)).grid == (10,)
+
+
+def test_a_grid_sized_by_a_scalar_operand_is_read_where_the_program_holds_its_value():
+    """A dimension sized at run time wraps at the kernel's scalar operand (tokamax's causal
+    forward: ``scmp.ge %s59, %s0``): its size is the operand's value in the program's HLO,
+    unknown without it or where the operand is an array."""
+    operand = "  %s9 = inlined_call_operand.<no memory space> [shape: s32[], index: 0, kind: x]\n"
+    dynamic = operand + GRID_COUNTERS.replace("%s36, 16\n", "%s36, %s9\n")
+    assert dump_files.parse_grid(dynamic, {0: 528}) == (1, 528, 4)
+    assert dump_files.parse_grid(dynamic) is None
+    assert dump_files.parse_grid(dynamic, {1: 528}) is None
+    assert dump_files.parse_grid(dynamic, {0: (1, 2)}) is None
+
+
+@pytest.mark.parametrize(
+    ("dma_grid", "counter_grid", "trip", "grid"),
+    [
+        ((4, 8), (1, 1), 34, (4, 8)),  # the DMA descriptors' bounds, all static, come first
+        ((4, bundle_listing.DYNAMIC_DIM), (4, 6), 26, (4, 6)),  # then the counters'
+        ((bundle_listing.DYNAMIC_DIM,), None, 66, (64,)),  # then the grid loop's trips
+        ((2, bundle_listing.DYNAMIC_DIM), None, 67, None),  # which the other dims must divide
+        ((bundle_listing.DYNAMIC_DIM,) * 2, None, 66, None),  # for one unknown dimension
+        ((bundle_listing.DYNAMIC_DIM,), None, None, None),
+        (None, (3,), 5, (3,)),
+    ],
+)
+def test_a_grid_sized_at_run_time_is_known_only_from_what_the_program_holds(
+    dma_grid, counter_grid, trip, grid
+):
+    """jax prints a dimension sized at run time as int32's largest value in the DMA
+    descriptors' iteration bounds: never a grid; the counters' grid or the grid loop's trip
+    count less its fill/drain iterations (2 stages) stand in where they can."""
+    assert bundle_listing._sized_grid(dma_grid, counter_grid, trip, 2) == grid
+
+
+def test_constants_fold_through_the_arithmetic_of_known_operands():
+    """The grid loop of a grid sized at run time runs to ``16 * %s0 + 2``: a constant once
+    the operand's value is known; a load from memory stays unknown."""
+    text = """\
+0x0 :  { %s1_s0 = inlined_call_operand.<no memory space> [shape: s32[], index: 0, kind: input] }
+0x1 :  { %s2_s1 = smul.u32 16, %s1_s0  ;;  %s3_s2 = sadd.s32 %s2_s1, 2 }
+0x2 :  { %s4_s3 = sshll.u32 %s3_s2, 1  ;;  %s5_s4 = sld [smem:[#allocation2]] }
+0x3 :  { %s6_s5 = ssub.s32 %s4_s3, %s5_s4 }
+"""  # fmt: skip
+    defs = scalar_defs.Defs(bundles.scan_bundles(text), {0: 528})
+    assert defs.constant("%s3_s2") == 16 * 528 + 2 and defs.constant("%s4_s3") == 2 * 8450
+    assert defs.constant("%s6_s5") is None
+    assert scalar_defs.Defs(bundles.scan_bundles(text)).constant("%s3_s2") is None
+
+
+TABLE_COPY = """\
+0x0 :  { %s7_s19 = smov [#allocation6] /* materialized constant */ }
+0x1 :  { %s1_s1 = inlined_call_operand.vmem [shape: s32[528], index: 1, kind: input] }
+0x2 :  { %s16_s15 = sshll.u32 %s1_s1, 4 }
+0x3 :  { %s17_s15 = int_to_ptr.vmem [resolvable:$true] %s16_s15 }
+0x4 :  { %19 = dma.vmem_to_smem /*vmem=*/%s17_s15, /*size_in_granules=*/80, /*smem=*/%s7_s19 }
+0x5 :  { %s20_s2 = sld [smem:[#allocation6 + %s9_s9]] }
+"""  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "operands", "tables"),
+    [
+        ({}, {1: tuple(range(528))}, {"#allocation6": tuple(range(528))}),
+        ({}, {}, {}),  # the operand's values are not known
+        ({"80,": "40,"}, {1: tuple(range(528))}, {}),  # 320 words copied: not the whole table
+        ({"0x5 :  {": "0x5 :  { %21 = sst [smem:[#allocation6 + $0x4]] %s2_s2  ;;"},
+         {1: tuple(range(528))}, {}),  # something else is written there
+    ],
+)  # fmt: skip
+def test_an_smem_allocation_holds_a_constant_table_only_if_copied_whole_from_one(
+    change, operands, tables
+):
+    """A block-sparse mask's tables (splash's MaskInfo) are copied from constant operands
+    into SMEM once and read there: such an allocation is a constant table."""
+    text = TABLE_COPY
+    for old, new in change.items():
+        text = text.replace(old, new)
+    assert scalar_defs.Defs(bundles.scan_bundles(text), operands).tables == tables

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash_estimate import TARGETS, Target, estimate_program
+from pallas_flash_estimate import TARGETS, Target, UnknownGridError, estimate_program
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef, parse_array
 
@@ -107,3 +107,30 @@ def test_a_pallas_kernel_is_estimated_by_its_own_listing_and_grid(sample_program
     assert found.calibrated is not None and found.calibrated.seconds > found.seconds
     assert found.calibrated.kind == "MXU-bound" and found.calibrated.band is not None
     assert "blocked_matmul" in found.summary()
+
+
+@needs_libtpu
+def test_a_grid_sized_at_run_time_is_counted_from_the_program_s_constants(sample_programs):
+    """A kernel whose grid's size and per-step work come from tables the program holds as
+    constants (a block-sparse mask's): 64 grid steps, and the MXU-bound branch charged on the
+    steps its table enables, so enabling every other step halves the kernel's time."""
+    x = _bf16(64 * 256, 256)
+    every = {n: estimate_program(sample_programs.sparse_blocks, x, every=n) for n in (1, 2)}
+    assert every[1].grid_steps == every[2].grid_steps == 64
+    kernel = {n: e.seconds_by_kind["kernel"] for n, e in every.items()}
+    assert kernel[2] == pytest.approx(kernel[1] / 2, rel=0.05)
+
+
+@needs_libtpu
+def test_a_grid_sized_from_an_argument_is_unknown_unless_its_steps_are_given(sample_programs):
+    """A grid sized from an argument's value: no figure but a named error saying what to
+    give; given its steps, the same figure as the program that holds them as constants."""
+    x, steps = _bf16(64 * 256, 256), jax.ShapeDtypeStruct((), jnp.int32)
+    with pytest.raises(UnknownGridError, match=r"sparse_blocks\.1.*loop_trips=\{'sparse_blocks'"):
+        estimate_program(sample_programs.sparse_blocks_given, x, steps)
+    given = estimate_program(sample_programs.sparse_blocks_given, x, steps,
+                             loop_trips={"sparse_blocks": (64,)})  # fmt: skip
+    held = estimate_program(sample_programs.sparse_blocks, x, every=1)
+    assert given.grid_steps == 64
+    kernel = held.seconds_by_kind["kernel"]
+    assert given.seconds_by_kind["kernel"] == pytest.approx(kernel, rel=0.02)

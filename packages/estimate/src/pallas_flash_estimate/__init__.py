@@ -39,7 +39,11 @@ be mixed with its own. The chips it estimates for, with the published figures it
 
 from pallas_flash_estimate.calibration import CalibratedTime
 from pallas_flash_estimate.program.whole_program import ANALYSIS_VERSION
-from pallas_flash_estimate.program_estimate import ProgramEstimate, estimate_program
+from pallas_flash_estimate.program_estimate import (
+    ProgramEstimate,
+    UnknownGridError,
+    estimate_program,
+)
 from pallas_flash_estimate.targets import TARGETS, Target
 
 __all__ = [
@@ -48,5 +52,6 @@ __all__ = [
     "CalibratedTime",
     "ProgramEstimate",
     "Target",
+    "UnknownGridError",
     "estimate_program",
 ]

@@ -20,6 +20,23 @@ from pallas_flash_estimate.aot.program_ref import ProgramRef
 from pallas_flash_estimate.targets import TARGETS, Target
 
 
+class UnknownGridError(ValueError):
+    """A Pallas kernel's grid is sized at run time from values the program does not hold as
+    constants (a mask or lengths passed in as arguments): how often it runs is unknown, so no
+    time can be given. ``kernels``: their op names."""
+
+    def __init__(self, program: str, kernels: Sequence[str]):
+        self.kernels = tuple(kernels)
+        stems = ", ".join(f"{k.split('.')[0]!r}: (STEPS,)" for k in self.kernels)
+        super().__init__(
+            f"{program}: the grid (outermost loop) of Pallas kernel {', '.join(self.kernels)} "
+            f"runs a number of times read at run time from values that are not constants of "
+            f"the program, so how long it takes is unknown; pass estimate_program(..., "
+            f"loop_trips={{{stems}}}): how often its loops without a trip count run, "
+            f"outermost first (a grid sized at run time: its steps)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramEstimate:
     """One program's estimate on one chip of ``target``; every time is in seconds.
@@ -75,12 +92,14 @@ def _ms(seconds: float) -> str:
 
 def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEstimate:
     """The `ProgramEstimate` of a worker's result (`aot.worker.analyse`); raises the
-    compiler's error."""
+    compiler's error, and `UnknownGridError` for a kernel whose grid steps are unknown."""
     if "job_error" in result:
         raise RuntimeError(f"{ref.label}: the worker failed: {result['job_error']}")
     if not result["compiled"]:
         raise RuntimeError(f"{ref.label} did not compile for {target.name}: {result['error']}")
     e = result["estimate"]
+    if e.get("kernels_of_unknown_grid"):
+        raise UnknownGridError(ref.label, e["kernels_of_unknown_grid"])
     notes = list(result["notes"])
     if e["ops_without_listing"]:
         notes.append(f"ops without a listing, charged their HBM bytes only: "
@@ -109,7 +128,11 @@ def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEs
 
 
 def estimate_program(
-    fn: Callable, *args: object, target: str | Target = "v5e-1", **kwargs: object
+    fn: Callable,
+    *args: object,
+    target: str | Target = "v5e-1",
+    loop_trips: Mapping[str, Sequence[int]] | None = None,
+    **kwargs: object,
 ) -> ProgramEstimate:
     """The static estimate of ``fn(*args, **kwargs)`` on one chip of ``target``.
 
@@ -117,13 +140,21 @@ def estimate_program(
     it is compiled in a worker process, which imports it); ``args``: abstract arrays
     (``jax.ShapeDtypeStruct``) or arrays, whose shapes and dtypes are all that is used;
     ``kwargs``: static keyword arguments (JSON values). Needs libtpu (``jax[tpu]``); no TPU.
+
+    A Pallas kernel whose grid is sized at run time (a block-sparse mask's active blocks) is
+    counted from the program's constants: the grid's size and the tables that decide what
+    each step runs (a mask built with NumPy at trace time). Where the program does not hold
+    them, it raises `UnknownGridError` unless ``loop_trips`` gives, per kernel name (without
+    its ``.N``), how often its loops without a trip count run, outermost first.
     """
     if isinstance(target, str):
         if target not in TARGETS:
             known = ", ".join(sorted(TARGETS))
             raise ValueError(f"target: expected one of {known}, got {target!r}")
         target = TARGETS[target]
-    return estimate_ref(ProgramRef.of(fn, args, kwargs), target)
+    ref = ProgramRef.of(fn, args, kwargs)
+    trips = tuple(sorted((name, tuple(runs)) for name, runs in (loop_trips or {}).items()))
+    return estimate_ref(dataclasses.replace(ref, loop_trips=trips), target)
 
 
 def estimate_ref(ref: ProgramRef, target: Target) -> ProgramEstimate:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pallas_flash_estimate.evaluate.bundle_listing import (
@@ -34,6 +34,7 @@ from pallas_flash_estimate.read.dump_files import (
     ScheduleAnalysis,
     Utilization,
     find_dump_files,
+    kernel_operands,
     op_name,
     parse_grid,
     parse_schedule_analysis,
@@ -304,9 +305,10 @@ def load_kernel(
     *,
     name: str | None = None,
     counter_grid: tuple[int, ...] | None = None,
+    operands: Mapping[int, int | tuple[int, ...]] | None = None,
 ) -> KernelSchedule:
     """Load one kernel from its final_bundles file (and optional companions); ``counter_grid``
-    as in `evaluate.bundle_listing.parse_bundles`.
+    and ``operands`` as in `evaluate.bundle_listing.parse_bundles`.
 
     Raises :class:`FileNotFoundError` naming the path when a given file is missing.
     """
@@ -317,7 +319,9 @@ def load_kernel(
         if analysis_path
         else None
     )
-    listing = parse_bundles(text, name or op_name(Path(bundles_path)), counter_grid=counter_grid)
+    listing = parse_bundles(
+        text, name or op_name(Path(bundles_path)), counter_grid=counter_grid, operands=operands
+    )
     return build_schedule(listing, util, ana)
 
 
@@ -327,8 +331,12 @@ def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
     When several programs were dumped into one folder and an op name occurs in more than one,
     the first fingerprint (in sorted order) keeps the plain name, the others are keyed
     ``"<name>@<fingerprint>"``, and all of them carry a warning.
+
+    A kernel's scalar operands that are constants in the dumped programs' HLO
+    (`read.dump_files.kernel_operands`) size the loops that run to them: a grid sized at run time.
     """
     files = find_dump_files(dump_dir)
+    operands = kernel_operands(dump_dir)
     out: dict[str, KernelSchedule] = {}
     for key, paths in files.items():
         name = key.split("@", 1)[0]
@@ -338,7 +346,8 @@ def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
             paths.get("utilization"),
             paths.get("analysis"),
             name=name,
-            counter_grid=parse_grid(original) if original else None,
+            counter_grid=parse_grid(original, operands.get(name)) if original else None,
+            operands=operands.get(name),
         )
         if original:
             schedule = dataclasses.replace(schedule, vmem_bytes=parse_vmem_bytes(original))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 
 from pallas_flash_estimate.evaluate.bundle_weights import covered, mxu_prefixes
 from pallas_flash_estimate.evaluate.scalar_defs import Defs, trip_count
@@ -62,6 +63,7 @@ _GUARD_MAX_SKIP_FRACTION = 0.5
 _MAX_EVALUATED_TRIPS = 1 << 22
 
 _REGION_START_RE = re.compile(r"Start(?:/End empty)? region (\d+)")
+_STAGE_RE = re.compile(r"iteration index, stage = (\d+)")
 _ITER_BOUNDS_RE = re.compile(r"iteration_bounds:\s*\(([\d,\s]*)\)")
 _HLO_COMMENT_RE = re.compile(r"/\*\s*(?:exit|entry) bundle:\s*(?P<hlo>.*?)\s*\*/", re.S)
 _HLO_OPCODE_RE = re.compile(r"=\s*(?:\S.*?\s)?(?P<opcode>[a-z][\w\-]*)\(")
@@ -163,22 +165,54 @@ def _grid(text: str) -> tuple[int, ...] | None:
     return max(grids, key=math.prod) if grids else None
 
 
+DYNAMIC_DIM = 2**31 - 1
+"""A grid dimension sized at run time, as the DMA descriptors' ``iteration_bounds`` print it
+(the placeholder jax's Pallas lowering gives a dynamic grid dimension)."""
+
+
+def _sized_grid(
+    dma_grid: tuple[int, ...] | None,
+    counter_grid: tuple[int, ...] | None,
+    grid_trip: int | None,
+    stages: int,
+) -> tuple[int, ...] | None:
+    """The grid: the DMA descriptors' where it has no dimension sized at run time
+    (`DYNAMIC_DIM`), else the index counters' (`read.dump_files.parse_grid`, its sizes read
+    from the kernel's operands where they are constants); else, for one dimension sized at
+    run time, what the grid loop's trip count leaves it after the pipeline's fill/drain
+    iterations (``stages``: the deepest pipeline stage); else None (unknown)."""
+    if dma_grid is None or DYNAMIC_DIM not in dma_grid:
+        return dma_grid or counter_grid
+    if counter_grid is not None or dma_grid.count(DYNAMIC_DIM) != 1 or grid_trip is None:
+        return counter_grid
+    steps, rest = divmod(grid_trip - stages, math.prod(d for d in dma_grid if d != DYNAMIC_DIM))
+    if steps <= 0 or rest:
+        return None
+    return tuple(steps if d == DYNAMIC_DIM else d for d in dma_grid)
+
+
 def parse_bundles(
-    text: str, name: str, *, counter_grid: tuple[int, ...] | None = None
+    text: str,
+    name: str,
+    *,
+    counter_grid: tuple[int, ...] | None = None,
+    operands: Mapping[int, int | tuple[int, ...]] | None = None,
 ) -> BundleListing:
     """Parse a ``final_bundles`` text into bundles, loops and predicated regions.
 
     The grid is the DMA descriptors' largest ``iteration_bounds``; ``counter_grid`` (the grid
     read from the kernel's index counters, `read.dump_files.parse_grid`) stands in
-    for it when the kernel has no DMA descriptor.
+    for it when the kernel has no DMA descriptor or a grid sized at run time
+    (`_sized_grid`). ``operands``: the values of the kernel's integer constant operands
+    (operand index -> an int or an array's elements) where known, for the loops that run to
+    them and the tables they read (`Defs`).
     """
     warnings: list[str] = []
     bundles = scan_bundles(text)
     if any(b.address != b.index for b in bundles):
         warnings.append("bundle addresses are not consecutive; indices are used")
     starts = _region_starts(bundles)
-    defs = Defs(bundles)
-    grid = _grid(text) or counter_grid
+    defs = Defs(bundles, operands)
     last = len(bundles) - 1
 
     back_edges: list[tuple[int, int, str]] = []  # (LB index, branch index, predicate)
@@ -218,6 +252,12 @@ def parse_bundles(
         [(br + 1 + BRANCH_DELAY_SLOTS, tgt - 1) for br, tgt, _ in forward],
     )
     trips = [trip_count(defs, p) for *_, p in spans]
+    outer = [i for i, depth in enumerate(depths) if depth == 1]
+    grid_loop = max(outer, key=lambda i: (spans[i][1] - spans[i][0], -spans[i][0]), default=None)
+    stages = max((int(n) for n in _STAGE_RE.findall(text)), default=0)
+    grid = _sized_grid(
+        _grid(text), counter_grid, trips[grid_loop][0] if grid_loop is not None else None, stages
+    )
     mxu = mxu_prefixes(bundles)
 
     # Predicated regions, their nesting level and enclosing (innermost) loop.

@@ -2,7 +2,9 @@
 counters and a loop's trip count.
 
 `Defs` maps every scalar register to the instruction that defines it (through spill slots:
-a register filled from a slot is the value stored there), `counter` finds a loop counter
+a register filled from a slot is the value stored there) and knows the constants: literals,
+the scalar operands the kernel is called with where their values are known, and what is
+computed from those (`Defs.constant`). `counter` finds a loop counter
 (an ``sphi`` stepped by a constant) and `trip_count` reads a loop's exit test. `scalar_flow`
 evaluates registers and predicates on them for every iteration.
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pallas_flash_estimate.read.bundles import Bundle, Instruction
 
@@ -25,13 +27,44 @@ CMP_RE = re.compile(r"^scmp\.(?P<cc>lt|le|gt|ge|eq|ne)\.(?P<ty>[su]32)")
 """A scalar compare's opcode: ``scmp.lt.s32`` (condition, operand type)."""
 INT_RE = re.compile(r"^-?\d+$")
 """An integer literal operand."""
+_OPERAND_RE = re.compile(
+    r"^(?:<no memory space> |\w+ )?\[shape: (?P<type>\w+)\[(?P<scalar>\]?)[^\]]*\]?, "
+    r"index: (?P<index>\d+),"
+)
+"""A kernel operand's definition: ``inlined_call_operand.vmem [shape: s32[528], index: 1,
+...]`` (``scalar``: empty dims)."""
+_TO_SMEM = ("dma.vmem_to_smem", "dma.hbm_to_smem")
+_ADDRESS_RE = re.compile(r"\[(?P<alloc>#allocation\d+)\]")
+_ALLOC_RE = re.compile(r"smem:\[(#allocation\d+)(?![\w])")
+_FOLDED = {
+    "sadd": lambda a, b: a + b,
+    "ssub": lambda a, b: a - b,
+    "smul": lambda a, b: a * b,
+    "sshll": lambda a, b: a << b if 0 <= b < 32 else 0,
+}
+"""The arithmetic `Defs.constant` folds (on 32-bit integers)."""
 
 
 class Defs:
-    """SSA definitions of a listing: ``%x`` -> defining instruction."""
+    """SSA definitions of a listing: ``%x`` -> defining instruction.
 
-    def __init__(self, bundles: Iterable[Bundle]):
+    ``operands``: the values of the kernel's integer constant operands (operand index -> an
+    int, or an array's elements), where the program's HLO gives them
+    (`read.hlo_ops.kernel_constant_operands`). A scalar one is a constant; an array one
+    copied whole into an SMEM allocation, and nothing else written there, makes that
+    allocation a constant table (`tables`), whose loads `scalar_flow` evaluates.
+    """
+
+    def __init__(
+        self,
+        bundles: Iterable[Bundle],
+        operands: Mapping[int, int | tuple[int, ...]] | None = None,
+    ):
+        bundles = list(bundles)
+        operands = operands or {}
         self.defs: dict[str, Instruction] = {}
+        self.operands_known: dict[str, int] = {}  # registers holding a known scalar operand
+        arrays: dict[str, tuple[int, ...]] = {}  # registers holding a known 32-bit array's address
         # a divide's ``sdivrem`` -> the registers its ``spop.drf``s pop (quotient, remainder)
         self.pops: dict[str, list[str]] = {}
         stored: dict[str, set[str]] = {}  # spill slot -> registers stored to it
@@ -39,6 +72,13 @@ class Defs:
             for ins in b.instructions:
                 if ins.dest is not None:
                     self.defs.setdefault(ins.dest, ins)
+                    m = _OPERAND_RE.match(ins.args)
+                    value = operands.get(int(m["index"])) if m else None
+                    if ins.opcode.startswith("inlined_call_operand.") and value is not None:
+                        if isinstance(value, int) and m["scalar"]:
+                            self.operands_known[ins.dest] = value
+                        elif isinstance(value, tuple) and m["type"] in ("s32", "u32"):
+                            arrays[ins.dest] = value
                     if ins.opcode == "spop.drf":
                         self.pops.setdefault(ins.args.strip(), []).append(ins.dest)
                 if ins.opcode == "sst" and ins.guard is None:
@@ -47,6 +87,59 @@ class Defs:
                         stored.setdefault(m["slot"], set()).add(m["value"])
         # A spill slot stored from one register only ever holds that register's value.
         self.slots = {slot: next(iter(v)) for slot, v in stored.items() if len(v) == 1}
+        self.tables = self._tables(bundles, arrays)
+
+    def _tables(
+        self, bundles: list[Bundle], arrays: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, tuple[int, ...]]:
+        """SMEM allocation -> the constant array every write to it copies in whole: each
+        use of the allocation's address (``smov [#allocationN]``, or the literal) is a
+        ``dma.vmem_to_smem`` or ``dma.hbm_to_smem`` of one array operand's whole buffer
+        (``sshll`` of its address by 4, as the kernel's prologue passes it; granules of 32
+        bytes), and nothing stores to it."""
+        addresses = {
+            ins.dest: m["alloc"]
+            for b in bundles
+            for ins in b.instructions
+            if ins.opcode == "smov" and ins.dest and (m := _ADDRESS_RE.fullmatch(ins.args))
+        }
+        copies: dict[str, set[tuple[int, ...] | None]] = {}
+        for b in bundles:
+            for ins in b.instructions:
+                if ins.opcode in _TO_SMEM:  # source, size_in_granules (32 bytes), smem, flag
+                    src, granules, dst, *_ = [*self.operands(ins), "", "", ""]
+                    address = _ADDRESS_RE.fullmatch(dst)
+                    alloc = address["alloc"] if address else addresses.get(self.resolve(dst))
+                    table = arrays.get(self._address_of(src) or "")
+                    whole = table is not None and INT_RE.match(granules) is not None
+                    whole = whole and int(granules) * 8 >= len(table)
+                    if alloc is not None:
+                        copies.setdefault(alloc, set()).add(table if whole else None)
+                    continue
+                if ins.opcode == "smov":
+                    continue  # an address taken, not a write
+                for alloc in _ALLOC_RE.findall(ins.args):
+                    if ins.opcode != "sld":
+                        copies.setdefault(alloc, set()).add(None)
+                for reg in re.findall(r"%s\w+", ins.args):
+                    if reg in addresses and ins.opcode != "sld":
+                        copies.setdefault(addresses[reg], set()).add(None)
+        return {
+            alloc: next(iter(found))
+            for alloc, found in copies.items()
+            if len(found) == 1 and None not in found
+        }
+
+    def _address_of(self, pointer: str) -> str | None:
+        """The register whose buffer ``pointer`` points at: through ``int_to_ptr`` and the
+        prologue's ``sshll ..., 4`` of an operand's address."""
+        ins = self.get(pointer)
+        if ins is not None and ins.opcode.startswith("int_to_ptr"):
+            ins = self.get(ins.args.split()[-1])
+        if ins is None or not ins.opcode.startswith("sshll"):
+            return None
+        ops = self.operands(ins)
+        return self.resolve(ops[0]) if len(ops) == 2 and ops[1] == "4" else None
 
     def link_fills(
         self,
@@ -131,13 +224,29 @@ class Defs:
     def operands(ins: Instruction) -> list[str]:
         return [a.strip() for a in ins.args.split(",")]
 
-    def constant(self, name: str) -> int | None:
+    def constant(self, name: str, depth: int = 0) -> int | None:
+        """The value of operand ``name`` if it is the same in every run of the kernel: a
+        literal, a known scalar operand, or a sum, difference, product or left shift of
+        such (folded on 32 bits, as signed); else None."""
         if INT_RE.match(name):
             return int(name)
-        ins = self.get(name)
+        name = self.resolve(name)
+        if name in self.operands_known:
+            return self.operands_known[name]
+        ins = self.defs.get(name)
         if ins is not None and ins.opcode == "smov" and INT_RE.match(ins.args):
             return int(ins.args)
-        return None
+        if ins is None or ins.guard is not None:
+            return None
+        fold = _FOLDED.get(ins.opcode.split(".", 1)[0])
+        ops = self.operands(ins)
+        if fold is None or len(ops) != 2 or depth > 16:
+            return None
+        a, b = (self.constant(o, depth + 1) for o in ops)
+        if a is None or b is None:
+            return None
+        value = fold(a, b) & 0xFFFFFFFF
+        return value - (1 << 32) if value >= 1 << 31 else value
 
     def is_increment(self, name: str, phi: str) -> bool:
         """Whether ``name`` holds ``phi + 1``."""

@@ -6,9 +6,11 @@ register to its defining instruction and `trip_count` reads a loop's exit test
 (`scalar_defs`); `Evaluator`
 computes registers and predicates for all iterations at once (NumPy arrays) from the loop
 counter, the grid indices of the ``sphi`` registers annotated ``iteration index, stage = S iter
-bound = D``, and counters that step by an amount independent of themselves (a pipeline's
-buffer slots). `evaluate_loop` evaluates a loop's region predicates; `LoopContext` keeps what
-it needs to evaluate more of them later (see `llo.executed_instruction`).
+bound = D``, counters that step by an amount independent of themselves (a pipeline's
+buffer slots), the kernel's constant operands and the constant tables it loads from SMEM (a
+block-sparse mask's block indices: `Defs.tables`). `evaluate_loop` evaluates a loop's region
+predicates; `LoopContext` keeps what it needs to evaluate more of them later (see
+`llo.executed_instruction`).
 
 No JAX import: this module only reads text.
 """
@@ -38,6 +40,11 @@ _ITER_INDEX_RE = re.compile(r"iteration index, stage = (\d+)(?: iter bound = (\d
 
 def _signed(v: np.ndarray) -> np.ndarray:
     return np.where(v >= 1 << 31, v - (1 << 32), v)
+
+
+_FILL_DRAIN = 3
+"""The most iterations a Pallas pipeline runs besides its grid steps (2 in every dump seen)."""
+_TABLE_LOAD_RE = re.compile(r"\[smem:\[(?P<alloc>#allocation\d+)(?: \+ (?P<index>%s\w+|\d+))?\]\]")
 
 
 class Evaluator:
@@ -118,6 +125,8 @@ class Evaluator:
         if INT_RE.match(name):
             return np.full(self.iters.shape, int(name) & _MASK32, dtype=np.int64)
         name = self.defs.resolve(name)
+        if name in self.defs.operands_known:  # a scalar operand the kernel is called with
+            return np.full(self.iters.shape, self.defs.operands_known[name] & _MASK32)
         if name in self.cache:
             return self.cache[name]
         self.cache[name] = None  # cycles are undecidable
@@ -152,6 +161,8 @@ class Evaluator:
             p = self.pred(cm["pred"], depth + 1)
             old, new = self.value(cm["old"], depth + 1), self.value(cm["new"], depth + 1)
             return None if p is None or old is None or new is None else np.where(p, new, old)
+        if op == "sld":  # a load from a constant table (`Defs.tables`)
+            return self._table_load(ins.args, depth)
         if op == "spop.drf":  # the quotient, then the remainder, of an ``sdivrem.u32``
             return self._divrem(name, ops[0], depth)
         if op == "scalar_select" and len(ops) == 3:
@@ -196,6 +207,23 @@ class Evaluator:
         else:
             return None
         return r & _MASK32
+
+    def _table_load(self, address: str, depth: int) -> np.ndarray | None:
+        """The words an ``sld [smem:[#allocationN + %sI]]`` reads, where the allocation holds
+        a constant table; None elsewhere. An index past the table's ends reads its nearest
+        entry, on at most `_FILL_DRAIN` iterations: a pipeline's fill or drain, whose stage
+        does not run the body (a grid index of stage 1 is -1 in the first iteration)."""
+        m = _TABLE_LOAD_RE.fullmatch(address)
+        table = self.defs.tables.get(m["alloc"]) if m else None
+        if table is None:
+            return None
+        index = self.value(m["index"], depth + 1) if m["index"] else np.zeros_like(self.iters)
+        if index is None:
+            return None
+        index = _signed(index)
+        if np.count_nonzero((index < 0) | (index >= len(table))) > _FILL_DRAIN:
+            return None
+        return np.asarray(table, dtype=np.int64)[np.clip(index, 0, len(table) - 1)] & _MASK32
 
     def _divrem(self, name: str, source: str, depth: int) -> np.ndarray | None:
         """The value ``name`` pops from the divider: ``a // b`` first, ``a % b`` second."""

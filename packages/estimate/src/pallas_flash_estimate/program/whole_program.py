@@ -69,6 +69,7 @@ class OpTime:
     grid_steps: int = 0  # a Pallas kernel's grid steps in one run (0: not a kernel)
     dma_bytes: int = 0  # a Pallas kernel's block copies in one run, at most
     undecided_seconds: float = 0.0  # a kernel's regions the schedule cannot decide, one run
+    unknown_grid: bool = False  # a Pallas kernel whose grid steps no one knows (run once)
 
     @property
     def seconds(self) -> float:
@@ -141,7 +142,7 @@ def op_times(
         once = c.kind != "kernel" and schedule.executed_bundles_max is None
         out.append(OpTime(op.name, c.kind, runs.runs(op.name), c.cycles / target.clock_hz,
                           memory * c.read, once, c.grid_steps, c.dma_bytes,
-                          c.undecided_cycles / target.clock_hz))  # fmt: skip
+                          c.undecided_cycles / target.clock_hz, c.unknown_grid))  # fmt: skip
     return out, unmatched
 
 
@@ -153,6 +154,7 @@ class _ListingCost:
     grid_steps: int = 0
     dma_bytes: int = 0
     undecided_cycles: int = 0  # in regions the schedule cannot decide
+    unknown_grid: bool = False  # its grid's steps are not known (charged one)
 
 
 def _cycles(
@@ -171,7 +173,12 @@ def _cycles(
         steps = trips[0] if trips else entry["steps"]  # a grid sized at run time: as given
         # undecided regions charged in full: only where no occupancy says how often they run
         full = (isinstance(workload, kernel_cost.FullGrid) and entry["undecided_bundles"]) or 0
-        return _ListingCost(entry["cycles"], "kernel", read, steps, entry["dma_bytes"] or 0, full)
+        # where the occupancy is the whole grid (`estimate_program`'s): a grid sized at run
+        # time from values the program does not hold as constants, and no trips given
+        unknown = isinstance(workload, kernel_cost.FullGrid) and not trips
+        unknown = unknown and schedule.grid_steps is None and schedule.trip_count is None
+        return _ListingCost(entry["cycles"], "kernel", read, steps, entry["dma_bytes"] or 0, full,
+                            unknown)  # fmt: skip
     if schedule.executed_bundles_max is None:
         return _ListingCost(schedule.bundles, "other", 1.0)
     mxu = schedule.executed_mxu_cycles_max or 0
@@ -320,6 +327,7 @@ def _cost(
         "kernel_fill_seconds": fill / target.hbm_bandwidth,
         # charged in full where the kernel's occupancy does not say how often they run
         "kernel_undecided_seconds": sum(t.runs * t.undecided_seconds for t in kernels),
+        "kernels_of_unknown_grid": sorted({t.name for t in kernels if t.unknown_grid}),
         "top_ops": [dict(dataclasses.asdict(t), seconds=t.seconds) for t in heaviest],
     }
     return found

@@ -15,7 +15,11 @@ these are read:
     ``custom-call`` with ``custom_call_target="tpu_custom_call"``).
 
 ``...-original.txt``
-    The first LLO pass: the memory allocations, for the VMEM a kernel uses.
+    The first LLO pass: the memory allocations, for the VMEM a kernel uses, and its grid.
+
+``<fingerprint>-TLP-hlo.txt``
+    The optimized HLO module of the program (`find_program_hlo`): the operands each kernel
+    is called with.
 
 No JAX import: this module only reads text.
 """
@@ -24,12 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from pathlib import Path
+
+from pallas_flash_estimate.read import hlo_ops
 
 __all__ = [
     "ScheduleAnalysis",
     "Utilization",
     "find_dump_files",
+    "find_program_hlo",
+    "kernel_operands",
     "op_name",
     "parse_grid",
     "parse_schedule_analysis",
@@ -56,7 +65,14 @@ _WRAP_SELECT_RE = re.compile(
     r"(?P<dst>%s\d+) = scalar_select /\*predicate=\*/(?P<pred>%p\d+), /\*on_true=\*/0, "
     r"/\*on_false=\*/%s\d+"
 )
-_BOUND_TEST_RE = re.compile(r"(?P<dst>%p\d+) = scmp\.ge\.s32\.totalorder %s\d+, (?P<bound>\d+)\n")
+_BOUND_TEST_RE = re.compile(
+    r"(?P<dst>%p\d+) = scmp\.ge\.s32\.totalorder %s\d+, (?P<bound>\d+|%s\d+)\n"
+)
+_SCALAR_OPERAND_RE = re.compile(
+    r"(?P<reg>%s\d+) = inlined_call_operand\.<no memory space> \[shape: [su]32\[\], "
+    r"index: (?P<index>\d+),"
+)
+_PROGRAM_HLO_RE = re.compile(r"^\d+-TLP-hlo\.txt$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +161,9 @@ def parse_vmem_bytes(text: str) -> int:
     return sum(int(size, 16) for size in _VMEM_ALLOCATION_RE.findall(text))
 
 
-def parse_grid(text: str) -> tuple[int, ...] | None:
+def parse_grid(
+    text: str, operands: Mapping[int, int | tuple[int, ...]] | None = None
+) -> tuple[int, ...] | None:
     """A Pallas kernel's grid, read from the grid-index counters of its ``...-original.txt``
     pass, or None when they are not all found.
 
@@ -154,10 +172,23 @@ def parse_grid(text: str) -> tuple[int, ...] | None:
     ``%sN = scalar_select /*predicate=*/%pP, /*on_true=*/0, ...`` with
     ``%pP = scmp.ge.s32.totalorder %sI, SIZE``. Unlike the DMA descriptors' ``iteration_bounds``
     this does not need the kernel to copy anything (XLA may place small operands in VMEM, and
-    the kernel then issues no DMA).
+    the kernel then issues no DMA). A grid sized at run time compares with a scalar operand
+    instead (``%sK = inlined_call_operand.<no memory space> [shape: s32[], index: I, ...]``):
+    its size is ``operands[I]``, the value the kernel is called with (`hlo_ops` reads it from
+    the program's HLO), and unknown without it.
     """
+    scalars = {m["reg"]: int(m["index"]) for m in _SCALAR_OPERAND_RE.finditer(text)}
+    known = {
+        reg: value
+        for reg, i in scalars.items()
+        if isinstance(value := (operands or {}).get(i), int)
+    }
     wraps = {m["dst"]: m["pred"] for m in _WRAP_SELECT_RE.finditer(text)}
-    bounds = {m["dst"]: int(m["bound"]) for m in _BOUND_TEST_RE.finditer(text)}
+    bounds = {
+        m["dst"]: int(b) if b.isdigit() else known.get(b)
+        for m in _BOUND_TEST_RE.finditer(text)
+        for b in [m["bound"]]
+    }
     sizes: dict[int, int] = {}
     for m in _GRID_INDEX_RE.finditer(text):
         size = bounds.get(wraps.get(m["next"], ""))
@@ -167,6 +198,26 @@ def parse_grid(text: str) -> tuple[int, ...] | None:
     if not sizes or sorted(sizes) != list(range(len(sizes))):
         return None
     return tuple(sizes[d] for d in range(len(sizes)))
+
+
+def find_program_hlo(dump_dir: str | Path) -> list[Path]:
+    """The optimized HLO modules of the programs dumped into ``dump_dir``
+    (``<fingerprint>-TLP-hlo.txt``), in name order."""
+    return sorted(p for p in Path(dump_dir).iterdir() if _PROGRAM_HLO_RE.match(p.name))
+
+
+def kernel_operands(dump_dir: str | Path) -> dict[str, dict[int, int | tuple[int, ...]]]:
+    """Per kernel call of the programs dumped into ``dump_dir``, its integer constant operands
+    (`hlo_ops.kernel_constant_operands` of each `find_program_hlo`); a kernel name the
+    programs call with different values is left out (which run a listing belongs to is then
+    unknown)."""
+    found: dict[str, dict[int, int | tuple[int, ...]]] = {}
+    clashes: set[str] = set()
+    for path in find_program_hlo(dump_dir):
+        for name, values in hlo_ops.kernel_constant_operands(path.read_text()).items():
+            if found.setdefault(name, values) != values:
+                clashes.add(name)
+    return {name: values for name, values in found.items() if name not in clashes}
 
 
 def op_name(path: Path) -> str:

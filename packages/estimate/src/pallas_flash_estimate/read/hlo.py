@@ -26,6 +26,7 @@ No JAX import: this module only reads text.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
@@ -37,6 +38,7 @@ __all__ = [
     "entry_computation",
     "fused_computation",
     "hbm_bytes",
+    "integer_constant",
     "largest_array_bytes",
     "layout_parts",
     "parse_computations",
@@ -93,7 +95,7 @@ class HloOp:
     shape: str  # as printed, layout included
     bytes: int  # of the result; tuple shapes: the sum of their elements
     operands: tuple[str, ...]  # operand names, without "%"
-    detail: str  # custom_call_target, fusion kind and callees, copy direction, ...
+    detail: str  # custom_call_target, fusion kind and callees, a scalar constant's value, ...
     relayout: bool | None = None  # copies: True if the data is re-laid out, False if it only
     # changes memory space; None for other ops
     computation: str = ""  # the computation holding it
@@ -284,7 +286,7 @@ def _parse_instruction(text: str, computation: str) -> HloOp | None:
         shape=shape,
         bytes=shape_bytes(shape),
         operands=operands,
-        detail=_detail(opcode, attributes),
+        detail=_detail(opcode, attributes, operand_text, shape),
         computation=computation,
         attributes=attributes,
     )
@@ -299,7 +301,9 @@ def callees(attributes: str) -> list[str]:
     return out
 
 
-def _detail(opcode: str, attributes: str) -> str:
+def _detail(opcode: str, attributes: str, operand_text: str, shape: str) -> str:
+    if opcode == "constant":
+        return _constant_detail(operand_text, shape)
     if opcode == "custom-call":
         m = _TARGET_RE.search(attributes)
         return m["target"] if m else ""
@@ -314,6 +318,32 @@ def _detail(opcode: str, attributes: str) -> str:
         if m:
             return f"{key}={m.group(1)}"
     return ""
+
+
+_INTEGER_DTYPES = ("s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64")
+_CONSTANT_ELEMENTS = 1 << 16
+
+
+def _constant_detail(literal: str, shape: str) -> str:
+    """An integer constant's value, ``value=528`` or ``value={1, 0, ...}`` as printed, up to
+    `_CONSTANT_ELEMENTS` elements (a kernel's index tables, not a model's weights); ""
+    otherwise."""
+    found = arrays(shape)
+    if len(found) != 1 or found[0][0] not in _INTEGER_DTYPES:
+        return ""
+    return f"value={literal.strip()}" if math.prod(found[0][1]) <= _CONSTANT_ELEMENTS else ""
+
+
+def integer_constant(op: HloOp) -> int | tuple[int, ...] | None:
+    """The value of an integer ``constant`` op: an int for a scalar, its elements in row-major
+    order for an array (None: not an integer constant, too large, or not printed whole)."""
+    found = arrays(op.shape)
+    if op.opcode != "constant" or not op.detail.startswith("value=") or len(found) != 1:
+        return None
+    values = tuple(int(v) for v in re.findall(r"-?\d+", op.detail.removeprefix("value=")))
+    if not found[0][1]:
+        return values[0] if len(values) == 1 else None
+    return values if len(values) == math.prod(found[0][1]) else None
 
 
 _FUSED_RE = re.compile(r"\bcalls=%(?P<name>[\w.\-]+)")

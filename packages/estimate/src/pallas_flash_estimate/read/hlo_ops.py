@@ -185,6 +185,37 @@ def is_kernel_call(op: hlo.HloOp) -> bool:
     return op.opcode == "custom-call" and op.detail == "tpu_custom_call"
 
 
+_VALUE_KEEPING = ("bitcast", "copy", "copy-start", "copy-done")
+"""Ops between a constant and a kernel that keep a one-dimensional array's values in order."""
+
+
+def kernel_constant_operands(text: str) -> dict[str, dict[int, int | tuple[int, ...]]]:
+    """Per Mosaic kernel call, its operands that are integer constants (`hlo.integer_constant`):
+    operand index -> value (an int, or an array's elements in row-major order). A kernel whose
+    grid is sized at run time (a block-sparse mask's active blocks) takes the grid's size as
+    a scalar operand and the mask's block tables as arrays, which its loops compare their
+    counters with and read; in the compiled program they are often constants, moved into
+    VMEM first (``copy-start``/``copy-done``), which changes no value. Arrays are taken with
+    one dimension only, whose words lie in the kernel's memory in that order."""
+    found: dict[str, dict[int, int | tuple[int, ...]]] = {}
+    for comp in hlo.parse_computations(text).values():
+        ops = {op.name: op for op in comp.ops}
+        for call in comp.ops:
+            if not is_kernel_call(call):
+                continue
+            values = {}
+            for index, operand in enumerate(call.operands):
+                op = ops.get(operand)
+                while op is not None and op.opcode in _VALUE_KEEPING and op.operands:
+                    op = ops.get(op.operands[0])
+                value = hlo.integer_constant(op) if op is not None else None
+                if isinstance(value, int) or (value and len(hlo.arrays(op.shape)[0][1]) == 1):
+                    values[index] = value
+            if values:
+                found[call.name] = values
+    return found
+
+
 BRANCHES_RE = re.compile(
     r"\b(?:branch_computations=\{(?P<names>[^}]*)\}|(?:true|false)_computation=(?P<one>%[\w.\-]+))"
 )
