@@ -667,3 +667,17 @@ def test_an_smem_allocation_holds_a_constant_table_only_if_copied_whole_from_one
     for old, new in change.items():
         text = text.replace(old, new)
     assert scalar_defs.Defs(bundles.scan_bundles(text), operands).tables == tables
+
+
+def test_the_dump_flags_ask_libtpu_for_every_pass_read_and_no_other(tmp_path):
+    """`dump_flags` filters libtpu's dump to the passes `find_dump_files` reads: every stage
+    of the sample dumps is matched, and none of the 60-odd others a compile writes."""
+    flags = dump_files.dump_flags(tmp_path)
+    assert flags.startswith(f"--xla_jf_dump_to={tmp_path} --xla_jf_dump_llo_pass_label_regex=")
+    regex = re.compile(flags.split("=", 2)[2])
+    read = {re.sub(r"^\d+-.+-\d+-", "", p.name)[:-4] for p in SPLASH.glob("*-*-*-*.txt")}
+    read |= {"original", "critical-path"}  # the grid and allocations, the critical path
+    assert all(regex.fullmatch(stage) for stage in read), read
+    for stage in ("post-ra", "DGO-post-critical-path-scheduler", "packed-bundles-post-ra",
+                  "pre-delay_hlo-static-per-bundle-utilization", "post-GVN"):  # fmt: skip
+        assert not regex.fullmatch(stage)

@@ -32,6 +32,7 @@ import sys
 
 from pallas_flash_bench.models.maxtext_steps import analysis_versions, load_committed
 from pallas_flash_estimate.cost import kernel_cost
+from pallas_flash_estimate.read import dump_files
 
 PROGRAMS = ("generate", "prefill", "insert")
 """MaxEngine's programs a served request runs: its prompt's prefill, the prefix's insert into
@@ -145,7 +146,7 @@ def compile_program(ref: ServingReference, program: str, work: pathlib.Path) -> 
     run it in a fresh process."""
     out = work / program
     (out / "dump").mkdir(parents=True, exist_ok=True)
-    os.environ["LIBTPU_INIT_ARGS"] = f"--xla_jf_dump_to={out / 'dump'}"
+    os.environ["LIBTPU_INIT_ARGS"] = dump_files.dump_flags(out / "dump")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # JetStream's API stubbed: not installed

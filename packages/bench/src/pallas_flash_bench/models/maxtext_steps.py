@@ -171,9 +171,11 @@ def compile_step(step: MaxTextStep, work: pathlib.Path) -> None:
     """MaxText's ``train_compile`` for ``step`` with the LLO dump in ``work/dump`` and the
     compiled HLO text in ``work/step.hlo.txt``. Sets libtpu's flags before jax starts: run
     it in a fresh process."""
+    from pallas_flash_estimate.read import dump_files
+
     dump = work / "dump"
     dump.mkdir(parents=True, exist_ok=True)
-    os.environ["LIBTPU_INIT_ARGS"] = f"{SCRIPT_FLAGS} --xla_jf_dump_to={dump}"
+    os.environ["LIBTPU_INIT_ARGS"] = f"{SCRIPT_FLAGS} {dump_files.dump_flags(dump)}"
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     import importlib.resources

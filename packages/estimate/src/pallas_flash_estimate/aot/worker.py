@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pallas_flash_estimate.aot.program_ref import ProgramRef
 from pallas_flash_estimate.cost import kernel_cost
 from pallas_flash_estimate.program import whole_program
+from pallas_flash_estimate.read import dump_files
 from pallas_flash_estimate.targets import Target
 
 RESULT_PREFIX = "PALLAS_FLASH_ESTIMATE_RESULT "
@@ -31,10 +32,10 @@ workers prints its lines the same way."""
 
 def dump_env(dump_dir: pathlib.Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for a worker whose libtpu writes its LLO dump to
-    ``dump_dir``; several such workers may run at once (libtpu's lock file would refuse all
-    but one)."""
+    ``dump_dir`` (the passes the estimate reads: `read.dump_files.dump_flags`); several such
+    workers may run at once (libtpu's lock file would refuse all but one)."""
     env = dict(os.environ if env is None else env)
-    flags = f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_jf_dump_to={dump_dir}".strip()
+    flags = f"{env.get('LIBTPU_INIT_ARGS', '')} {dump_files.dump_flags(dump_dir)}".strip()
     return env | {"LIBTPU_INIT_ARGS": flags, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 

@@ -1,7 +1,8 @@
 """The files libtpu dumps per LLO program, and the contents of the small ones.
 
 Compiling a JAX program for TPU with ``LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR`` makes libtpu write,
-per compiled HLO op, ``<fingerprint>-<op name>-<NN>-<stage>.txt`` files (`find_dump_files`).
+per compiled HLO op, ``<fingerprint>-<op name>-<NN>-<stage>.txt`` files (`find_dump_files`;
+`dump_flags` asks for the stages read here only).
 Besides the scheduled program (``...-final_bundles.txt``: `evaluate.bundle_listing`)
 and the compiler's critical path (``...-critical-path.txt``: `read.critical_path`),
 these are read:
@@ -36,6 +37,7 @@ from pallas_flash_estimate.read import hlo_ops
 __all__ = [
     "ScheduleAnalysis",
     "Utilization",
+    "dump_flags",
     "find_dump_files",
     "find_program_hlo",
     "kernel_operands",
@@ -53,6 +55,8 @@ _KIND_UTIL = "final_hlo-static-per-bundle-utilization"
 _KIND_ANALYSIS = "schedule-analysis_final_bundles"
 _KIND_ORIGINAL = "original"  # the first LLO pass: lists the kernel's memory allocations
 _KIND_CRITICAL_PATH = "critical-path"
+
+_READ_PASSES = (_KIND_BUNDLES, _KIND_UTIL, _KIND_ANALYSIS, _KIND_ORIGINAL, _KIND_CRITICAL_PATH)
 
 _WRAPPER_OPS = ("TLP",)
 
@@ -198,6 +202,15 @@ def parse_grid(
     if not sizes or sorted(sizes) != list(range(len(sizes))):
         return None
     return tuple(sizes[d] for d in range(len(sizes)))
+
+
+def dump_flags(dump_dir: str | Path) -> str:
+    """The ``LIBTPU_INIT_ARGS`` flags that make libtpu dump what this module reads to
+    ``dump_dir``: the passes it reads only (``--xla_jf_dump_llo_pass_label_regex``), not the
+    60-odd others, which for a large unrolled kernel (RPA v3's mixed kernel) are hundreds of
+    MiB of text the compile spends its time writing."""
+    passes = "|".join(_READ_PASSES)
+    return f"--xla_jf_dump_to={dump_dir} --xla_jf_dump_llo_pass_label_regex=^({passes})$"
 
 
 def find_program_hlo(dump_dir: str | Path) -> list[Path]:
