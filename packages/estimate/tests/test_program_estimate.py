@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import json
+import os
 import pathlib
+import statistics
+import subprocess
+import sys
 import types
 
 import jax
@@ -13,8 +18,10 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_flash_estimate import TARGETS, Target, UnknownGridError, estimate_program
+from pallas_flash_estimate.aot import worker
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef, parse_array
+from pallas_flash_estimate.read import bundles
 
 needs_libtpu = pytest.mark.skipif(libtpu_version() is None, reason="libtpu is not installed")
 
@@ -134,3 +141,27 @@ def test_a_grid_sized_from_an_argument_is_unknown_unless_its_steps_are_given(sam
     assert given.grid_steps == 64
     kernel = held.seconds_by_kind["kernel"]
     assert given.seconds_by_kind["kernel"] == pytest.approx(kernel, rel=0.02)
+
+
+@needs_libtpu
+def test_v6e_s_mxus_take_the_rows_its_compiler_schedules_them(sample_programs, tmp_path):
+    """On v6e the compiler issues a 16-row bfloat16 vmatmul to one of its two 256-wide MXUs
+    every 8 bundles where it keeps them busy: an MXU takes 2 rows a cycle, so the clock
+    that gives v6e's 918 TFLOP/s is 1.75 GHz, not the 3.5 GHz that 1 row a cycle implies."""
+    target = TARGETS["v6e"]
+    assert target.mxu_rows_per_cycle == 2
+    assert target.clock_hz == pytest.approx(target.peak_flops / (2 * 256 * 256 * 2 * 2))
+    x = _bf16(1024, 1024)
+    ref = ProgramRef.of(sample_programs.blocked_matmul, (x, x), {"bm": 512, "bn": 512})
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"program": ref.to_json(), "target": target.to_json()}))
+    dump = tmp_path / "dump"
+    env = worker.dump_env(dump) | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [sys.executable, "-m", "pallas_flash_estimate.aot.worker", str(job), str(dump)]
+    subprocess.run(args, env=env, check=True, capture_output=True)
+    (listing,) = dump.glob("*-blocked_matmul.1-*-final_bundles.txt")
+    issued = [b.index for b in bundles.scan_bundles(listing.read_text())
+              if any(i.opcode.startswith("vmatmul") and i.opcode.endswith(".mxu0")
+                     for i in b.instructions)]  # fmt: skip
+    gaps = [b - a for a, b in itertools.pairwise(issued)]
+    assert statistics.median(gaps) == 16 // target.mxu_rows_per_cycle

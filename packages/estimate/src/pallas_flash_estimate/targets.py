@@ -1,8 +1,10 @@
 """TPU targets: the topology to compile for and the per-chip figures estimates divide by.
 
 Figures are Google's published per-chip specifications. ``clock_hz`` is derived, not
-published: peak bf16 FLOP/s / (MXUs x 128 x 128 x 2 flops per multiply-add), e.g. v5e:
-197e12 / (4 x 128 x 128 x 2) = 1.5 GHz.
+published: peak bf16 FLOP/s / (MXUs x width x width x 2 flops per multiply-add x rows an MXU
+takes a cycle), e.g. v5e: 197e12 / (4 x 128 x 128 x 2 x 1) = 1.5 GHz; v6e (2 MXUs of 256 x
+256, as jax's ``tpu_info`` and its listings' ``mxu0``/``mxu1`` say, each taking 2 rows a
+cycle: `Target.mxu_rows_per_cycle`): 918e12 / (2 x 256 x 256 x 2 x 2) = 1.75 GHz.
 
 Collectives between chips are modelled, not scheduled, by one model
 (`pallas_flash_estimate.program.ici`), for whole programs and the bench's kernel rows alike.
@@ -60,6 +62,10 @@ class Target:
     """Whether the torus sides wrap around (a ring runs both ways round each)."""
     ici_hop_latency: float = 1e-6
     """Assumed seconds per ring step of a collective (see the module docstring)."""
+    mxu_rows_per_cycle: int = 1
+    """Rows of a ``vmatmul``'s left operand one MXU takes a cycle: 1 on the 128-wide MXUs of
+    v4, v5e and v5p (a 16-row bfloat16 vmatmul every 16 bundles on one MXU where the compiler
+    keeps it busy), 2 on v6e's 256-wide ones (one every 8 bundles)."""
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -143,7 +149,8 @@ TARGETS = {
         hbm_bytes=32 * GiB,
         hbm_bandwidth=1640e9,
         vmem_bytes=128 * MiB,
-        clock_hz=918e12 / (2 * 256 * 256 * 2),
+        clock_hz=918e12 / (2 * 256 * 256 * 2 * 2),
+        mxu_rows_per_cycle=2,
         ici_bandwidth=3584e9 / 8,
         ici_link_bandwidth=3584e9 / 8 / 4,
         collective_latency=10e-6,

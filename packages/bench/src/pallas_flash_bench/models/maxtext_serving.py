@@ -242,7 +242,8 @@ def estimate_serving(ref: ServingReference, work: pathlib.Path) -> dict:
         occupancy = kernel_cost.FullGrid(causal=program == "prefill")
         found = whole_program.program_estimate(
             (work / program / "program.hlo.txt").read_text(),
-            llo.load_dump(work / program / "dump"), lambda _, o=occupancy: o, target,
+            llo.load_dump(work / program / "dump", target.mxu_rows_per_cycle),
+            lambda _, o=occupancy: o, target,
             target.chips,
         )  # fmt: skip
         memory = json.loads((work / program / "memory.json").read_text())

@@ -206,7 +206,7 @@ def estimate_step(step: MaxTextStep, work: pathlib.Path) -> dict:
     from pallas_flash_estimate.targets import TARGETS
 
     target = TARGETS[step.topology]
-    schedules = llo.load_dump(work / "dump")
+    schedules = llo.load_dump(work / "dump", target.mxu_rows_per_cycle)
     occupancy = kernel_cost.FullGrid(causal=True)  # splash's blocks above the diagonal skipped
     found = whole_program.program_estimate(
         (work / "step.hlo.txt").read_text(), schedules, lambda _: occupancy, target,

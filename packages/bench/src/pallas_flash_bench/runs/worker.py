@@ -98,7 +98,7 @@ def analyse_row(
         row["notes"].append("no LLO dump was requested: no static schedule")
         return row
     try:
-        schedules = llo.load_dump(dump_dir)
+        schedules = llo.load_dump(dump_dir, target.mxu_rows_per_cycle)
     except FileNotFoundError as exc:
         row["notes"].append(f"LLO dump missing: {exc}")
         return row

@@ -96,4 +96,4 @@ def compile_program(
     if dump_dir is None:
         out["notes"].append("no LLO dump was requested: no static schedule")
         return Compiled(out)
-    return Compiled(out, text, llo.load_dump(dump_dir))
+    return Compiled(out, text, llo.load_dump(dump_dir, target.mxu_rows_per_cycle))

@@ -111,7 +111,7 @@ def kernel_cycles(
     """Headline static cycles of one kernel and how they were obtained.
 
     One bundle issues per cycle, but a ``vmatmul`` keeps its MXU busy for several cycles
-    (`bundle_weights.MXU_ROWS_PER_CYCLE`); the kernel takes the larger of its bundles and its
+    (`bundle_weights.mxu_cycles`); the kernel takes the larger of its bundles and its
     busiest MXU's cycles (weight pushes free: see `spread` for the other estimates).
 
     ``executed_min`` / ``executed_max`` are the bundles the kernel executes with its undecided

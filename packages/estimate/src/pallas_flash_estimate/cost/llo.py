@@ -81,7 +81,7 @@ class KernelSchedule:
     executed_bundles_min: int | None = None
     executed_bundles_max: int | None = None
     # Cycles the busiest MXU is kept busy by the executed vmatmuls (per loop; see
-    # bundle_weights.MXU_ROWS_PER_CYCLE): when above the executed bundles the kernel is
+    # bundle_weights.mxu_cycles): when above the executed bundles the kernel is
     # MXU-bound and the bundle count underestimates its time.
     executed_mxu_cycles_min: int | None = None
     executed_mxu_cycles_max: int | None = None
@@ -306,9 +306,10 @@ def load_kernel(
     name: str | None = None,
     counter_grid: tuple[int, ...] | None = None,
     operands: Mapping[int, int | tuple[int, ...]] | None = None,
+    mxu_rows_per_cycle: int = 1,
 ) -> KernelSchedule:
-    """Load one kernel from its final_bundles file (and optional companions); ``counter_grid``
-    and ``operands`` as in `evaluate.bundle_listing.parse_bundles`.
+    """Load one kernel from its final_bundles file (and optional companions); ``counter_grid``,
+    ``operands`` and ``mxu_rows_per_cycle`` as in `evaluate.bundle_listing.parse_bundles`.
 
     Raises :class:`FileNotFoundError` naming the path when a given file is missing.
     """
@@ -320,13 +321,18 @@ def load_kernel(
         else None
     )
     listing = parse_bundles(
-        text, name or op_name(Path(bundles_path)), counter_grid=counter_grid, operands=operands
+        text,
+        name or op_name(Path(bundles_path)),
+        counter_grid=counter_grid,
+        operands=operands,
+        mxu_rows_per_cycle=mxu_rows_per_cycle,
     )
     return build_schedule(listing, util, ana)
 
 
-def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
-    """Every op of a dump folder with a final_bundles file, keyed by op name.
+def load_dump(dump_dir: str | Path, mxu_rows_per_cycle: int = 1) -> dict[str, KernelSchedule]:
+    """Every op of a dump folder with a final_bundles file, keyed by op name; its MXUs take
+    ``mxu_rows_per_cycle`` rows a cycle (the target's: `targets.Target.mxu_rows_per_cycle`).
 
     When several programs were dumped into one folder and an op name occurs in more than one,
     the first fingerprint (in sorted order) keeps the plain name, the others are keyed
@@ -348,6 +354,7 @@ def load_dump(dump_dir: str | Path) -> dict[str, KernelSchedule]:
             name=name,
             counter_grid=parse_grid(original, operands.get(name)) if original else None,
             operands=operands.get(name),
+            mxu_rows_per_cycle=mxu_rows_per_cycle,
         )
         if original:
             schedule = dataclasses.replace(schedule, vmem_bytes=parse_vmem_bytes(original))

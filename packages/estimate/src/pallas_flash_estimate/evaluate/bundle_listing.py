@@ -104,7 +104,7 @@ class Loop:
     executed_bundles_min: int | None = None
     executed_bundles_max: int | None = None
     # Likewise, the cycles the busiest MXU is kept busy by the vmatmuls executed (see
-    # MXU_ROWS_PER_CYCLE).
+    # bundle_weights.mxu_cycles).
     executed_mxu_cycles_min: int | None = None
     executed_mxu_cycles_max: int | None = None
     # How its regions were evaluated, to weigh other per-bundle figures the same way (see
@@ -197,6 +197,7 @@ def parse_bundles(
     *,
     counter_grid: tuple[int, ...] | None = None,
     operands: Mapping[int, int | tuple[int, ...]] | None = None,
+    mxu_rows_per_cycle: int = 1,
 ) -> BundleListing:
     """Parse a ``final_bundles`` text into bundles, loops and predicated regions.
 
@@ -205,7 +206,8 @@ def parse_bundles(
     for it when the kernel has no DMA descriptor or a grid sized at run time
     (`_sized_grid`). ``operands``: the values of the kernel's integer constant operands
     (operand index -> an int or an array's elements) where known, for the loops that run to
-    them and the tables they read (`Defs`).
+    them and the tables they read (`Defs`). ``mxu_rows_per_cycle``: the target's MXU rate
+    (`bundle_weights.mxu_cycles`).
     """
     warnings: list[str] = []
     bundles = scan_bundles(text)
@@ -258,7 +260,7 @@ def parse_bundles(
     grid = _sized_grid(
         _grid(text), counter_grid, trips[grid_loop][0] if grid_loop is not None else None, stages
     )
-    mxu = mxu_prefixes(bundles)
+    mxu = mxu_prefixes(bundles, mxu_rows_per_cycle)
 
     # Predicated regions, their nesting level and enclosing (innermost) loop.
     raw = sorted(

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from pallas_flash_estimate.read.bundles import Bundle, Instruction
 
-__all__ = ["MXU_ROWS_PER_CYCLE", "covered", "mxu_prefixes", "prefix_sums", "unit_prefixes"]
+__all__ = ["covered", "mxu_cycles", "mxu_prefixes", "prefix_sums", "unit_prefixes"]
 
 
 def covered(spans: Iterable[tuple[int, int]], prefix: list[int] | None = None) -> int:
@@ -25,10 +25,11 @@ def covered(spans: Iterable[tuple[int, int]], prefix: list[int] | None = None) -
     return total
 
 
-MXU_ROWS_PER_CYCLE = 1
-"""Rows of the left operand one MXU takes per cycle (128 x 128 multiply-adds): a ``vmatmul``
-of a bfloat16 vreg (16 packed rows) keeps its MXU busy 16 cycles, of a float32 vreg 8. This is
-what 197 TFLOP/s at 1.5 GHz over 4 MXUs of 128 x 128 implies."""
+def mxu_cycles(opcode: str, rows_per_cycle: int = 1) -> int:
+    """Cycles a ``vmatmul`` keeps its MXU busy: a bfloat16 vreg holds 16 packed rows, a
+    float32 vreg 8, and an MXU takes ``rows_per_cycle`` rows of the left operand a cycle
+    (`targets.Target.mxu_rows_per_cycle`: one on 128-wide MXUs, two on v6e's 256-wide ones)."""
+    return (16 if ".bf16" in opcode else 8) // rows_per_cycle
 
 
 def unit_prefixes(
@@ -54,8 +55,6 @@ def prefix_sums(weights: Sequence[int]) -> list[int]:
     return prefix
 
 
-def mxu_prefixes(bundles: tuple[Bundle, ...]) -> dict[str, list[int]]:
-    """Per MXU: prefix sums of the cycles its ``vmatmul``s keep it busy."""
-    return unit_prefixes(
-        bundles, "vmatmul", lambda ins: (16 if ".bf16" in ins.opcode else 8) // MXU_ROWS_PER_CYCLE
-    )
+def mxu_prefixes(bundles: tuple[Bundle, ...], rows_per_cycle: int = 1) -> dict[str, list[int]]:
+    """Per MXU: prefix sums of the cycles its ``vmatmul``s keep it busy (`mxu_cycles`)."""
+    return unit_prefixes(bundles, "vmatmul", lambda ins: mxu_cycles(ins.opcode, rows_per_cycle))
