@@ -200,16 +200,17 @@ def test_the_step_matrix_covers_every_kv_head_share_page_size_and_mix() -> None:
     """The serving-step matrix: Llama-3-8B's heads over 1 to 8 chips (4 query heads a kv
     head), pages of 16, 64 and 128, decode-only, vLLM's 512- and 2048-token steps."""
     steps = step_sweep()
-    assert len(steps) == len(set(steps)) == 4 * 3 + 3 * 2 * 3
+    assert len(steps) == len(set(steps)) == 4 * 3 * 3
     assert {(w.q_heads, w.kv_heads) for w in steps} == {(4, 1), (8, 2), (16, 4), (32, 8)}
     assert {w.page_size for w in steps} == {16, 64, 128}
     decode_only = [w for w in steps if w.prefill is None]
     assert len(decode_only) == 12 and all(w.batch == 128 for w in decode_only)
     prefill_heavy = [w for w in steps if w.prefill == (3, 640)]
-    assert len(prefill_heavy) == 9 and all(w.tokens == 2048 for w in prefill_heavy)
-    # the whole model's mixed steps (8 kv heads a chip) are ragged_sweep's, not the matrix's
-    assert not {serving_step("vllm-512"), serving_step("vllm-2048")} & set(steps)
-    assert serving_step("decode", 32, 8) in steps
+    assert len(prefill_heavy) == 12 and all(w.tokens == 2048 for w in prefill_heavy)
+    # the whole model's steps on one chip (8 kv heads), vLLM's pages of 16 among them
+    whole_model = {serving_step(mix, 32, 8, page) for mix in ("decode", "vllm-512", "vllm-2048")
+                   for page in (16, 128)}  # fmt: skip
+    assert whole_model <= set(steps)
 
 
 def test_the_windows_run_is_the_matrix_s_steps_without_and_at_each_window() -> None:

@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the serving-step matrix: pf.ragged_attention against RPA v3 at one chip's "
         "share of Llama-3-8B's heads (1, 2, 4 and 8 kv heads), pages of 16, 64 and 128, "
-        "decode-only and mixed steps (up to 4 kv heads)",
+        "decode-only and mixed steps",
     )
     bench.add_argument(
         "--windows",

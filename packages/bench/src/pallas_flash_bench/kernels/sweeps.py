@@ -154,24 +154,18 @@ STEP_MIXES = ("decode", "vllm-512", "vllm-2048")
 """Mixes of the serving-step matrix (`RAGGED_MIXES`): decode-only, vLLM's 512-token step and
 its prefill-heavy 2048-token step."""
 
-MIXED_STEP_KV_HEADS = 4
-"""The most kv heads a chip at which the matrix holds the mixes that prefill: at 8 (the whole
-model on one chip) RPA v3's mixed kernel, which unrolls every query compute block of every kv
-head, takes minutes to compile a configuration on 2 cores, times its 7 in the widest search
-and 6 steps; `ragged_sweep` holds those steps at pages of 128 and 16 against its quick
-blocks."""
-
 
 def step_sweep() -> list[Workload]:
     """The serving-step matrix: every mix of `STEP_MIXES` at one chip's share of Llama-3-8B's
-    heads (`STEP_KV_HEADS`) and every page size (`STEP_PAGE_SIZES`), the mixes that prefill
-    up to `MIXED_STEP_KV_HEADS`. At 8 kv heads a chip it holds the whole model's heads."""
+    heads (`STEP_KV_HEADS`) and every page size (`STEP_PAGE_SIZES`). At 8 kv heads a chip it
+    holds the whole model's heads: there RPA v3's mixed kernel, which unrolls every query
+    compute block of every kv head, takes minutes to compile a configuration on 2 cores, and
+    its widest search has 7 a step."""
     return [
         serving_step(mix, 4 * kv_heads, kv_heads, page_size)
         for kv_heads in STEP_KV_HEADS
         for mix in STEP_MIXES
         for page_size in STEP_PAGE_SIZES
-        if mix == "decode" or kv_heads <= MIXED_STEP_KV_HEADS
     ]
 
 
