@@ -13,7 +13,8 @@ The model charges them as
                from the host)
 
 with non-negative coefficients, fitted by least squares on the relative error over the
-points whose ``role`` is ``fit`` (the bench's `pallas_flash_bench.calibration.calibration_points`).
+points whose ``role`` is ``fit`` (the bench's `pallas_flash_bench.calibration.calibration_points`)
+and whose estimate is a floor (not ``data-dependent``: an upper bound would pull the fit down).
 Every point is then classified by what its calibrated time is made of (`kind`), and a kind's
 band is the largest relative error of the calibrated time over its points (fitted and
 held-out alike): a lead smaller than the band is level, and every absolute figure carries it.
@@ -35,9 +36,13 @@ import numpy as np
 COEFFICIENTS = ("static_factor", "step_seconds", "fill_factor", "host_call_seconds")
 """The model's coefficients, in the order of `ProgramFeatures.values`."""
 
-KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent", "train step",
-         "serving run")  # fmt: skip
-"""Kinds of program a band is given for (`kind`)."""
+ATTENTION = "attention forward"
+"""The kind of attention kernels, timed forward (tokamax's autotuning data)."""
+
+KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent", ATTENTION,
+         "train step", "serving run")  # fmt: skip
+"""Kinds of program a band is given for: read from a program's estimate (`kind`), or declared
+by its caller (an attention kernel, a train step, a serving run)."""
 
 UNDECIDED_SHARE = 0.1
 """A program whose kernels spend more than this share of its static time in regions the
@@ -82,6 +87,13 @@ class ProgramFeatures:
                 "memory_bound_seconds", "kernel_undecided_seconds")  # fmt: skip
         return {key: sum(runs * e.get(key, 0.0) for e, runs in parts) for key in keys}
 
+    @property
+    def upper_bound(self) -> bool:
+        """Whether the static estimate is an upper bound, not a floor: more than
+        `UNDECIDED_SHARE` of it in regions charged though data decides them. The fit skips
+        such a point (``data-dependent``, `kind`)."""
+        return self.undecided_seconds > UNDECIDED_SHARE * self.static_seconds
+
     def values(self, host_call: bool = False) -> list[float]:
         """In the order of `COEFFICIENTS`; ``host_call``: the program was timed from the host."""
         return [self.static_seconds, self.grid_steps, self.fill_seconds, float(host_call)]
@@ -92,7 +104,7 @@ def kind(program: ProgramFeatures, coefficients: Mapping[str, float]) -> str:
     data the schedule cannot see (``data-dependent``, `UNDECIDED_SHARE`), its grid steps'
     cost (``grid-step-bound``: small blocks), ops waiting on HBM (``memory-bound``) or
     compute (``MXU-bound``, the rest)."""
-    if program.undecided_seconds > UNDECIDED_SHARE * program.static_seconds:
+    if program.upper_bound:
         return "data-dependent"
     steps = coefficients["step_seconds"] * program.grid_steps
     if steps >= device_seconds(program, coefficients) / 2:
@@ -100,6 +112,16 @@ def kind(program: ProgramFeatures, coefficients: Mapping[str, float]) -> str:
     if program.memory_bound_seconds >= program.static_seconds / 2:
         return "memory-bound"
     return "MXU-bound"
+
+
+def declared_kind(
+    program: ProgramFeatures, coefficients: Mapping[str, float], declared: str | None
+) -> str:
+    """The kind a program's band is taken from: ``declared`` by its caller (``attention
+    forward``, ``train step``), else read from its estimate (`kind`); a ``data-dependent``
+    estimate stays so whatever is declared, as it is an upper bound, not a calibrated time."""
+    read = kind(program, coefficients)
+    return read if declared is None or read == "data-dependent" else declared
 
 
 def device_seconds(program: ProgramFeatures, coefficients: Mapping[str, float]) -> float:
@@ -139,14 +161,15 @@ def calibrate_points(points: Sequence[Mapping], versions: Mapping[str, str | Non
     programs = [ProgramFeatures.of_estimate(p["estimate"]) for p in estimated]
     rows = [(f.values(p["point"]["timing"] == "host"), p["point"]["measured_seconds"])
             for f, p in zip(programs, estimated, strict=True)]  # fmt: skip
-    training = [r for r, p in zip(rows, estimated, strict=True) if p["point"]["role"] == "fit"]
+    training = [r for r, p, f in zip(rows, estimated, programs, strict=True)
+                if p["point"]["role"] == "fit" and not f.upper_bound]  # fmt: skip
     coefficients = fit(training)
     table = []
     for (values, measured), p, f in zip(rows, estimated, programs, strict=True):
         calibrated = predicted_seconds(values, coefficients)
         table.append({"name": p["point"]["name"], "role": p["point"]["role"],
                       "timing": p["point"]["timing"], "source": p["point"]["source"],
-                      "kind": p["point"].get("kind") or kind(f, coefficients),
+                      "kind": declared_kind(f, coefficients, p["point"].get("kind")),
                       "measured_seconds": measured,
                       "static_seconds": p["estimate"]["step_seconds_scheduled"],
                       "calibrated_seconds": calibrated,
@@ -183,18 +206,37 @@ def committed_path(generation: str) -> importlib.resources.abc.Traversable:
     )
 
 
+BANDS_FROM = {"v5e": "v5p"}
+"""A generation none of whose attention kernels was ever timed, and the generation with the
+same MXUs (four 128-wide, one row a cycle) whose bands of `BORROWED_KINDS` it takes."""
+
+BORROWED_KINDS = (ATTENTION,)
+
+
 def load(generation: str) -> dict | None:
-    """The committed calibration of a TPU generation, or None if it has none."""
+    """The committed calibration of a TPU generation (`with_borrowed_bands`), or None if it
+    has none."""
     path = committed_path(generation)
-    return json.loads(path.read_text()) if path.is_file() else None
+    return with_borrowed_bands(json.loads(path.read_text())) if path.is_file() else None
+
+
+def with_borrowed_bands(found: dict) -> dict:
+    """A calibration whose kinds of `BORROWED_KINDS` without a point take the band of
+    `BANDS_FROM`'s generation (committed), marked with it (``bands[kind]["generation"]``)."""
+    found = dict(found, bands=dict(found["bands"]))
+    donor = load(BANDS_FROM[found["generation"]]) if found["generation"] in BANDS_FROM else None
+    for name in BORROWED_KINDS if donor else ():
+        if not found["bands"].get(name, {}).get("points"):
+            found["bands"][name] = dict(donor["bands"][name], generation=donor["generation"])
+    return found
 
 
 def describe(calibration: Mapping) -> str:
-    """``fitted on 9 of 30 v5e measurements (libtpu 0.0.42.1)``."""
+    """``fitted on 9 of 30 published v5e measurements, libtpu 0.0.42.1``."""
     points = calibration["points"]
     fitted = sum(1 for p in points if p["role"] == "fit")
-    return (f"fitted on {fitted} of {len(points)} published v5e measurements, libtpu "
-            f"{calibration['versions'].get('libtpu')}")  # fmt: skip
+    return (f"fitted on {fitted} of {len(points)} published {calibration['generation']} "
+            f"measurements, libtpu {calibration['versions'].get('libtpu')}")  # fmt: skip
 
 
 def calibrate(
@@ -207,8 +249,8 @@ def calibrate(
     if calibration is None:
         return None
     coefficients = calibration["coefficients"]
-    name = declared or kind(program, coefficients)
-    band = calibration["bands"][name]["band"]
+    name = declared_kind(program, coefficients, declared)
+    band = calibration["bands"].get(name, {}).get("band")
     seconds = device_seconds(program, coefficients)
     return CalibratedTime(seconds, band, name, describe(calibration))
 
