@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from pallas_flash_bench.calibration import calibration_points
+from pallas_flash_bench.calibration import calibration_points, tokamax_timings
 from pallas_flash_bench.views import calibration_report, readme
 from pallas_flash_estimate import calibration
 from pallas_flash_estimate.program import whole_program
@@ -56,6 +56,20 @@ def test_validation_points_do_not_move_the_fit() -> None:
     assert b["bands"]["MXU-bound"]["held_out"] > 0.99  # the bad point shows in its band
 
 
+def test_an_upper_bound_fits_nothing_and_keeps_its_kind_whatever_is_declared() -> None:
+    fitted = [_point(str(i), _program(10.0**-i, 50 * i, 1e-6), "fit", "host") for i in range(2, 6)]
+    bound = _point("bound", _program(1e-3, 100, 1e-6, undecided=0.5e-3), "fit")
+    bound["point"] |= {"measured_seconds": 1e-4, "kind": calibration.ATTENTION}
+    declared = _point("declared", _program(2e-3, 100, 1e-6), "validate")
+    declared["point"]["kind"] = calibration.ATTENTION
+    a = calibration.calibrate_points([*fitted, declared], {})
+    b = calibration.calibrate_points([*fitted, bound, declared], {})
+    assert a["coefficients"] == b["coefficients"]  # the upper bound moved nothing
+    kinds = {p["name"]: p["kind"] for p in b["points"]}
+    assert kinds["bound"] == "data-dependent" and kinds["declared"] == calibration.ATTENTION
+    assert b["bands"][calibration.ATTENTION]["points"] == 1
+
+
 def test_a_coefficient_no_point_informs_keeps_its_neutral_value() -> None:
     """With no point timed from the host, the host call costs nothing (not a guess)."""
     points = [_point(str(i), _program(10.0**-i, 10 * i, 1e-6), "fit") for i in range(2, 5)]
@@ -90,8 +104,8 @@ def test_bands_are_the_largest_error_of_each_kind_and_none_without_a_point() -> 
 def test_tokamax_grid_steps_count_the_tiles_each_group_touches() -> None:
     tiles = {"tile_m": 128, "tile_n": 256, "tile_k": 512}
     # groups of 128 (one tile), 0 (none), 200 (rows 128..328: tiles 1 and 2), 56 (tile 2 again)
-    assert calibration_points.gmm_steps([128, 0, 200, 56], tiles, k=1024, n=512) == 2 * 4 * 2
-    assert calibration_points.gmm_steps([384], tiles, k=512, n=256) == 3
+    assert tokamax_timings.gmm_steps([128, 0, 200, 56], tiles, k=1024, n=512) == 2 * 4 * 2
+    assert tokamax_timings.gmm_steps([384], tiles, k=512, n=256) == 3
 
 
 def test_the_published_points_are_as_their_sources_print_them() -> None:
@@ -107,34 +121,61 @@ def test_the_published_points_are_as_their_sources_print_them() -> None:
 
 
 COMMITTED = calibration.load("v5e")
+GENERATIONS = ("v5e", "v5p", "v6e")
+"""The generations with a committed calibration."""
 
 
-def test_the_committed_calibration_is_of_this_analysis_and_these_points() -> None:
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_the_committed_calibration_is_of_this_analysis_and_these_points(generation: str) -> None:
     """A change of the analysis (or of a point) must come with a rerun of
     ``pallas-flash bench --calibrate``."""
-    assert COMMITTED is not None
-    assert COMMITTED["analysis"] == whole_program.ANALYSIS_VERSION
-    published = {p.name: p.measured_seconds for p in calibration_points.all_points()}
-    for point in COMMITTED["points"]:
-        if point["name"] in published:  # tokamax's need tokamax installed
+    committed = calibration.load(generation)
+    assert committed is not None and committed["generation"] == generation
+    assert committed["analysis"] == whole_program.ANALYSIS_VERSION
+    published = {p.name: p.measured_seconds for p in calibration_points.all_points(generation)}
+    for point in committed["points"]:
+        if point["name"] in published:  # tokamax's need tokamax (its version's data) installed
             assert point["measured_seconds"] == pytest.approx(published[point["name"]])
-    guide = {p.name for p in calibration_points.matmul_guide_points()}
-    assert guide <= {p["name"] for p in COMMITTED["points"]}, "every guide point estimated"
+    if generation == "v5e":
+        guide = {p.name for p in calibration_points.matmul_guide_points()}
+        assert guide <= {p["name"] for p in committed["points"]}, "every guide point estimated"
 
 
-def test_the_docs_page_states_the_committed_calibration() -> None:
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_the_docs_page_states_the_committed_calibration(generation: str) -> None:
     text = DOCS_PAGE.read_text()
-    start = text.index(readme.CALIBRATION_BEGIN)
-    end = text.index(readme.CALIBRATION_END) + len(readme.CALIBRATION_END)
-    assert text[start:end] + "\n" == readme.render_calibration_block(COMMITTED), (
-        "docs/calibration.md: rerun `pallas-flash readme --calibration` on the committed file"
+    begin, end = readme.calibration_markers(generation)
+    block = text[text.index(begin) : text.index(end) + len(end)] + "\n"
+    assert block == readme.render_calibration_block(calibration.load(generation)), (
+        f"docs/calibration.md: rerun `pallas-flash readme --calibration` on the committed "
+        f"calibration-{generation}.json"
     )
 
 
-def test_the_section_lists_every_point_and_band() -> None:
-    lines = calibration_report.section(COMMITTED)
-    text = "\n".join(lines)
-    for point in COMMITTED["points"]:
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_the_section_lists_every_point_and_band(generation: str) -> None:
+    committed = calibration.load(generation)
+    text = "\n".join(calibration_report.section(committed))
+    for point in committed["points"]:
         assert f"| {point['name']} |" in text
     for kind in calibration.KINDS:
         assert f"| {kind} |" in text
+
+
+def test_v5e_takes_the_attention_band_of_v5p_which_has_the_same_mxus() -> None:
+    v5p = calibration.load("v5p")["bands"][calibration.ATTENTION]
+    borrowed = COMMITTED["bands"][calibration.ATTENTION]
+    assert borrowed["generation"] == "v5p" and borrowed["band"] == v5p["band"] > 0
+    assert "**v5p's** points" in "\n".join(calibration_report.section(COMMITTED))
+
+
+def test_attention_points_are_fitted_and_their_band_held_out() -> None:
+    """On v5p and v6e about half the timed attention points fit the model, the others are
+    held out, and the estimates that are upper bounds (data-dependent) fit nothing."""
+    for generation in ("v5p", "v6e"):
+        points = calibration.load(generation)["points"]
+        attention = [p for p in points if p["kind"] == calibration.ATTENTION]
+        fitted = [p for p in attention if p["role"] == "fit"]
+        assert len(attention) >= 40 and 0.3 < len(fitted) / len(attention) < 0.7
+        band = calibration.load(generation)["bands"][calibration.ATTENTION]
+        assert band["held_out"] is not None and band["held_out"] <= band["band"]

@@ -1,29 +1,15 @@
-"""Published TPU v5e measurements of programs we can compile exactly: the estimator's
-calibration points (`calibration`).
+"""Published TPU measurements of programs we can compile exactly: the estimator's
+calibration points (`calibration_point`, `pallas_flash_estimate.calibration`), by generation.
 
-Each point is a program (`ProgramRef` into `calibration_programs`), the time its source
-measured on a v5e chip, the source, and how it was timed:
-
-- ``host``: wall clock around one call from Python (``timeit`` of ``block_until_ready(f(x))``,
-  as jax's guides time): the device time plus a dispatch and synchronisation cost per call;
-- ``device``: the op's own time on the device (a profiler's), nothing around it.
-
-``role`` says whether the calibration is fitted on the point (``fit``) or only held against
-it (``validate``): the fit never sees the validation points.
+v5e's: jax's Pallas guides (matmuls timed from the host), tokamax's grouped matmuls, MaxText's
+train steps and JetStream's serving runs. The other generations': tokamax's autotuning
+timings (`tokamax_timings`). Each program is a `ProgramRef` into `calibration_programs`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.resources
-import json
-import math
-from collections.abc import Mapping
-from typing import Any, Literal
-
-import numpy as np
-
-from pallas_flash_bench.calibration import calibration_programs
+from pallas_flash_bench.calibration import calibration_programs, tokamax_timings
+from pallas_flash_bench.calibration.calibration_point import CalibrationPoint, Role
 from pallas_flash_bench.models import maxtext_serving, maxtext_steps
 from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef
 from pallas_flash_estimate.calibration import ProgramFeatures
@@ -36,38 +22,6 @@ SPARSE_GUIDE = (
     "jax's Pallas TPU sparse guide, docs/pallas/tpu/sparse.ipynb (jax-ml/jax), the dense "
     "references' timed outputs on a TPU v5e, timeit over 100 calls"
 )
-TOKAMAX_DATA = (
-    "tokamax 0.0.12's shipped autotuning data, tokamax/data/autotuning/tpu_v5_lite/"
-    "pallas_mosaic_tpu_ragged_dot.json (median of its evaluation times, profiled on the device)"
-)
-
-Timing = Literal["host", "device"]
-Role = Literal["fit", "validate"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CalibrationPoint:
-    """One program and the time a source measured for it on one v5e chip.
-
-    ``program``: compiled by the calibration run (`pallas_flash_estimate.aot.worker`); or
-    None, with ``estimate`` its whole-program estimate made elsewhere (MaxText's step:
-    `maxtext_steps`). ``kind``: the kind of program it stands for where that is not read
-    from its estimate (``train step``)."""
-
-    name: str
-    program: ProgramRef | None
-    measured_seconds: float
-    source: str
-    timing: Timing
-    role: Role
-    estimate: Mapping[str, Any] | None = None
-    kind: str | None = None
-
-    def to_json(self) -> dict[str, object]:
-        program = None if self.program is None else self.program.to_json()
-        return {"name": self.name, "program": program, "kind": self.kind,
-                "measured_seconds": self.measured_seconds, "source": self.source,
-                "timing": self.timing, "role": self.role}  # fmt: skip
 
 
 def _bf16(*shape: int) -> ArraySpec:
@@ -140,64 +94,6 @@ def sparse_guide_points() -> list[CalibrationPoint]:
     ]  # fmt: skip
 
 
-def gmm_steps(group_sizes: list[int], tiles: dict[str, int], k: int, n: int) -> int:
-    """The grid steps of tokamax's forward grouped matmul, ``(n / tile_n, m tiles visited,
-    k / tile_k)``, whose middle size is computed at run time: per non-empty group, the m tiles
-    its rows touch (its start rounded down, its end up)."""
-    tile_m = tiles["tile_m"]
-    visited, start = 0, 0
-    for size in group_sizes:
-        if size:
-            visited += math.ceil((start + size) / tile_m) - start // tile_m
-        start += size
-    return n // tiles["tile_n"] * visited * (k // tiles["tile_k"])
-
-
-TOKAMAX_FIT = ("bf16[131072,2048]", "bf16[128,2048,768]")
-"""The tokamax point the calibration is fitted on (lhs, rhs); the others validate it."""
-
-
-def _spec(text: str) -> ArraySpec:
-    dtype, dims = text.rstrip("]").split("[")
-    return ArraySpec(tuple(int(d) for d in dims.split(",")), {"bf16": "bfloat16"}[dtype])
-
-
-def tokamax_points() -> list[CalibrationPoint]:
-    """tokamax's grouped matmul (forward, no residuals) at each shape its v5e data times,
-    in the configuration timed; none when tokamax is not installed."""
-    try:
-        data_dir = importlib.resources.files("tokamax") / "data" / "autotuning" / "tpu_v5_lite"
-        data = json.loads((data_dir / "pallas_mosaic_tpu_ragged_dot.json").read_text())
-    except (ModuleNotFoundError, FileNotFoundError):
-        return []
-    module = calibration_programs.__name__
-    points = []
-    for key, configs in data.items():
-        call = json.loads(key)
-        lhs, rhs = _spec(call["lhs"]), _spec(call["rhs"])
-        numbers = call["ragged_dot_dimension_numbers"]
-        plain = numbers["dot_dimension_numbers"] == [[[1], [1]], [[], []]] and len(rhs.shape) == 3
-        if call["return_residuals"] or call["activation"] or not plain or not configs:
-            continue  # the forward kernel alone, lhs [m, k] @ rhs [groups, k, n]
-        ((config_key, timed),) = configs.items()
-        config = json.loads(config_key)
-        if config.get("combine_scopes"):
-            continue
-        groups = call["group_sizes"]
-        kwargs = {k: config[k] for k in ("tile_m", "tile_k", "tile_n", "input_buffer_count")}
-        m, k = lhs.shape
-        steps = gmm_steps(groups, config, k, rhs.shape[2])
-        ref = ProgramRef(f"{module}:tokamax_ragged_dot",
-                         (lhs, rhs, ArraySpec((len(groups),), "int32")),
-                         tuple(sorted(kwargs.items())), (("gmm_megablox", (steps,)),))  # fmt: skip
-        name = (f"tokamax ragged_dot {m}x{k} @ {len(groups)}x{rhs.shape[1]}x{rhs.shape[2]}, "
-                f"tiles {config['tile_m']}/{config['tile_k']}/{config['tile_n']}")  # fmt: skip
-        role: Role = "fit" if (call["lhs"], call["rhs"]) == TOKAMAX_FIT else "validate"
-        seconds = float(np.median(timed["evaluation_times_ms"])) / 1e3
-        points.append(CalibrationPoint(name, ref, seconds, TOKAMAX_DATA, "device", role))
-    return points
-
-
 def maxtext_points() -> list[CalibrationPoint]:
     """MaxText's published v5e training steps, each held against the estimate of MaxText's
     own compiled step (`maxtext_steps`, committed: compiling one takes a Python 3.12
@@ -239,7 +135,11 @@ def serving_points() -> list[CalibrationPoint]:
     return points
 
 
-def all_points() -> list[CalibrationPoint]:
-    """Every calibration point this installation can compile, and MaxText's programs."""
-    return [*matmul_guide_points(), *sparse_guide_points(), *tokamax_points(), *maxtext_points(),
-            *serving_points()]  # fmt: skip
+def all_points(generation: str = "v5e") -> list[CalibrationPoint]:
+    """Every calibration point of ``generation`` this installation can compile: on v5e the
+    guides', tokamax's grouped matmuls and MaxText's programs; elsewhere tokamax's timings
+    (`tokamax_timings`)."""
+    if generation != "v5e":
+        return tokamax_timings.points(generation)
+    return [*matmul_guide_points(), *sparse_guide_points(), *tokamax_timings.points("v5e"),
+            *maxtext_points(), *serving_points()]  # fmt: skip

@@ -7,11 +7,14 @@ them, to be compiled and estimated like any program (`pallas_flash_estimate.esti
 - `xla_matmul`, `masked_matmul`: the guides' XLA references, ``x @ y`` and ``mask * (x @ y)``.
 - `tokamax_ragged_dot`: tokamax's Mosaic TPU grouped matmul at one block configuration of its
   autotuning data; `xla_ragged_dot`: ``jax.lax.ragged_dot``, XLA's.
+- `tokamax_flash_attention`: tokamax's Mosaic TPU flash attention forward at one configuration
+  of its autotuning data.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +110,26 @@ def tokamax_ragged_dot(
 def xla_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """``jax.lax.ragged_dot``: XLA's grouped matmul."""
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+
+def tokamax_flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    config: str,
+    causal: bool = False,
+    residuals: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
+    """tokamax's Mosaic TPU flash attention forward: q ``[batch, seq, heads, head_dim]``, k
+    and v ``[batch, seq_kv, kv_heads, head_dim]``, the scale ``1 / sqrt(head_dim)``, at the
+    configuration ``config`` (its autotuning data's JSON); with ``residuals`` the softmax
+    residuals are returned too. Needs tokamax (the bench's ``tokamax`` extra)."""
+    from tokamax._src.ops.attention import pallas_mosaic_tpu as tpu
+
+    fields = json.loads(config)
+    for name in ("q_layout", "k_layout", "v_layout"):
+        if name in fields:
+            fields[name] = tpu.splash.QKVLayout(fields[name])
+    op = tpu.PallasMosaicTpuFlashAttention(config=tpu.Config(**fields))
+    return op(q, k, v, is_causal=causal, return_residuals=residuals)

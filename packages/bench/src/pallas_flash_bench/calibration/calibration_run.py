@@ -25,9 +25,9 @@ def program_job(ref: ProgramRef, target: Target) -> dict:
 
 def run(target: Target, versions: dict, cache: ResultCache, workers: int,
         out_dir: pathlib.Path) -> dict:  # fmt: skip
-    """The calibration of ``target``'s generation from every point this installation can
-    compile (tokamax's only with tokamax installed); written to ``out_dir``."""
-    points = calibration_points.all_points()
+    """The calibration of ``target``'s generation from every point of it this installation
+    can compile (tokamax's only with tokamax installed); written to ``out_dir``."""
+    points = calibration_points.all_points(target.generation)
     jobs = [dict(program_job(p.program, target), id=i)
             for i, p in enumerate(points) if p.program is not None]  # fmt: skip
     results = run_cached(jobs, versions, cache, workers, "calibration points")

@@ -15,6 +15,8 @@ KIND_MEANINGS = {
     "grid-step-bound": "kernels whose grid steps' own cost dominates (small blocks)",
     "data-dependent": "kernels whose branches on data the schedule cannot see are all charged "
     "(an upper bound)",
+    "attention forward": "flash attention forward kernels, causal or not, with or without "
+    "residuals (tokamax's timed keys)",
     "train step": "a whole training step over a slice (collectives by the ICI model)",
     "serving run": "a serving run over a slice: its prefill, insert and decode programs",
 }
@@ -34,11 +36,15 @@ def _ratio(low: float | None, high: float | None) -> str:
 
 
 def _bands_table(found: Mapping[str, Any]) -> list[str]:
-    bands = [
-        [name, KIND_MEANINGS[name], b["points"], _band(b["band"]), _band(b["held_out"]),
-         _ratio(b["static_ratio_min"], b["static_ratio_max"])]
-        for name, b in found["bands"].items()
-    ]  # fmt: skip
+    """Each kind's band; a kind whose band another generation's points give (`calibration.load`:
+    v5e's attention, from v5p's) says so."""
+    bands = []
+    for name, b in found["bands"].items():
+        meaning = KIND_MEANINGS[name]
+        if "generation" in b:
+            meaning += f" (**{b['generation']}'s** points and band: same MXUs)"
+        bands.append([name, meaning, b["points"], _band(b["band"]), _band(b["held_out"]),
+                      _ratio(b["static_ratio_min"], b["static_ratio_max"])])  # fmt: skip
     return markdown_table(("Kind", "What it is", "Points", "Band", "Band, held-out points",
                            "Static / measured"), bands)  # fmt: skip
 
@@ -82,7 +88,7 @@ def section(found: Mapping[str, Any], heading: str = "##") -> list[str]:
         for p in found["points"]
     ]  # fmt: skip
     sources = sorted({p["source"] for p in found["points"]})
-    lines = [f"{heading} Calibration against published measurements", "", intro, ""]
+    lines = [f"{heading} {found['generation']}: against published measurements", "", intro, ""]
     lines += _bands_table(found)
     lines += ["", *markdown_table(("Program", "Role", "Timed", "Kind", "Measured", "Static",
                                    "Static / measured", "Calibrated", "Calibrated / measured"),

@@ -20,11 +20,17 @@ from pallas_flash_bench.views.context_report import context_section
 from pallas_flash_bench.views.report import render_report
 from pallas_flash_bench.views.stacks_report import stacks_section
 from pallas_flash_bench.views.steps_report import steps_table, windows_table
+from pallas_flash_estimate import calibration
 
 BEGIN = "<!-- pallas-flash readme: begin -->"
 END = "<!-- pallas-flash readme: end -->"
-CALIBRATION_BEGIN = "<!-- pallas-flash calibration: begin -->"
-CALIBRATION_END = "<!-- pallas-flash calibration: end -->"
+
+
+def calibration_markers(generation: str) -> tuple[str, str]:
+    """The markers around a generation's block on the calibration page."""
+    return (f"<!-- pallas-flash calibration {generation}: begin -->",
+            f"<!-- pallas-flash calibration {generation}: end -->")  # fmt: skip
+
 
 REPORT_PAGE = "report.md"
 MODELS_PAGE = "models.md"
@@ -155,10 +161,12 @@ def render_stacks_page(pinned: Mapping[str, Any], newest: Mapping[str, Any]) -> 
 
 
 def render_calibration_block(found: Mapping[str, Any]) -> str:
-    """The calibration page's block (markers included): `calibration_report.section` of a
-    ``pallas-flash bench --calibrate`` run's ``calibration.json``."""
-    lines = calibration_report.section(found)
-    return "\n".join([CALIBRATION_BEGIN, "", *lines, CALIBRATION_END]) + "\n"
+    """A generation's block on the calibration page (markers included):
+    `calibration_report.section` of a ``pallas-flash bench --calibrate`` run's
+    ``calibration.json``, with the bands it borrows (`calibration.with_borrowed_bands`)."""
+    lines = calibration_report.section(calibration.with_borrowed_bands(found))
+    begin, end = calibration_markers(found["generation"])
+    return "\n".join([begin, "", *lines, end]) + "\n"
 
 
 def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
@@ -175,10 +183,9 @@ def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> 
 
 
 def update_calibration_page(page: pathlib.Path, found: Mapping[str, Any]) -> None:
-    """Rewrites the calibration page's block from a ``calibration.json``."""
-    text = replace_block(page.read_text(), render_calibration_block(found), CALIBRATION_BEGIN,
-                         CALIBRATION_END)  # fmt: skip
-    page.write_text(text)
+    """Rewrites the calibration page's block of a ``calibration.json``'s generation."""
+    markers = calibration_markers(found["generation"])
+    page.write_text(replace_block(page.read_text(), render_calibration_block(found), *markers))
 
 
 def update(
