@@ -139,6 +139,9 @@ def test_a_grid_sized_from_an_argument_is_unknown_unless_its_steps_are_given(sam
                              loop_trips={"sparse_blocks": (64,)})  # fmt: skip
     held = estimate_program(sample_programs.sparse_blocks, x, every=1)
     assert given.grid_steps == 64
+    with pytest.raises(RuntimeError, match=r"loop_trips names \['sparse_block'\].*'sparse_blocks'"):
+        estimate_program(sample_programs.sparse_blocks_given, x, steps,
+                         loop_trips={"sparse_block": (64,)})  # fmt: skip
     kernel = held.seconds_by_kind["kernel"]
     assert given.seconds_by_kind["kernel"] == pytest.approx(kernel, rel=0.02)
 

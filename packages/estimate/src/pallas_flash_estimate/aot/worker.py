@@ -71,11 +71,22 @@ def analyse(ref: ProgramRef, target: Target, dump_dir: pathlib.Path) -> dict:
     device = SingleDeviceSharding(target_devices(target)[0])
     args = [jax.ShapeDtypeStruct(a.shape, jnp.dtype(a.dtype), sharding=device) for a in ref.args]
 
+    kernels: set[str] = set()
+
     def occupancy(kernel: str) -> kernel_cost.FullGrid:
+        kernels.add(kernel.split(".")[0])
         return kernel_cost.FullGrid(loop_trips=ref.trips_of(kernel))
 
     compiled = compile_program(ref.label, jax.jit(ref.resolve()), args, target, dump_dir)
-    return whole_program.compiled_estimate(compiled, occupancy, target, 1)
+    found = whole_program.compiled_estimate(compiled, occupancy, target, 1)
+    unmatched = sorted({name for name, _ in ref.loop_trips} - kernels)
+    if unmatched and compiled.schedules is not None:
+        raise ValueError(
+            f"{ref.label}: loop_trips names {unmatched}, but the program has no Pallas kernel "
+            f"of that name (its kernels: {sorted(kernels) or 'none'}): its loops would be "
+            "counted once"
+        )
+    return found
 
 
 def main(argv: list[str]) -> None:
