@@ -168,3 +168,13 @@ def test_v6e_s_mxus_take_the_rows_its_compiler_schedules_them(sample_programs, t
                      for i in b.instructions)]  # fmt: skip
     gaps = [b - a for a, b in itertools.pairwise(issued)]
     assert statistics.median(gaps) == 16 // target.mxu_rows_per_cycle
+
+
+def test_a_worker_compiles_pallas_flash_kernels_as_mosaic(tmp_path) -> None:
+    """The worker's environment asks for Mosaic kernels and the five dumped passes: on a host
+    without a TPU, Pallas-Flash's kernels would otherwise trace as the interpreter's XLA ops
+    (sends and receives, no kernel), which is not the program a TPU runs."""
+    env = worker.dump_env(tmp_path, {"PALLAS_FLASH_INTERPRET": "1", "LIBTPU_INIT_ARGS": "--x"})
+    assert env["PALLAS_FLASH_INTERPRET"] == "0"
+    assert env["LIBTPU_INIT_ARGS"].startswith("--x --xla_jf_dump_to=")
+    assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"

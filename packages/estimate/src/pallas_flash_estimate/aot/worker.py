@@ -33,10 +33,13 @@ workers prints its lines the same way."""
 def dump_env(dump_dir: pathlib.Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) for a worker whose libtpu writes its LLO dump to
     ``dump_dir`` (the passes the estimate reads: `read.dump_files.dump_flags`); several such
-    workers may run at once (libtpu's lock file would refuse all but one)."""
+    workers may run at once (libtpu's lock file would refuse all but one). Pallas-Flash's
+    kernels are emitted as Mosaic (``PALLAS_FLASH_INTERPRET=0``): on a host without a TPU
+    they would otherwise trace as the interpreter's XLA ops, not the kernel the TPU runs."""
     env = dict(os.environ if env is None else env)
     flags = f"{env.get('LIBTPU_INIT_ARGS', '')} {dump_files.dump_flags(dump_dir)}".strip()
-    return env | {"LIBTPU_INIT_ARGS": flags, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    return env | {"LIBTPU_INIT_ARGS": flags, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+                  "PALLAS_FLASH_INTERPRET": "0"}  # fmt: skip
 
 
 def run(ref: ProgramRef, target: Target) -> dict:
