@@ -300,7 +300,11 @@ def calibrated_latency(row: dict, workload: Workload, target: Target) -> dict | 
     """A row's latency by the committed calibration of its target's generation
     (`calibration`): its static compute time made a device time (its kernels' grid steps
     and first blocks charged), or its memory time if longer, plus its collectives; with the
-    band of its kind and the MFU it gives. None without a static figure or a calibration."""
+    band of its kind and the MFU it gives. None without a static figure or a calibration.
+
+    Every row is attention: unless its memory time outlasts its compute (decoding) it takes
+    the band of timed attention kernels (``attention forward``; the backward's too, as no
+    generation we calibrate on times a backward kernel), not the band of matmuls."""
     figures = row["figures"]
     compute = figures["compute_seconds"]
     if compute["source"] != "static":
@@ -313,7 +317,8 @@ def calibrated_latency(row: dict, workload: Workload, target: Target) -> dict | 
         compute["value"], steps, fill / target.hbm_bandwidth,
         memory if memory > compute["value"] else 0.0,
     )  # fmt: skip
-    found = calibration.calibrate(program, target.generation)
+    declared = None if program.memory_bound_seconds else calibration.ATTENTION
+    found = calibration.calibrate(program, target.generation, declared)
     if found is None:
         return None
     seconds = max(found.seconds, memory) + figures["collective_seconds"]["value"]

@@ -10,7 +10,8 @@ from pallas_flash_bench.views.cells import markdown_table, ms, num, percent
 from pallas_flash_estimate.calibration import describe
 
 KIND_MEANINGS = {
-    "MXU-bound": "compute-bound programs with large blocks (matmuls, our attention kernels)",
+    "MXU-bound": "compute-bound programs with large blocks (matmuls; an attention row takes the "
+    "attention band)",
     "memory-bound": "programs whose ops wait on HBM (decoding)",
     "grid-step-bound": "kernels whose grid steps' own cost dominates (small blocks)",
     "data-dependent": "kernels whose branches on data the schedule cannot see are all charged "
