@@ -81,7 +81,7 @@ def data_file(generation: str, op: str) -> dict[str, dict]:
         return {}
 
 
-def _timed(generation: str, op: str) -> Iterator[tuple[str, dict[str, Any], dict, float]]:
+def timed(generation: str, op: str) -> Iterator[tuple[str, dict[str, Any], dict, float]]:
     """(key, call, config, median seconds) of each timed configuration of each key of one
     data file (most keys store one, the chosen)."""
     for key, configs in data_file(generation, op).items():
@@ -90,7 +90,7 @@ def _timed(generation: str, op: str) -> Iterator[tuple[str, dict[str, Any], dict
             yield key, json.loads(key), json.loads(config_key), seconds
 
 
-def _spec(text: Any) -> ArraySpec | None:
+def array(text: Any) -> ArraySpec | None:
     """The array of a key's ``bf16[4,4096,16,128]``; None for any other (a quantized
     array's description)."""
     if not isinstance(text, str) or text.split("[")[0] not in DTYPES:
@@ -125,8 +125,8 @@ def ragged_dot_points(generation: str) -> list[CalibrationPoint]:
     op = "pallas_mosaic_tpu_ragged_dot"
     module = calibration_programs.__name__
     found = []
-    for key, call, config, seconds in _timed(generation, op):
-        lhs, rhs = _spec(call["lhs"]), _spec(call["rhs"])
+    for key, call, config, seconds in timed(generation, op):
+        lhs, rhs = array(call["lhs"]), array(call["rhs"])
         if lhs is None or rhs is None:
             continue
         numbers = call["ragged_dot_dimension_numbers"]
@@ -167,11 +167,11 @@ def causal_of(call: Mapping[str, Any]) -> bool | None:
     (`PLAIN_ATTENTION`), or a logits scale other than ``1 / sqrt(head_dim)``."""
     if any(call.get(name) != value for name, value in PLAIN_ATTENTION.items()):
         return None
-    if any(_spec(call[name]) is None for name in ("q", "k", "v")):
+    if any(array(call[name]) is None for name in ("q", "k", "v")):
         return None
     if call["precision"] != [["DEFAULT", "DEFAULT"], ["DEFAULT", "DEFAULT"]]:
         return None
-    head_dim = _spec(call["q"]).shape[-1]
+    head_dim = array(call["q"]).shape[-1]
     if not math.isclose(call["logits_scale"], head_dim**-0.5, rel_tol=1e-6):
         return None
     mask = call["mask"]
@@ -191,7 +191,7 @@ def flash_attention_points(generation: str) -> list[CalibrationPoint]:
     op = "pallas_mosaic_tpu_flash_attention"
     module = calibration_programs.__name__
     found = []
-    for key, call, config, seconds in _timed(generation, op):
+    for key, call, config, seconds in timed(generation, op):
         causal = causal_of(call)
         if causal is None:
             continue
@@ -199,7 +199,7 @@ def flash_attention_points(generation: str) -> list[CalibrationPoint]:
         kwargs = {"config": json.dumps(config, sort_keys=True), "causal": causal,
                   "residuals": residuals}  # fmt: skip
         ref = ProgramRef(f"{module}:tokamax_flash_attention",
-                         (_spec(call["q"]), _spec(call["k"]), _spec(call["v"])),
+                         (array(call["q"]), array(call["k"]), array(call["v"])),
                          tuple(sorted(kwargs.items())))  # fmt: skip
         blocks = "/".join(str(config.get(k)) for k in ("block_q", "block_kv", "block_kv_compute"))
         what = ", ".join(["causal" if causal else "full", *(["residuals"] if residuals else [])])
