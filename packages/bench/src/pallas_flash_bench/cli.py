@@ -71,8 +71,26 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--calibrate",
         action="store_true",
-        help="only the calibration: compile every program with a published v5e time, fit what "
-        "the static estimate misses and print each kind's error band (calibration.json, .md)",
+        help="only the calibration: compile every program with a published time on the "
+        "target's generation, fit what the static estimate misses and print each kind's error "
+        "band (calibration.json, .md)",
+    )
+    bench.add_argument(
+        "--rank-configs",
+        action="store_true",
+        help="only the ranking of tokamax's flash attention configurations by the estimate, at "
+        "shapes tokamax timed on the target's generation (ranking.json, .md; tokamax needed)",
+    )
+    bench.add_argument(
+        "--against-tokamax",
+        action="store_true",
+        help="only our pallas forward beside tokamax's kernel at every shape tokamax timed on "
+        "the target's generation (comparison.json, .md; tokamax needed)",
+    )
+    bench.add_argument(
+        "--all-layouts",
+        action="store_true",
+        help="with --rank-configs: every q, k and v layout of tokamax's space, not the pick's",
     )
     bench.add_argument("--backends", help="comma-separated backend names (default: all installed)")
     bench.add_argument("--no-reference", action="store_true", help="leave out jax's own kernels")
@@ -177,8 +195,18 @@ def _parser() -> argparse.ArgumentParser:
         "page's block (--page) from it and leave the README alone",
     )
     readme.add_argument(
+        "--ranking", type=pathlib.Path, action="append",
+        help="a `pallas-flash bench --rank-configs` run's ranking.json (once per generation): "
+        "rewrite the calibration page's ranking block (--page) from them",
+    )  # fmt: skip
+    readme.add_argument(
+        "--against-tokamax", type=pathlib.Path, action="append",
+        help="a `pallas-flash bench --against-tokamax` run's comparison.json (once per "
+        "generation): rewrite the docs' tokamax page (tokamax.md under --docs) from them",
+    )  # fmt: skip
+    readme.add_argument(
         "--page", type=pathlib.Path, default=pathlib.Path("docs/calibration.md"),
-        help="the calibration page (with --calibration)",
+        help="the calibration page (with --calibration or --ranking)",
     )  # fmt: skip
     readme.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
     readme.add_argument(
@@ -283,6 +311,10 @@ def _bench(args: argparse.Namespace) -> int:
     target = TARGETS[args.target]
     if args.calibrate:
         return _calibrate(args)
+    if args.rank_configs:
+        return _rank_configs(args)
+    if args.against_tokamax:
+        return _against_tokamax(args)
     left_out: list[str] = []
     options = BenchOptions(
         target=target,
@@ -319,6 +351,30 @@ def _calibrate(args: argparse.Namespace) -> int:
     found = calibration_run.run(TARGETS[args.target], versions(), cache, args.workers, args.out)
     print("\n".join(calibration_report.section(found)))
     print(f"wrote {args.out}/calibration.json and calibration.md")
+    return 0
+
+
+def _rank_configs(args: argparse.Namespace) -> int:
+    from pallas_flash_bench.calibration import config_ranking
+    from pallas_flash_bench.runs.runner import versions
+
+    cache = ResultCache(None if args.no_cache else args.cache_dir)
+    found = config_ranking.rank(TARGETS[args.target], versions(), cache, args.workers, args.out,
+                                args.all_layouts)  # fmt: skip
+    print("\n".join(config_ranking.section(found)))
+    print(f"wrote {args.out}/ranking.json and ranking.md")
+    return 0
+
+
+def _against_tokamax(args: argparse.Namespace) -> int:
+    from pallas_flash_bench.calibration import tokamax_comparison
+    from pallas_flash_bench.runs.runner import versions
+
+    cache = ResultCache(None if args.no_cache else args.cache_dir)
+    found = tokamax_comparison.compare(TARGETS[args.target], versions(), cache, args.workers,
+                                       args.out)  # fmt: skip
+    print("\n".join(tokamax_comparison.section(found)))
+    print(f"wrote {args.out}/comparison.json and comparison.md")
     return 0
 
 
@@ -378,6 +434,18 @@ def _readme(args: argparse.Namespace) -> int:
     if args.calibration is not None:
         readme.update_calibration_page(args.page, json.loads(args.calibration.read_text()))
         print(f"{args.page}: rewritten from {args.calibration}")
+        return 0
+    if args.ranking:
+        block = readme.render_ranking_block([json.loads(p.read_text()) for p in args.ranking])
+        readme.update_page_block(args.page, block, readme.RANKING_BEGIN, readme.RANKING_END)
+        print(f"{args.page}: its ranking rewritten from {' and '.join(map(str, args.ranking))}")
+        return 0
+    if args.against_tokamax:
+        runs = [json.loads(p.read_text()) for p in args.against_tokamax]
+        page = args.docs / "tokamax.md"
+        readme.update_page_block(page, readme.render_tokamax_block(runs), readme.TOKAMAX_BEGIN,
+                                 readme.TOKAMAX_END)  # fmt: skip
+        print(f"{page}: rewritten from {' and '.join(map(str, args.against_tokamax))}")
         return 0
     results = None if args.only_models else json.loads(args.results.read_text())
     models = None if args.models is None else json.loads(args.models.read_text())

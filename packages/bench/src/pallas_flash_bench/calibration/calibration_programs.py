@@ -8,7 +8,8 @@ them, to be compiled and estimated like any program (`pallas_flash_estimate.esti
 - `tokamax_ragged_dot`: tokamax's Mosaic TPU grouped matmul at one block configuration of its
   autotuning data; `xla_ragged_dot`: ``jax.lax.ragged_dot``, XLA's.
 - `tokamax_flash_attention`: tokamax's Mosaic TPU flash attention forward at one configuration
-  of its autotuning data.
+  of its autotuning data; `pallas_attention`: ours (`pf.attention` on the ``pallas``
+  backend), held beside it (`tokamax_comparison`).
 """
 
 from __future__ import annotations
@@ -133,3 +134,13 @@ def tokamax_flash_attention(
             fields[name] = tpu.splash.QKVLayout(fields[name])
     op = tpu.PallasMosaicTpuFlashAttention(config=tpu.Config(**fields))
     return op(q, k, v, is_causal=causal, return_residuals=residuals)
+
+
+def pallas_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False
+) -> jax.Array:
+    """Our forward, ``pf.attention(q, k, v, causal=causal, backend="pallas")``: q ``[batch,
+    heads, seq, head_dim]``, k and v ``[batch, kv_heads, seq_kv, head_dim]``."""
+    import pallas_flash as pf
+
+    return pf.attention(q, k, v, causal=causal, backend="pallas")

@@ -12,9 +12,10 @@ differs, or where a file's analysis is not the code's.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pallas_flash_bench.calibration import config_ranking, tokamax_comparison
 from pallas_flash_bench.views import calibration_report, cells, comparison, model_report
 from pallas_flash_bench.views.context_report import context_section
 from pallas_flash_bench.views.report import render_report
@@ -167,6 +168,31 @@ def render_calibration_block(found: Mapping[str, Any]) -> str:
     lines = calibration_report.section(calibration.with_borrowed_bands(found))
     begin, end = calibration_markers(found["generation"])
     return "\n".join([begin, "", *lines, end]) + "\n"
+
+
+RANKING_BEGIN = "<!-- pallas-flash ranking: begin -->"
+RANKING_END = "<!-- pallas-flash ranking: end -->"
+TOKAMAX_BEGIN = "<!-- pallas-flash against tokamax: begin -->"
+TOKAMAX_END = "<!-- pallas-flash against tokamax: end -->"
+
+
+def render_ranking_block(rankings: Sequence[Mapping[str, Any]]) -> str:
+    """The calibration page's ranking block (markers included): each generation's
+    `config_ranking.section` of a ``pallas-flash bench --rank-configs`` run."""
+    lines = [line for found in rankings for line in config_ranking.section(found)]
+    return "\n".join([RANKING_BEGIN, "", *lines, RANKING_END]) + "\n"
+
+
+def render_tokamax_block(comparisons: Sequence[Mapping[str, Any]]) -> str:
+    """The tokamax page's block (markers included): each generation's
+    `tokamax_comparison.section` of a ``pallas-flash bench --against-tokamax`` run."""
+    lines = [line for found in comparisons for line in tokamax_comparison.section(found)]
+    return "\n".join([TOKAMAX_BEGIN, "", *lines, TOKAMAX_END]) + "\n"
+
+
+def update_page_block(page: pathlib.Path, block: str, begin: str, end: str) -> None:
+    """Rewrites ``page``'s block between ``begin`` and ``end`` as ``block``."""
+    page.write_text(replace_block(page.read_text(), block, begin, end))
 
 
 def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
