@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
 import pathlib
 import sys
+from collections.abc import Callable
 
 import pallas_flash as pf
 from pallas_flash_bench.kernels.sweeps import (
@@ -344,37 +346,36 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from pallas_flash_bench.calibration import calibration_run
-    from pallas_flash_bench.runs.runner import versions
     from pallas_flash_bench.views import calibration_report
 
-    cache = ResultCache(None if args.no_cache else args.cache_dir)
-    found = calibration_run.run(TARGETS[args.target], versions(), cache, args.workers, args.out)
-    print("\n".join(calibration_report.section(found)))
-    print(f"wrote {args.out}/calibration.json and calibration.md")
-    return 0
+    return _generation_run(args, calibration_run.run, calibration_report.section, "calibration")
 
 
 def _rank_configs(args: argparse.Namespace) -> int:
     from pallas_flash_bench.calibration import config_ranking
-    from pallas_flash_bench.runs.runner import versions
 
-    cache = ResultCache(None if args.no_cache else args.cache_dir)
-    found = config_ranking.rank(TARGETS[args.target], versions(), cache, args.workers, args.out,
-                                args.all_layouts)  # fmt: skip
-    print("\n".join(config_ranking.section(found)))
-    print(f"wrote {args.out}/ranking.json and ranking.md")
-    return 0
+    rank = functools.partial(config_ranking.rank, all_layouts=args.all_layouts)
+    return _generation_run(args, rank, config_ranking.section, "ranking")
 
 
 def _against_tokamax(args: argparse.Namespace) -> int:
     from pallas_flash_bench.calibration import tokamax_comparison
+
+    return _generation_run(args, tokamax_comparison.compare, tokamax_comparison.section,
+                           "comparison")  # fmt: skip
+
+
+def _generation_run(args: argparse.Namespace, run: Callable[..., dict],
+                    section: Callable[[dict], list[str]], name: str) -> int:  # fmt: skip
+    """``run(target, versions, cache, workers, out)`` of the target's generation (the
+    calibration, the ranking, the comparison), its section printed; it writes ``name``.json
+    and .md into ``--out``."""
     from pallas_flash_bench.runs.runner import versions
 
     cache = ResultCache(None if args.no_cache else args.cache_dir)
-    found = tokamax_comparison.compare(TARGETS[args.target], versions(), cache, args.workers,
-                                       args.out)  # fmt: skip
-    print("\n".join(tokamax_comparison.section(found)))
-    print(f"wrote {args.out}/comparison.json and comparison.md")
+    found = run(TARGETS[args.target], versions(), cache, args.workers, args.out)
+    print("\n".join(section(found)))
+    print(f"wrote {args.out}/{name}.json and {name}.md")
     return 0
 
 

@@ -23,6 +23,25 @@ def program_job(ref: ProgramRef, target: Target) -> dict:
             "backends": None, "references": False}  # fmt: skip
 
 
+def error_of(result: dict | None) -> str | None:
+    """A worker result's error: the job's own (the worker failed) or the program's."""
+    return (result or {}).get("job_error") or (result or {}).get("error")
+
+
+def attention_figures(result: dict | None, generation: str) -> dict | None:
+    """A worker result's static and calibrated seconds as an attention kernel (the
+    generation's attention band), and whether its estimate is an upper bound; None without
+    an estimate."""
+    estimate = (result or {}).get("estimate")
+    if not estimate:
+        return None
+    features = calibration.ProgramFeatures.of_estimate(estimate)
+    found = calibration.calibrate(features, generation, calibration.ATTENTION)
+    return {"static_seconds": features.static_seconds,
+            "calibrated_seconds": None if found is None else found.seconds,
+            "upper_bound": features.upper_bound}  # fmt: skip
+
+
 def run(target: Target, versions: dict, cache: ResultCache, workers: int,
         out_dir: pathlib.Path) -> dict:  # fmt: skip
     """The calibration of ``target``'s generation from every point of it this installation
@@ -37,7 +56,7 @@ def run(target: Target, versions: dict, cache: ResultCache, workers: int,
             analysed.append({"point": point.to_json(), "estimate": point.estimate, "error": None})
             continue
         result = results[i]
-        error = result.get("job_error") or result.get("error")
+        error = error_of(result)
         analysed.append({"point": point.to_json(), "estimate": result.get("estimate"),
                          "error": error})  # fmt: skip
     found = calibration.calibrate_points(analysed, versions)

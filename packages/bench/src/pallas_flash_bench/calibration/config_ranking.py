@@ -23,19 +23,16 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_flash_bench.calibration import calibration_programs, calibration_run, tokamax_timings
+from pallas_flash_bench.calibration import calibration_run, tokamax_timings
 from pallas_flash_bench.runs.cache import ResultCache
 from pallas_flash_bench.runs.workers import run_cached
 from pallas_flash_bench.views.cells import markdown_table, ms
 from pallas_flash_estimate import calibration
-from pallas_flash_estimate.aot.program_ref import ProgramRef
 from pallas_flash_estimate.targets import Target
 
 RANKED_SHAPES = ("bf16[16,1024,16,128]", "bf16[4,4096,16,128]", "bf16[1,16384,16,128]")
 """The q shapes ranked (k and v alike; forward, not causal, no residuals): a short, a middle
 and a long sequence, each timed on v5p and v6e."""
-
-OP = "pallas_mosaic_tpu_flash_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +72,8 @@ def autotuning_space(call: Mapping[str, Any], all_layouts: bool, pick: Mapping[s
 def ranked_shapes(generation: str, all_layouts: bool = False) -> list[RankedShape]:
     """`RANKED_SHAPES` as ``generation``'s data times them, each with its space to rank."""
     found = []
-    for key, call, config, seconds in tokamax_timings.timed(generation, OP):
+    timed = tokamax_timings.timed(generation, tokamax_timings.FLASH_ATTENTION)
+    for key, call, config, seconds in timed:
         plain = call["k"] == call["q"] and not call["return_residuals"]
         if call["q"] in RANKED_SHAPES and plain and tokamax_timings.causal_of(call) is False:
             space = autotuning_space(call, all_layouts, config)
@@ -84,43 +82,33 @@ def ranked_shapes(generation: str, all_layouts: bool = False) -> list[RankedShap
     return sorted(found, key=lambda s: RANKED_SHAPES.index(s.call["q"]))
 
 
-def _program(shape: RankedShape, config: Mapping[str, Any]) -> ProgramRef:
-    kwargs = {"config": json.dumps(config, sort_keys=True), "causal": False, "residuals": False}
-    args = tuple(tokamax_timings.array(shape.call[n]) for n in ("q", "k", "v"))
-    module = calibration_programs.__name__
-    return ProgramRef(f"{module}:tokamax_flash_attention", args, tuple(sorted(kwargs.items())))
-
-
 def rank(target: Target, versions: dict, cache: ResultCache, workers: int, out_dir: pathlib.Path,
          all_layouts: bool = False) -> dict:  # fmt: skip
     """Every configuration of each ranked shape compiled for ``target`` and ranked by its
     calibrated time; ``ranking.json`` and ``ranking.md`` written to ``out_dir``."""
     shapes = ranked_shapes(target.generation, all_layouts)
-    pairs = [(s, c) for s in shapes for c in s.configs]
-    jobs = [dict(calibration_run.program_job(_program(s, c), target), id=i)
-            for i, (s, c) in enumerate(pairs)]  # fmt: skip
+    programs = [tokamax_timings.flash_attention_program(s.call, c, causal=False, residuals=False)
+                for s in shapes for c in s.configs]  # fmt: skip
+    jobs = [dict(calibration_run.program_job(ref, target), id=i)
+            for i, ref in enumerate(programs)]  # fmt: skip
     results = run_cached(jobs, versions, cache, workers, "tokamax configurations")
-    committed = calibration.load(target.generation)
-    band = calibration.level_band(committed, calibration.ATTENTION)
+    band = calibration.level_band(calibration.load(target.generation), calibration.ATTENTION)
+    job = iter(range(len(jobs)))  # the jobs in order: each shape's configurations in turn
     ranked = []
     for shape in shapes:
         rows, failed = [], []
-        for i, (s, config) in enumerate(pairs):
-            result = results.get(i) or {}
-            estimate = result.get("estimate")
-            if s is not shape:
-                continue
-            if not estimate:
-                error = result.get("job_error") or result.get("error") or "no estimate"
+        for config in shape.configs:
+            result = results.get(next(job))
+            figures = calibration_run.attention_figures(result, target.generation)
+            if figures is None:
+                error = calibration_run.error_of(result) or "no estimate"
                 first = str(error).splitlines()[0].split(" while ")[0]
                 failed.append({"config": dict(config), "error": first[:200]})
                 continue
-            features = calibration.ProgramFeatures.of_estimate(estimate)
-            found = calibration.calibrate(features, target.generation, calibration.ATTENTION)
-            rows.append({"config": dict(config), "static_seconds": features.static_seconds,
-                         "calibrated_seconds": None if found is None else found.seconds,
+            rows.append({"config": dict(config), "static_seconds": figures["static_seconds"],
+                         "calibrated_seconds": figures["calibrated_seconds"],
                          "pick": dict(config) == dict(shape.pick)})  # fmt: skip
-        rows.sort(key=lambda r: r["calibrated_seconds"] or r["static_seconds"])
+        rows.sort(key=_seconds)
         ranked.append(_verdict(shape, rows, band) | {"failed": failed})
     found = {"generation": target.generation, "band": band, "versions": dict(versions),
              "all_layouts": all_layouts, "shapes": ranked}  # fmt: skip
@@ -130,13 +118,17 @@ def rank(target: Target, versions: dict, cache: ResultCache, workers: int, out_d
     return found
 
 
+def _seconds(row: Mapping[str, Any]) -> float:
+    """What a configuration is ranked by: its calibrated time, else its static one."""
+    return row["calibrated_seconds"] or row["static_seconds"]
+
+
 def _verdict(shape: RankedShape, rows: list[dict], band: float) -> dict:
     """The pick's rank among ``rows`` (fastest first) and whether it is within ``band`` of
     the first."""
-    time = lambda r: r["calibrated_seconds"] or r["static_seconds"]  # noqa: E731
     picks = [i for i, r in enumerate(rows) if r["pick"]]
     rank = picks[0] + 1 if picks else None
-    within = bool(picks) and time(rows[picks[0]]) <= time(rows[0]) * (1 + band)
+    within = bool(picks) and _seconds(rows[picks[0]]) <= _seconds(rows[0]) * (1 + band)
     return {"key": shape.key, "q": shape.call["q"],
             "measured_pick": {"config": dict(shape.pick), "seconds": shape.measured_seconds},
             "configs": rows, "pick_rank": rank, "within_band": within}  # fmt: skip

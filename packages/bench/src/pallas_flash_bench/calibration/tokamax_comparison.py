@@ -45,18 +45,6 @@ def ours(point: CalibrationPoint) -> ProgramRef:
                       (("causal", causal),))  # fmt: skip
 
 
-def _figures(result: Mapping[str, Any] | None, generation: str) -> dict | None:
-    """Static and calibrated seconds of a worker's result (None without an estimate)."""
-    estimate = (result or {}).get("estimate")
-    if not estimate:
-        return None
-    features = calibration.ProgramFeatures.of_estimate(estimate)
-    found = calibration.calibrate(features, generation, calibration.ATTENTION)
-    return {"static_seconds": features.static_seconds,
-            "calibrated_seconds": None if found is None else found.seconds,
-            "upper_bound": features.upper_bound}  # fmt: skip
-
-
 def _verdict(speedup: float | None, band: float, theirs: Mapping, ours: Mapping | None) -> str:
     """`verdict` of the speed-up, but a lead over an estimate that is an upper bound (its
     kernel branches on data the schedule cannot see: tokamax's causal kernels at one or two
@@ -82,9 +70,10 @@ def compare(target: Target, versions: dict, cache: ResultCache, workers: int,
     band = calibration.level_band(calibration.load(generation), calibration.ATTENTION)
     shapes = []
     for i, point in enumerate(points):
-        theirs, mine = (_figures(results.get(j), generation) for j in (2 * i, 2 * i + 1))
+        theirs, mine = (calibration_run.attention_figures(results.get(j), generation)
+                        for j in (2 * i, 2 * i + 1))  # fmt: skip
         kwargs = dict(point.program.kwargs)
-        error = None if mine else (results.get(2 * i + 1) or {}).get("error") or "no estimate"
+        error = None if mine else calibration_run.error_of(results.get(2 * i + 1)) or "no estimate"
         speedup = None
         if theirs and mine and theirs["calibrated_seconds"] and mine["calibrated_seconds"]:
             speedup = theirs["calibrated_seconds"] / mine["calibrated_seconds"]

@@ -49,6 +49,9 @@ V5E_FIT = ("bf16[131072,2048]", "bf16[128,2048,768]")
 
 DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 
+FLASH_ATTENTION = "pallas_mosaic_tpu_flash_attention"
+"""tokamax's data file (op name) of its Mosaic TPU flash attention forward."""
+
 
 def source(generation: str, op: str) -> str:
     """The points' source: the installed tokamax's data file for ``generation``."""
@@ -185,27 +188,32 @@ def causal_of(call: Mapping[str, Any]) -> bool | None:
     return True if causal == {"offset": 0, "window_size": None} else None
 
 
+def flash_attention_program(call: Mapping[str, Any], config: Mapping[str, Any], causal: bool,
+                            residuals: bool) -> ProgramRef:  # fmt: skip
+    """tokamax's flash attention forward on a key's q, k and v at ``config``
+    (`calibration_programs.tokamax_flash_attention`)."""
+    kwargs = {"config": json.dumps(config, sort_keys=True), "causal": causal,
+              "residuals": residuals}  # fmt: skip
+    return ProgramRef(f"{calibration_programs.__name__}:tokamax_flash_attention",
+                      tuple(array(call[n]) for n in ("q", "k", "v")),
+                      tuple(sorted(kwargs.items())))  # fmt: skip
+
+
 def flash_attention_points(generation: str) -> list[CalibrationPoint]:
     """tokamax's Mosaic TPU flash attention forward (q ``[batch, seq, heads, head_dim]``) at
     each plain shape (`causal_of`) ``generation``'s data times, in the configuration timed."""
-    op = "pallas_mosaic_tpu_flash_attention"
-    module = calibration_programs.__name__
     found = []
-    for key, call, config, seconds in timed(generation, op):
+    for key, call, config, seconds in timed(generation, FLASH_ATTENTION):
         causal = causal_of(call)
         if causal is None:
             continue
         residuals = bool(call["return_residuals"])
-        kwargs = {"config": json.dumps(config, sort_keys=True), "causal": causal,
-                  "residuals": residuals}  # fmt: skip
-        ref = ProgramRef(f"{module}:tokamax_flash_attention",
-                         (array(call["q"]), array(call["k"]), array(call["v"])),
-                         tuple(sorted(kwargs.items())))  # fmt: skip
+        ref = flash_attention_program(call, config, causal, residuals)
         blocks = "/".join(str(config.get(k)) for k in ("block_q", "block_kv", "block_kv_compute"))
         what = ", ".join(["causal" if causal else "full", *(["residuals"] if residuals else [])])
         name = (f"tokamax flash attention q {call['q']} kv {call['k']}, {what}, "
                 f"blocks {blocks}")  # fmt: skip
         role = _role(generation, key, call)
-        found.append(CalibrationPoint(name, ref, seconds, source(generation, op), "device", role,
-                                      kind=ATTENTION))  # fmt: skip
+        found.append(CalibrationPoint(name, ref, seconds, source(generation, FLASH_ATTENTION),
+                                      "device", role, kind=ATTENTION))  # fmt: skip
     return found

@@ -166,8 +166,7 @@ def render_calibration_block(found: Mapping[str, Any]) -> str:
     `calibration_report.section` of a ``pallas-flash bench --calibrate`` run's
     ``calibration.json``, with the bands it borrows (`calibration.with_borrowed_bands`)."""
     lines = calibration_report.section(calibration.with_borrowed_bands(found))
-    begin, end = calibration_markers(found["generation"])
-    return "\n".join([begin, "", *lines, end]) + "\n"
+    return _block(*calibration_markers(found["generation"]), lines)
 
 
 RANKING_BEGIN = "<!-- pallas-flash ranking: begin -->"
@@ -180,14 +179,19 @@ def render_ranking_block(rankings: Sequence[Mapping[str, Any]]) -> str:
     """The calibration page's ranking block (markers included): each generation's
     `config_ranking.section` of a ``pallas-flash bench --rank-configs`` run."""
     lines = [line for found in rankings for line in config_ranking.section(found)]
-    return "\n".join([RANKING_BEGIN, "", *lines, RANKING_END]) + "\n"
+    return _block(RANKING_BEGIN, RANKING_END, lines)
 
 
 def render_tokamax_block(comparisons: Sequence[Mapping[str, Any]]) -> str:
     """The tokamax page's block (markers included): each generation's
     `tokamax_comparison.section` of a ``pallas-flash bench --against-tokamax`` run."""
     lines = [line for found in comparisons for line in tokamax_comparison.section(found)]
-    return "\n".join([TOKAMAX_BEGIN, "", *lines, TOKAMAX_END]) + "\n"
+    return _block(TOKAMAX_BEGIN, TOKAMAX_END, lines)
+
+
+def _block(begin: str, end: str, lines: Sequence[str]) -> str:
+    """A generated block of a docs page: its markers around ``lines``."""
+    return "\n".join([begin, "", *lines, end]) + "\n"
 
 
 def update_page_block(page: pathlib.Path, block: str, begin: str, end: str) -> None:
@@ -211,7 +215,7 @@ def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> 
 def update_calibration_page(page: pathlib.Path, found: Mapping[str, Any]) -> None:
     """Rewrites the calibration page's block of a ``calibration.json``'s generation."""
     markers = calibration_markers(found["generation"])
-    page.write_text(replace_block(page.read_text(), render_calibration_block(found), *markers))
+    update_page_block(page, render_calibration_block(found), *markers)
 
 
 def update(
