@@ -130,12 +130,13 @@ def test_compiles_to_its_kernels_without_copies(v5e: jax.Device, name: str, grad
     _check(compiled, jax.ShapeDtypeStruct(q_shape, dtype) if grad else None)
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
-def test_mla_head_dims_compile_to_their_kernels(v5e: jax.Device, grad: bool) -> None:
-    """DeepSeek's MLA shape: q and k with head_dim 192, v with 128, causal, 8k tokens."""
+def test_mla_head_dims_compile_to_their_kernels(v5e: jax.Device) -> None:
+    """DeepSeek's MLA shape: q and k with head_dim 192, v with 128, causal, 8k tokens. The
+    gradients' program: its forward kernel is a forward-only call's with the log-sum-exp
+    written too (both are `forward._forward`), so one compile covers both."""
     q_shape, v_shape = (1, 16, 8192, 192), (1, 16, 8192, 128)
-    compiled = _compile(v5e, [q_shape, q_shape, v_shape], jnp.bfloat16, grad=grad, causal=True)
-    _check(compiled, jax.ShapeDtypeStruct(q_shape, jnp.bfloat16) if grad else None)
+    compiled = _compile(v5e, [q_shape, q_shape, v_shape], jnp.bfloat16, grad=True, causal=True)
+    _check(compiled, jax.ShapeDtypeStruct(q_shape, jnp.bfloat16))
 
 
 def test_default_layouts_need_no_copy(v5e: jax.Device) -> None:

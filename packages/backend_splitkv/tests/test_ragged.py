@@ -44,12 +44,13 @@ def _call(
     seqs, valid = len(new), sum(new)
     tokens = valid if tokens is None else tokens
     num_pages = seqs * PAGES_PER_SEQUENCE + 3
-    keys = jax.random.split(jax.random.key(sum(new) + 7 * sum(lengths)), 8)
+    # numpy's generator: jax.random would compile a program per shape, seconds a test
+    rng = np.random.default_rng(sum(new) + 7 * sum(lengths))
     pool = (num_pages, kv_heads, PAGE_SIZE, HEAD_DIM)
-    k_cache = jax.random.normal(keys[0], pool, jnp.float32)
-    v_cache = jax.random.normal(keys[1], pool, jnp.float32)
-    table = jax.random.permutation(keys[2], num_pages)[: seqs * PAGES_PER_SEQUENCE]
-    table = table.reshape(seqs, PAGES_PER_SEQUENCE).astype(jnp.int32)
+    k_cache = jnp.asarray(rng.standard_normal(pool, np.float32))
+    v_cache = jnp.asarray(rng.standard_normal(pool, np.float32))
+    table = rng.permutation(num_pages)[: seqs * PAGES_PER_SEQUENCE]
+    table = jnp.asarray(table.reshape(seqs, PAGES_PER_SEQUENCE), jnp.int32)
     if unused_pages is not None:
         column = jnp.arange(PAGES_PER_SEQUENCE)[None, :]
         used = column < -(-jnp.asarray(lengths)[:, None] // PAGE_SIZE)
@@ -67,13 +68,14 @@ def _call(
         scales = {"k_scales": k_scales, "v_scales": v_scales}
     else:
         k_cache, v_cache = k_cache.astype(dtype), v_cache.astype(dtype)
-    q = jax.random.normal(keys[3], (tokens, q_heads, HEAD_DIM), jnp.float32).astype(dtype)
-    k = jax.random.normal(keys[4], (tokens, kv_heads, HEAD_DIM), jnp.float32).astype(dtype)
-    v = jax.random.normal(keys[5], (tokens, kv_heads, HEAD_DIM), jnp.float32).astype(dtype)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((tokens, heads, HEAD_DIM), np.float32), dtype)
+        for heads in (q_heads, kv_heads, kv_heads)
+    )
     starts = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
     kv_lengths = jnp.asarray(lengths, jnp.int32)
     if sinks:
-        options["sinks"] = jax.random.normal(keys[6], (q_heads,), jnp.float32)
+        options["sinks"] = jnp.asarray(rng.standard_normal(q_heads, np.float32))
     args = (q, k, v, k_cache, v_cache, table, starts, kv_lengths)
     expected, cache = pf.ragged_attention(*args, backend="xla", **scales, **options)
     if backend is None:
