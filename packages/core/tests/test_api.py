@@ -438,7 +438,10 @@ def test_attention_features_directly():
         sinks=0.0,
         context={},
     )
-    decode_only = {CAPS.DECODE, CAPS.RAGGED, CAPS.PAGED_CACHE, CAPS.INT8_CACHE, CAPS.MULTI_DEVICE}
+    decode_only = {
+        CAPS.DECODE, CAPS.RAGGED, CAPS.PAGED_CACHE, CAPS.INT8_CACHE, CAPS.PACKED_CACHE,
+        CAPS.MULTI_DEVICE,
+    }  # fmt: skip
     assert everything == EVERY - decode_only - {CAPS.GRAD}
 
 

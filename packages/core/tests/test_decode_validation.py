@@ -1,4 +1,5 @@
-"""``check_decode``: contiguous and paged caches, float and int8, concrete and traced values."""
+"""``check_decode``: contiguous and paged caches, float, int8 and packed, concrete and traced
+values."""
 
 from __future__ import annotations
 
@@ -129,6 +130,36 @@ def test_int8_cache_needs_a_float_query(raises_invalid):
     cache = _cache(INT8, k_scales=SCALES, v_scales=SCALES)
     with raises_invalid("q", "a floating dtype"):
         check_decode(DQ.astype(jnp.int8), cache, jnp.array([1, 1]))
+
+
+WORDS = jnp.zeros((5, 2, 4, 8), jnp.uint32)  # a packed pool: keys and values in one array
+BF16_Q = DQ.astype(jnp.bfloat16)
+
+
+def test_a_packed_pool_is_accepted_for_a_16_bit_query():
+    cache = pf.DecodeCache(WORDS, None, TABLE)
+    assert cache.packed
+    assert check_decode(BF16_Q, cache, jnp.array([1, 8])).kv_len == 8
+    assert check_decode(DQ.astype(jnp.float16), cache, jnp.array([1, 8])).kv_len == 8
+
+
+@pytest.mark.parametrize(
+    ("q", "cache", "name", "got"),
+    [
+        (BF16_Q, pf.DecodeCache(WORDS[:2, :, :2], None), "v_cache",
+         "(only a paged cache packs: give page_table), got None (a packed cache)"),
+        (BF16_Q, pf.DecodeCache(WORDS.astype(jnp.bfloat16), None, TABLE), "k_cache",
+         "uint32 (keys and values packed by pf.pack_kv), or v_cache given, got dtype bfloat16"),
+        (DQ, pf.DecodeCache(WORDS, None, TABLE), "q", "bfloat16 or float16"),
+        (BF16_Q, pf.DecodeCache(WORDS[..., :4], None, TABLE), "k_cache", "head_dim 8 (from q)"),
+        (BF16_Q[:, :3], pf.DecodeCache(WORDS, None, TABLE), "k_cache", "2 kv heads for 3"),
+        (BF16_Q, pf.DecodeCache(WORDS, None, TABLE, SCALES, SCALES), "k_scales",
+         "None (scales go with an int8 cache)"),
+    ],
+)  # fmt: skip
+def test_packed_errors(q, cache, name, got, raises_invalid):
+    with raises_invalid(name, got):
+        check_decode(q, cache, jnp.array([1, 1]))
 
 
 def test_traced_lengths_and_table_are_not_range_checked():

@@ -1,5 +1,6 @@
 """`pallas_flash.page_write_kernel` in the TPU interpreter (DMAs simulated, races detected):
-the same pool as one scatter of the tokens, for bfloat16 and int8 pages and float32 scales,
+the same pool as one scatter of the tokens, for bfloat16, int8 and packed (uint32: a chunk of
+one position) pages and float32 scales,
 pages of one chunk and of several, runs that cross chunks and pages, chunks and pages written
 whole and in part, tokens written nowhere (padding, no page) and more items than one group
 takes."""
@@ -47,6 +48,8 @@ WHOLE_PAGES = {
     (64, "bfloat16"): 1,
     (16, "int8"): 0,  # pages of one chunk: a chunk item copies them whole
     (64, "int8"): 1,
+    (16, "uint32"): 7,  # as bfloat16's: chunks of one position, pages of whole VMEM tiles
+    (64, "uint32"): 1,
     (256, "float32"): 0,  # scales
 }
 """Pages the batch writes whole, by page size and dtype of the pool."""
@@ -61,6 +64,8 @@ WHOLE_PAGES = {
         (64, "bfloat16", 128, 1),
         (16, "int8", 128, 2),
         (64, "int8", 64, 2),
+        (16, "uint32", 128, 2),
+        (64, "uint32", 128, 1),
         (256, "float32", None, 2),
     ],
     ids=[
@@ -70,6 +75,8 @@ WHOLE_PAGES = {
         "bf16-page64-one-head",
         "int8-page16",
         "int8-page64",
+        "packed-page16",
+        "packed-page64-one-head",
         "scales-page256",
     ],
 )
@@ -192,7 +199,8 @@ def test_writes_pages_whole_where_they_hold_several_chunks_and_fit_a_group() -> 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(page_write_kernel, "MAX_KERNEL_BYTES", 11 << 20)
         assert page_write_kernel.whole_pages_per_group(wide, 4096, pools=2) == 0  # 3 MiB left
-    assert page_write_kernel.whole_pages_per_group(jnp.zeros((1, 1, 8, 128)), 64) == 0
+    # a float32 page of 8 rows is 8 chunks of one row: 64 tokens fill 8 pages written whole
+    assert page_write_kernel.whole_pages_per_group(jnp.zeros((1, 1, 8, 128)), 64) == 8
     assert page_write_kernel.whole_pages_per_group(jnp.zeros((1, 1, 256)), 512) == 0  # scales
     bf16_page = jnp.zeros((1, 1, 8, 128), jnp.bfloat16)  # one chunk
     assert page_write_kernel.whole_pages_per_group(bf16_page, 64) == 0

@@ -1,6 +1,7 @@
 """`pallas_flash.row_write_kernel` in the TPU interpreter (DMAs simulated, races detected):
-the same cache as one ``dynamic_update_slice`` per row, for bfloat16 and int8 values and
-float32 scales, with rows out of range that write nothing."""
+the same cache as one ``dynamic_update_slice`` per row, for bfloat16, int8 and 32-bit values
+(a row a chunk, written without a read) and float32 scales, with rows out of range that write
+nothing."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ POSITIONS = jnp.asarray([0, 5, 17, 255, 128, 256, 3, 1, 2], jnp.int32)  # 256: p
 
 @pytest.mark.parametrize(
     ("shape", "dtype"),
-    [((8, 2, 256, 128), "bfloat16"), ((8, 2, 256, 128), "int8"), ((8, 2, 256), "float32")],
-    ids=["bfloat16", "int8", "scales"],
+    [
+        ((8, 2, 256, 128), "bfloat16"),
+        ((8, 2, 256, 128), "int8"),
+        ((8, 2, 256, 128), "uint32"),
+        ((8, 2, 256), "float32"),
+    ],
+    ids=["bfloat16", "int8", "32-bit", "scales"],
 )
 def test_writes_what_one_update_per_row_writes(shape: tuple[int, ...], dtype: str) -> None:
     cache = (jnp.arange(np.prod(shape)) % 7 + 1).reshape(shape).astype(dtype)
@@ -40,6 +46,7 @@ def test_writes_what_one_update_per_row_writes(shape: tuple[int, ...], dtype: st
 def test_fits_whole_chunks_within_the_vmem_budget() -> None:
     assert row_write_kernel.chunk_positions(jnp.zeros((1, 1, 32, 128), jnp.bfloat16)) == 8
     assert row_write_kernel.chunk_positions(jnp.zeros((1, 1, 32, 128), jnp.int8)) == 32
+    assert row_write_kernel.chunk_positions(jnp.zeros((1, 1, 32, 128), jnp.uint32)) == 1
     assert row_write_kernel.chunk_positions(jnp.zeros((1, 1, 128), jnp.float32)) == 128
     assert not row_write_kernel.fits(jnp.zeros((1, 1, 36, 128), jnp.bfloat16), 1)
     assert not row_write_kernel.fits(jnp.zeros((1, 1, 100), jnp.float32), 1)

@@ -132,7 +132,8 @@ def attention(
 
 def contiguous(cache: pf.DecodeCache, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """K and V ``[batch, kv_heads, max_len, head_dim]`` in ``dtype``: a paged cache's pages
-    gathered in sequence order (indices clipped into the cache), an int8 one dequantized."""
+    gathered in sequence order (indices clipped into the cache), a packed one unpacked (after
+    the gather), an int8 one dequantized."""
     k, v, k_scales, v_scales = cache.k, cache.v, cache.k_scales, cache.v_scales
     if cache.paged:
         pages = jnp.clip(cache.page_table, 0, k.shape[0] - 1)
@@ -141,9 +142,11 @@ def contiguous(cache: pf.DecodeCache, dtype: jnp.dtype) -> tuple[jax.Array, jax.
             x = jnp.moveaxis(x[pages], 2, 1)  # [batch, heads, pages_per_sequence, page_size, ...]
             return x.reshape(*x.shape[:2], -1, *x.shape[4:])
 
-        k, v = gather(k), gather(v)
+        k, v = gather(k), None if cache.packed else gather(v)
         if cache.quantized:
             k_scales, v_scales = gather(k_scales), gather(v_scales)
+    if cache.packed:
+        return pf.unpack_kv(k, dtype)
     if cache.quantized:
         return pf.dequantize_int8(k, k_scales, dtype), pf.dequantize_int8(v, v_scales, dtype)
     return k, v

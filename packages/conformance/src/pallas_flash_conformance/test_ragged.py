@@ -195,3 +195,38 @@ def test_ragged_int8_cache(backend) -> None:
     expected = dataclasses.replace(case, q=case.q.astype(jnp.bfloat16), written=tuple(held))
     assert_close(out, expected.expected(), FORWARD_TOLERANCE["bfloat16"])
     _assert_padding_zero(out, case)
+
+
+@pytest.mark.requires("packed_cache", "gqa")
+@pytest.mark.parametrize("mix", ["all-decode", "mixed-with-empty", "chunk-across-pages"])
+def test_ragged_packed_cache_under_jit_donated(backend, mix: str) -> None:
+    """A packed bfloat16 pool (keys and values in one uint32 array, ``v_cache=None``), donated
+    and written in place under jit, as the serving engine keeps it: the output, and the pool
+    unpacked holds the new tokens at their positions and is otherwise unchanged."""
+    case = _case(mix, "bfloat16", q_heads=8, kv_heads=2)
+
+    def step(words, table, starts, lengths):
+        return pf.ragged_attention(case.q, case.k, case.v, words, None, table, starts, lengths,
+                                   backend=backend.name)  # fmt: skip
+
+    step = jax.jit(step, donate_argnums=0)
+    words = pf.pack_kv(case.k_pages, case.v_pages)
+    out, cache = step(words, case.table, case.starts, case.lengths)
+    assert cache.v is None and cache.k.dtype == jnp.uint32
+    assert_close(out, case.expected(), FORWARD_TOLERANCE["bfloat16"])
+    _assert_padding_zero(out, case)
+    _assert_written(cache.unpacked(jnp.bfloat16), case)
+
+
+@pytest.mark.requires("decode", "paged_cache", "packed_cache")
+def test_ragged_decode_tokens_match_decode_of_a_packed_cache(backend) -> None:
+    """A batch of decode tokens on a packed pool gives what ``pf.decode`` gives on the packed
+    pool it wrote."""
+    case = _case("all-decode", "bfloat16")
+    out, cache = pf.ragged_attention(
+        case.q, case.k, case.v, pf.pack_kv(case.k_pages, case.v_pages), None, case.table,
+        case.starts, case.lengths, backend=backend.name,
+    )  # fmt: skip
+    decoded = pf.decode(case.q[:4], cache.k, None, case.lengths, page_table=cache.page_table,
+                        backend=backend.name)  # fmt: skip
+    assert_close(out[:4], np.asarray(decoded, np.float64), FORWARD_TOLERANCE["bfloat16"])

@@ -76,6 +76,21 @@ def test_paged_cache_with_shuffled_pages(backend, dtype: str) -> None:
     _assert_zero_where_empty(out, LENGTHS)
 
 
+@pytest.mark.requires("paged_cache", "packed_cache", "gqa")
+def test_packed_cache_with_shuffled_pages(backend) -> None:
+    """A bfloat16 pool packed (keys and values in one uint32 array, ``v_cache=None``), its
+    unused pages and slots NaN in both halves; under jit with the lengths traced."""
+    q = inputs.normal(0, (BATCH, Q_HEADS, HEAD_DIM), "bfloat16")
+    k_pages, v_pages, table, (k, v) = _paged("bfloat16")
+    words = pf.pack_kv(k_pages, v_pages)
+    step = jax.jit(lambda lengths: pf.decode(q, words, None, lengths, page_table=table,
+                                             backend=backend.name))  # fmt: skip
+    out = step(np.asarray(LENGTHS, np.int32))
+    assert out.dtype == q.dtype
+    assert_close(out, _expected(q, k, v, LENGTHS), FORWARD_TOLERANCE["bfloat16"])
+    _assert_zero_where_empty(out, LENGTHS)
+
+
 @pytest.mark.requires("paged_cache", "softcap")
 def test_paged_cache_under_jit_with_traced_lengths_and_table(backend) -> None:
     q = inputs.normal(0, (BATCH, Q_HEADS, HEAD_DIM), scale=3.0)

@@ -39,6 +39,14 @@ def _int8(backend: str):
     return pf.decode(q, values, values, lengths, k_scales=scales, v_scales=scales, backend=backend)
 
 
+def _packed(backend: str):
+    pages = inputs.normal(1, (2, 2, 8, 64), "bfloat16")
+    new = inputs.normal(2, (3, 2, 64), "bfloat16")
+    table, starts, lengths = np.array([[1, 0]]), np.array([0, 3]), np.array([10])
+    words = pf.pack_kv(pages, pages)
+    return pf.ragged_attention(new, new, new, words, None, table, starts, lengths, backend=backend)
+
+
 def _ragged(backend: str):
     pages = inputs.normal(1, (2, 2, 8, 64))
     new = inputs.normal(2, (3, 2, 64))
@@ -78,6 +86,7 @@ CALLS = {
     ),
     "paged_cache": (_paged, "decode"),
     "int8_cache": (_int8, "decode"),
+    "packed_cache": (_packed, "ragged"),
     "bias": (
         lambda b: pf.dot_product_attention(
             *_swapped(), bias=np.zeros((1, 2, 16, 16), np.float32), implementation=b

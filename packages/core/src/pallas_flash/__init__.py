@@ -11,6 +11,8 @@ Quick start::
     tok = pf.decode(q1, k_pages, v_pages, lengths, page_table=table)  # a paged cache
     k_cache = pf.write_token(k_cache, k1, lengths)      # its keys, in place under donation
     out, cache = pf.ragged_attention(q, k, v, k_pages, v_pages, table, starts, kv_lengths)
+    kv_pages = pf.pack_kv(k_pages, v_pages)             # 16-bit pages: a token written alone
+    out, cache = pf.ragged_attention(q, k, v, kv_pages, None, table, starts, kv_lengths)
     pages = pf.PageAllocator.empty(batch, pages_per_sequence, num_pages)  # a page table
     [info.name for info in pf.list_backends()]
 """
@@ -25,6 +27,7 @@ from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.dot_product_attention import dot_product_attention
 from pallas_flash.errors import BackendNotFoundError, InvalidInputError, UnsupportedFeatureError
 from pallas_flash.hookspecs import hookimpl
+from pallas_flash.kv_packing import pack_kv, unpack_kv
 from pallas_flash.page_allocator import PageAllocator
 from pallas_flash.quantization import dequantize_int8, quantize_int8
 from pallas_flash.ragged_attention import ragged_attention
@@ -54,10 +57,12 @@ __all__ = [
     "hookimpl",
     "kept_format",
     "list_backends",
+    "pack_kv",
     "quantize_int8",
     "ragged_attention",
     "register_plugin",
     "to_zigzag",
+    "unpack_kv",
     "unregister_plugin",
     "write_token",
     "zeros_cache",

@@ -197,7 +197,7 @@ def _gradient_raises(fn, backend_name: str):
 def decode(
     q: jax.Array,
     k_cache: jax.Array,
-    v_cache: jax.Array,
+    v_cache: jax.Array | None,
     lengths: jax.Array,
     *,
     page_table: jax.Array | None = None,
@@ -216,8 +216,9 @@ def decode(
     Args:
       q: ``[batch, q_heads, head_dim]``.
       k_cache: ``[batch, kv_heads, max_len, head_dim]``; paged: ``[num_pages, kv_heads,
-        page_size, head_dim]``. q's dtype, or int8 with ``k_scales``.
-      v_cache: the shape and dtype of ``k_cache``.
+        page_size, head_dim]``. q's dtype, or int8 with ``k_scales``; or, paged and packed,
+        uint32 holding keys and values (`pallas_flash.pack_kv`, q 16-bit).
+      v_cache: the shape and dtype of ``k_cache``; None for a packed cache.
       lengths: ``[batch]`` int32 in ``[0, max_len]`` (paged: ``max_len = pages_per_sequence
         * page_size``); sequence ``b`` attends to its positions ``< lengths[b]``. Concrete
         values outside the range raise; traced ones (under ``jit``) cannot be checked and
@@ -240,7 +241,8 @@ def decode(
     Returns:
       ``[batch, q_heads, head_dim]`` in the dtype of q; zeros where ``lengths[b] == 0``.
     """
-    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    q, k_cache = jnp.asarray(q), jnp.asarray(k_cache)
+    v_cache = None if v_cache is None else jnp.asarray(v_cache)
     lengths = jnp.asarray(lengths)
     optional = (page_table, k_scales, v_scales)
     cache = DecodeCache(
@@ -259,6 +261,7 @@ def decode(
         Capability.SOFTCAP: spec.softcap is not None,
         Capability.PAGED_CACHE: cache.paged,
         Capability.INT8_CACHE: cache.quantized,
+        Capability.PACKED_CACHE: cache.packed,
     }
     impl = select_backend(backend, frozenset(f for f, needed in used.items() if needed))
     return impl.decode(q, cache, lengths.astype(jnp.int32), spec, mesh=mesh)

@@ -10,8 +10,9 @@ no cache data between devices (left to XLA's partitioner, a dynamic index on a p
 axis gathers the cache). `write_pages` writes whole pages of a paged pool (a prompt's K/V),
 `write_tokens` a ragged batch's tokens into their pages (several may share a page; on TPU by
 one Pallas kernel for keys and values, `pallas_flash.page_write_kernel`), and `write_kv`
-(`write_kv_pairs`) writes a layer's keys and values with any of these, quantized to int8
-with their scales when the cache is int8.
+(`write_kv_arrays`) writes a layer's keys and values with any of these, quantized to int8
+with their scales when the cache is int8, packed into one array when it is packed
+(`pallas_flash.kv_packing`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from pallas_flash import interpret, page_write_kernel, row_write_kernel
 from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.kv_packing import pack_kv
 from pallas_flash.mesh_placement import call_mesh, place
 from pallas_flash.quantization import quantize_int8
 
@@ -160,7 +162,8 @@ def write_kv(
     `write_rows` at given blocks and positions, or `write_pages`). An int8 cache gets them
     quantized by `pallas_flash.quantize_int8` (a scale per ``head_dim`` row), the int8 values
     written into ``k``/``v`` and the scales into ``k_scales``/``v_scales`` by the same
-    ``write``; a float cache gets them cast to its dtype.
+    ``write``; a packed cache gets them packed into its one array (`pallas_flash.pack_kv`); a
+    float cache gets them cast to its dtype.
 
     Args:
       cache: one layer's cache (its ``page_table`` is kept as it is).
@@ -169,27 +172,30 @@ def write_kv(
       write: writes values into one array of the cache and returns it.
     """
 
-    def write_pair(arrays: Pair, values: Pair) -> Pair:
-        return write(arrays[0], values[0]), write(arrays[1], values[1])
+    def write_arrays(arrays: Arrays, values: Arrays) -> Arrays:
+        return tuple(write(a, x) for a, x in zip(arrays, values, strict=True))
 
-    return write_kv_pairs(cache, k, v, write_pair)
-
-
-Pair = tuple[jax.Array, jax.Array]
+    return write_kv_arrays(cache, k, v, write_arrays)
 
 
-def write_kv_pairs(
-    cache: DecodeCache, k: jax.Array, v: jax.Array, write_pair: Callable[[Pair, Pair], Pair]
+Arrays = tuple[jax.Array, ...]
+
+
+def write_kv_arrays(
+    cache: DecodeCache, k: jax.Array, v: jax.Array, write_arrays: Callable[[Arrays, Arrays], Arrays]
 ) -> DecodeCache:
-    """`write_kv`, ``write_pair((k_array, v_array), (k_values, v_values))`` writing an array of
-    keys and its array of values at once (`write_tokens`): ``k`` and ``v``, then an int8
+    """`write_kv`, ``write_arrays(arrays, values)`` writing a cache's arrays of one shape at
+    once (`write_tokens`): a packed cache's one array, or ``k`` and ``v``, then an int8
     cache's scales."""
+    if cache.packed:
+        (words,) = write_arrays((cache.k,), (pack_kv(k, v),))
+        return cache._replace(k=words)
     if not cache.quantized:
-        k_pool, v_pool = write_pair((cache.k, cache.v), (k, v))
+        k_pool, v_pool = write_arrays((cache.k, cache.v), (k, v))
         return cache._replace(k=k_pool, v=v_pool)
     (k8, k_scales), (v8, v_scales) = quantize_int8(k), quantize_int8(v)
-    k_pool, v_pool = write_pair((cache.k, cache.v), (k8, v8))
-    k_scales, v_scales = write_pair((cache.k_scales, cache.v_scales), (k_scales, v_scales))
+    k_pool, v_pool = write_arrays((cache.k, cache.v), (k8, v8))
+    k_scales, v_scales = write_arrays((cache.k_scales, cache.v_scales), (k_scales, v_scales))
     return cache._replace(k=k_pool, v=v_pool, k_scales=k_scales, v_scales=v_scales)
 
 

@@ -43,6 +43,9 @@ class Capability(enum.StrEnum):
     """``decode(..., page_table=...)``: a cache kept in pages (`pallas_flash.DecodeCache`)."""
     INT8_CACHE = "int8_cache"
     """``decode`` of an int8 cache with per-token scales (``k_scales``, ``v_scales``)."""
+    PACKED_CACHE = "packed_cache"
+    """A 16-bit paged cache with each position's key and value packed in 32-bit words
+    (``v_cache=None``; `pallas_flash.kv_packing`)."""
     CONTEXT_PARALLEL = "context_parallel"
     """``attention(..., mesh=...)``: one sequence split over the devices of a mesh."""
     MULTI_DEVICE = "multi_device"

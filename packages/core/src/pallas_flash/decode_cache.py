@@ -12,6 +12,11 @@ contiguous in HBM and a kernel reads it with one strided DMA):
 An int8 cache (``k`` and ``v`` int8) carries float32 scales of the cache's shape without
 ``head_dim``, one per token and kv head (`pallas_flash.quantization`): its values are
 ``k * k_scales[..., None]``.
+
+A 16-bit paged cache may be *packed* (`pallas_flash.kv_packing`): ``k`` one uint32 pool
+``[num_pages, kv_heads, page_size, head_dim]`` holding each position's key and value in one
+word, ``v`` None; its values are q's dtype. One new token is then written alone, not with
+the tile of 16 positions around it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+from pallas_flash.kv_packing import unpack_kv
 
 
 class DecodeCache(NamedTuple):
@@ -26,13 +34,14 @@ class DecodeCache(NamedTuple):
     absent).
 
     Attributes:
-      k, v: contiguous or paged (module doc), q's dtype, or int8 with scales.
+      k, v: contiguous or paged (module doc), q's dtype, or int8 with scales; or, packed,
+        ``k`` the uint32 pool of both and ``v`` None.
       page_table: ``[batch, pages_per_sequence]`` int32 for a paged cache, else None.
       k_scales, v_scales: float32, ``k``'s shape without ``head_dim``, for an int8 cache.
     """
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
     page_table: jax.Array | None = None
     k_scales: jax.Array | None = None
     v_scales: jax.Array | None = None
@@ -41,6 +50,19 @@ class DecodeCache(NamedTuple):
     def paged(self) -> bool:
         """Whether the cache is in pages read through ``page_table``."""
         return self.page_table is not None
+
+    @property
+    def packed(self) -> bool:
+        """Whether ``k`` holds keys and values packed in 32-bit words (module doc)."""
+        return self.v is None
+
+    def unpacked(self, dtype: jnp.dtype) -> DecodeCache:
+        """The cache with its keys and values in arrays of their own, of ``dtype`` (q's)
+        where packed; itself otherwise."""
+        if not self.packed:
+            return self
+        k, v = unpack_kv(self.k, dtype)
+        return self._replace(k=k, v=v)
 
     @property
     def quantized(self) -> bool:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.kv_packing import PACKED_DTYPE, packable
 from pallas_flash.validation import (
     AttentionDims,
     check_float_dtypes,
@@ -37,6 +38,9 @@ def concrete(x: Any) -> np.ndarray | None:
 def check_cache_arrays(q: Any, cache: DecodeCache, layout: str) -> None:
     """Ranks, shapes and dtypes of k, v and their scales against q."""
     check_rank("k_cache", cache.k, 4, layout)
+    if cache.packed:
+        _check_packed(q, cache, layout)
+        return
     check_rank("v_cache", cache.v, 4, layout)
     k_shape = tuple(jnp.shape(cache.k))
     if tuple(jnp.shape(cache.v)) != k_shape:
@@ -55,6 +59,28 @@ def check_cache_arrays(q: Any, cache: DecodeCache, layout: str) -> None:
         if scales is not None:
             dtype = jnp.result_type(cache.k)
             raise fail(name, f"scales for a {dtype} cache", "None (scales go with an int8 cache)")
+
+
+def _check_packed(q: Any, cache: DecodeCache, layout: str) -> None:
+    """A packed cache (``v_cache`` None): paged, uint32 of q's head_dim, q 16-bit, no
+    scales."""
+    if layout != PAGED:
+        raise fail("v_cache", "None (a packed cache)", f"{layout} (only a paged cache packs: "
+                   "give page_table)")  # fmt: skip
+    if jnp.result_type(cache.k) != PACKED_DTYPE:
+        raise fail("k_cache", f"dtype {jnp.result_type(cache.k)} with v_cache None",
+                   "uint32 (keys and values packed by pf.pack_kv), or v_cache given")  # fmt: skip
+    if not packable(jnp.result_type(q)):
+        raise fail("q", f"dtype {jnp.result_type(q)} with a packed cache",
+                   "bfloat16 or float16 (a packed cache holds 16-bit keys and values)")  # fmt: skip
+    _, q_heads, head_dim = jnp.shape(q)
+    k_shape = tuple(jnp.shape(cache.k))
+    if k_shape[3] != head_dim:
+        raise fail("k_cache", f"shape {k_shape}", f"head_dim {head_dim} (from q)")
+    check_heads("k_cache", q_heads, k_shape[1])
+    for name, scales in (("k_scales", cache.k_scales), ("v_scales", cache.v_scales)):
+        if scales is not None:
+            raise fail(name, "scales for a packed cache", "None (scales go with an int8 cache)")
 
 
 def _check_int8(q: Any, cache: DecodeCache, layout: str) -> None:

@@ -5,17 +5,19 @@ TPU.
 XLA writes the tokens with one scatter, which XLA on TPU may run on a re-laid-out copy of the
 whole pool. This kernel touches only the chunks that hold a new token, the pool in HBM aliased
 to the output. A pool's positions are a tiled axis (``[pages, kv_heads, page_size, head_dim]``:
-sublanes), so an HBM copy starts and ends on a tile: the kernel works in *chunks* of
-`chunk_positions` positions of one page (a whole number of tiles, or the whole page). A run of
-a sequence's new tokens that lies in one chunk is one *item*: its tokens are copied from the
-batch's own layout into VMEM at their rows of the chunk (every kv head at once, as copies of
-static sizes, `row_copies`), the chunk copied into VMEM, the new rows patched in (kv heads
-brought first in VMEM) and the chunk copied back; an item that covers its whole chunk skips the
-read. Nothing is laid out for the kernel beforehand but one kv head's values, all pools'
-stacked in one array (`_as_read`). No two sequences write into one page (a page shared through
-a prefix cache is full, never written), so no two items share a chunk. One call writes the
-pools of one cache together (keys and values, or their scales), one item at a time for all of
-them, in groups of `items_per_group` items whose copies are all in flight at once.
+sublanes), so an HBM copy of 16- or 8-bit values starts and ends on a tile: the kernel works in
+*chunks* of `chunk_positions` positions of one page (a whole number of tiles, or the whole
+page; one position of a 32-bit pool, a row a copy writes alone: a packed cache's,
+`pallas_flash.kv_packing`). A run of a sequence's new tokens that lies in one chunk is one
+*item*: its tokens are copied from the batch's own layout into VMEM at their rows of the chunk
+(every kv head at once, as copies of static sizes, `row_copies`), the chunk copied into VMEM,
+the new rows patched in (kv heads brought first in VMEM) and the chunk copied back; an item
+that covers its whole chunk skips the read. Nothing is laid out for the kernel beforehand but
+one kv head's values, all pools' stacked in one array (`_as_read`). No two sequences write into
+one page (a page shared through a prefix cache is full, never written), so no two items share a
+chunk. One call writes the pools of one cache together (keys and values, or their scales), one
+item at a time for all of them, in groups of `items_per_group` items whose copies are all in
+flight at once.
 
 Layouts: ``pool [num_pages, kv_heads, page_size, head_dim]`` (positions on sublanes) or
 ``[num_pages, kv_heads, page_size]`` (an int8 cache's scales, positions on lanes); ``values
@@ -59,10 +61,12 @@ written whole, within v5e's default scoped VMEM (16 MiB)."""
 
 
 def chunk_positions(pool: jax.Array | jax.ShapeDtypeStruct) -> int:
-    """Positions per chunk of ``pool``: one tile of its HBM layout (`row_copies.hbm_tile_rows`;
-    128 lanes of scales) when its pages are a whole number of tiles, else the page."""
+    """Positions per chunk of ``pool``: the rows an HBM copy starts and ends on
+    (`row_copies.hbm_copy_rows`: one row of 32-bit values, as a packed pool's, a tile of
+    narrower ones; 128 lanes of scales) when its pages are a whole number of them, else the
+    page."""
     page_size = pool.shape[2]
-    tile = LANES if len(pool.shape) == 3 else row_copies.hbm_tile_rows(pool.dtype)
+    tile = LANES if len(pool.shape) == 3 else row_copies.hbm_copy_rows(pool.dtype)
     return tile if page_size % tile == 0 else page_size
 
 

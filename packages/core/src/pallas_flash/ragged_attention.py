@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import validation
-from pallas_flash.cache_write import Pair, write_kv_pairs, write_tokens
+from pallas_flash.cache_write import Arrays, write_kv_arrays, write_tokens
 from pallas_flash.capabilities import Capability
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.ragged_batch import token_places
@@ -26,7 +26,7 @@ def ragged_attention(
     k: jax.Array,
     v: jax.Array,
     k_cache: jax.Array,
-    v_cache: jax.Array,
+    v_cache: jax.Array | None,
     page_table: jax.Array,
     query_starts: jax.Array,
     kv_lengths: jax.Array,
@@ -53,8 +53,10 @@ def ragged_attention(
       k: ``[tokens, kv_heads, head_dim]``, q's dtype: the new tokens' keys (RoPE applied).
       v: the new tokens' values, shaped as ``k``.
       k_cache: ``[num_pages, kv_heads, page_size, head_dim]``, q's dtype, or int8 with
-        ``k_scales`` (`pallas_flash.DecodeCache`); donate it for the write to be in place.
-      v_cache: the shape and dtype of ``k_cache``.
+        ``k_scales``, or uint32 holding keys and values packed (`pallas_flash.pack_kv`, q
+        16-bit: each new token written alone; `pallas_flash.DecodeCache`); donate it for the
+        write to be in place.
+      v_cache: the shape and dtype of ``k_cache``; None for a packed cache.
       page_table: ``[seqs, pages_per_sequence]`` int32: position ``p`` of sequence ``s`` is
         row ``p % page_size`` of page ``page_table[s, p // page_size]``.
       query_starts: ``[seqs + 1]`` int32, non-decreasing from 0, at most ``tokens``.
@@ -77,7 +79,8 @@ def ragged_attention(
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     optional = (k_scales, v_scales)
-    cache = DecodeCache(jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(page_table),
+    v_cache = None if v_cache is None else jnp.asarray(v_cache)
+    cache = DecodeCache(jnp.asarray(k_cache), v_cache, jnp.asarray(page_table),
                         *(None if x is None else jnp.asarray(x) for x in optional))  # fmt: skip
     query_starts, kv_lengths = jnp.asarray(query_starts), jnp.asarray(kv_lengths)
     dims = check_ragged(q, k, v, cache, query_starts, kv_lengths)
@@ -96,6 +99,7 @@ def ragged_attention(
         Capability.SLIDING_WINDOW: spec.window is not None,
         Capability.SINKS: sinks is not None,
         Capability.INT8_CACHE: cache.quantized,
+        Capability.PACKED_CACHE: cache.packed,
     }
     impl = select_backend(backend, frozenset(f for f, needed in used.items() if needed))
     cache = cache._replace(page_table=cache.page_table.astype(jnp.int32))
@@ -116,10 +120,10 @@ def write_new_tokens(
     pages, rows = token_pages(cache.page_table, page_size, query_starts, kv_lengths, k.shape[0])
     seqs = kv_lengths.shape[0]
 
-    def write_pair(arrays: Pair, values: Pair) -> Pair:
+    def write_arrays(arrays: Arrays, values: Arrays) -> Arrays:
         return write_tokens(arrays, values, pages, rows, sequences=seqs)
 
-    return write_kv_pairs(cache, k, v, write_pair)
+    return write_kv_arrays(cache, k, v, write_arrays)
 
 
 def token_pages(

@@ -4,7 +4,7 @@ A Mosaic DMA of a dynamic number of rows is staged through a VMEM copy loop of a
 count: scalar and vector work on every copy, and a loop whose runs the static estimate cannot
 count. `by_powers_of_two` makes one copy of a static size for each power of two in the
 number of rows, the larger first (at most ``log2(most) + 1`` copies); a DMA semaphore counts
-bytes, so the same pieces are waited for the same way. `hbm_tile_rows`: where a copy of rows
+bytes, so the same pieces are waited for the same way. `hbm_copy_rows`: where a copy of rows
 of an HBM array may start and end.
 """
 
@@ -35,10 +35,11 @@ def by_powers_of_two(
         size //= 2
 
 
-def hbm_tile_rows(dtype: jnp.dtype) -> int:
-    """Rows of one tile of a kernel's ``[..., rows, 128]`` operand of ``dtype`` in HBM: an HBM
-    copy along the rows starts and ends on a tile. XLA and Mosaic lay 32- and 16-bit values
-    out in tiles of 8 rows (``T(8,128)``, ``T(8,128)(2,1)``: two rows a 32-bit word) and 8-bit
-    ones in tiles of 32 (``T(32,128)(4,1)``), as the compiled HLO of the caches' kernels shows
-    (v5e, v6e)."""
-    return 32 if jnp.dtype(dtype).itemsize == 1 else 8
+def hbm_copy_rows(dtype: jnp.dtype) -> int:
+    """The rows a copy along the rows of a kernel's ``[..., rows, 128]`` operand of ``dtype``
+    in HBM starts and ends on. XLA lays 32-bit values out in tiles of 8 rows (``T(8,128)``),
+    each row a sublane of 32-bit words, which a DMA addresses alone: any row (Mosaic compiles a
+    copy of one row at a dynamic offset, v5e). 16- and 8-bit values share 32-bit words between
+    2 and 4 rows (``T(8,128)(2,1)``, ``T(32,128)(4,1)``): a copy starts and ends on a tile, of
+    8 and 32 rows (Mosaic: "Offsets along tiled dimensions must be aligned to tiles")."""
+    return {4: 1, 2: 8, 1: 32}[jnp.dtype(dtype).itemsize]

@@ -4,10 +4,12 @@
 XLA writes each row with a ``dynamic_update_slice`` of its own, a small op per sequence,
 layer and cache array of a decode step (a ``vmap`` of them is a scatter, which re-lays out the
 whole cache). This kernel writes all of a layer's rows of one array in one call, the cache in
-HBM aliased to the output. An HBM offset along a tiled axis must be tile-aligned, so a row
-cannot be copied on its own: for each row in range the kernel copies the aligned chunk that
-holds it into VMEM, patches the row in and copies the chunk back, the copies of all rows in
-flight at once.
+HBM aliased to the output. A row of 16- or 8-bit values shares its 32-bit words with others
+and an HBM copy of them starts on a tile (`row_copies.hbm_copy_rows`), so such a row cannot
+be copied on its own: for each row in range the kernel copies the aligned chunk that holds
+it into VMEM, patches the row in and copies the chunk back, the copies of all rows in flight
+at once. A row of 32-bit values (float32, a packed cache's words) is a chunk of its own,
+copied out without a read.
 
 Layouts: ``cache [blocks, kv_heads, length, head_dim]`` (positions on sublanes, chunks of
 `chunk_positions` rows) or ``[blocks, kv_heads, length]`` (an int8 cache's scales, positions
@@ -38,9 +40,10 @@ MAX_CHUNK_BYTES = 8 << 20
 
 
 def chunk_positions(cache: jax.Array) -> int:
-    """Positions per chunk the kernel copies of ``cache``: one of its HBM tiles
-    (`row_copies.hbm_tile_rows`; 128 lanes of scales)."""
-    return LANES if cache.ndim == 3 else row_copies.hbm_tile_rows(cache.dtype)
+    """Positions per chunk the kernel copies of ``cache``: the rows an HBM copy starts and ends
+    on (`row_copies.hbm_copy_rows`: one row of 32-bit values, a tile of narrower ones; 128
+    lanes of scales)."""
+    return LANES if cache.ndim == 3 else row_copies.hbm_copy_rows(cache.dtype)
 
 
 def _chunk_bytes(cache: jax.Array) -> int:
@@ -71,9 +74,14 @@ def _kernel(blocks_ref, positions_ref, rows_ref, _, cache_ref, chunks, sems, sta
         return pltpu.make_async_copy(chunks.at[i], span, sems.at[1, i])
 
     def fetch(i: int) -> None:
-        copy(i, True).start()
+        if chunk > 1:
+            copy(i, True).start()
 
     def patch(i: int) -> None:
+        if chunk == 1:  # the row is the chunk: nothing of it to keep
+            chunks[i] = rows_ref[i][:, None]
+            copy(i, False).start()
+            return
         copy(i, True).wait()
         old = chunks[i]
         here = jax.lax.broadcasted_iota(jnp.int32, old.shape, 1) == positions_ref[i] - starts[i]
@@ -110,11 +118,12 @@ def write_rows_kernel(
     doc; `fits` must hold). Donate ``cache`` to the enclosing jit for the write to happen in
     place. ``interpret``: the interpreter's settings, or None for Mosaic.
 
-    Its declared cost is what it moves: each row's chunk read and written, and the rows.
+    Its declared cost is what it moves: each row's chunk written, and read first where it
+    holds other rows, and the rows.
     """
     n, chunk = rows.shape[0], chunk_positions(cache)
     rows = rows.astype(cache.dtype)
-    moved = 2 * n * _chunk_bytes(cache) + rows.size * rows.dtype.itemsize
+    moved = (2 if chunk > 1 else 1) * n * _chunk_bytes(cache) + rows.size * rows.dtype.itemsize
     return pl.pallas_call(
         functools.partial(_kernel, chunk=chunk),
         out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
