@@ -70,7 +70,7 @@ BACKENDS = {
 
 RACE_CHECKED = {
     "pallas": "test_gradients or test_features or 6144 or (test_long_gradients and 8192)",
-    "splitkv": "test_decode or test_serving_decode or test_ragged_under_jit",
+    "splitkv": "test_decode or test_serving_decode or test_ragged_under_jit or test_ragged_packed",
 }
 """Backends whose kernels run in Pallas's TPU interpreter off TPU -> the conformance tests
 (``-k``) that run with its race detector on (and not again without it)."""

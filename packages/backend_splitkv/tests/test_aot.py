@@ -201,6 +201,34 @@ def test_an_int8_paged_serving_step_updates_the_pool_in_place(
     assert memory.temp_size_in_bytes < pool_bytes // 16
 
 
+def test_a_packed_pool_is_decoded_by_the_paged_kernel_in_place(
+    v5e_devices: list[jax.Device],
+) -> None:
+    """A packed bfloat16 pool (keys and values in one uint32 array) at batch 32 x 8k positions
+    in pages of 128: one paged decode kernel reads it, nothing pool-sized copied or
+    allocated."""
+    batch, pages_per_sequence, page_size = 32, 64, 128
+    num_pages = batch * pages_per_sequence
+    device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
+    pool = (num_pages, KV_HEADS, page_size, HEAD_DIM)
+    words = jax.ShapeDtypeStruct(pool, jnp.uint32, sharding=pf.cache_format(device, 4))
+    q = jax.ShapeDtypeStruct((batch, Q_HEADS, HEAD_DIM), jnp.bfloat16, sharding=device)
+    table = jax.ShapeDtypeStruct((batch, pages_per_sequence), jnp.int32, sharding=device)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=device)
+
+    def decode(q, words, lengths, table):
+        return pf.decode(q, words, None, lengths, page_table=table, backend="splitkv")
+
+    lowered = jax.jit(decode).trace(q, words, lengths, table).lower(lowering_platforms=("tpu",))
+    compiled = lowered.compile()
+    text = compiled.as_text()
+    names = [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)]
+    assert names == [paged_kernel.PAGED_KERNEL_NAME]
+    pool_bytes = math.prod(pool) * 4
+    assert not [op.name for op in hlo_ops.find_copy_trap(text) if op.bytes >= pool_bytes // 64]
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 16
+
+
 def test_a_paged_int8_pool_over_four_chips_holds_a_quarter_and_appends_locally(
     v5e_devices: list[jax.Device],
 ) -> None:

@@ -18,7 +18,8 @@ def test_registered_as_the_tpu_decode_backend() -> None:
     assert info.distribution == "pallas-flash-splitkv"
     assert importlib.metadata.version(info.distribution)
     assert info.platforms == {"tpu"} and info.priority == 100
-    expected = {"decode", "gqa", "softcap", "paged_cache", "int8_cache", "multi_device"}
+    expected = {"decode", "gqa", "softcap", "paged_cache", "int8_cache", "packed_cache"}
+    expected |= {"multi_device"}
     expected |= {"ragged", "sliding_window", "sinks"}  # sliding_window and sinks: ragged only
     assert info.capabilities == expected
     assert SplitKvBackend().blocks == DecodeBlocks()

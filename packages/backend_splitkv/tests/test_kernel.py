@@ -73,13 +73,31 @@ def test_traced_lengths_out_of_range_are_clipped(blocks: DecodeBlocks) -> None:
     assert (np.asarray(out[3]) == 0).all()
 
 
-@pytest.mark.parametrize("per_step", [3, None], ids=["3-pages", "auto"])  # 1: block specs
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize(
+    ("per_step", "dtype"),
+    [
+        (3, "bfloat16"),
+        (None, "bfloat16"),
+        (3, "int8"),
+        (None, "int8"),
+        (3, "packed"),
+        (1, "packed"),
+    ],
+    ids=[
+        "3-pages-bf16",
+        "auto-bf16",
+        "3-pages-int8",
+        "auto-int8",
+        "3-pages-packed",
+        "block-specs-packed",
+    ],
+)
 def test_paged_steps_of_several_pages_prefetch_across_sequences(per_step, dtype: str) -> None:
     """Pages of 128, 3 per step over tables of 7 (a last step of one page): sequences that
     are empty first, between others (a step starts the copies of the next non-empty one) and
     last, end inside a page, on a step's edge, or fill the table; pages shuffled; NaN in
-    every slot past a length and in every page nobody uses."""
+    every slot past a length and in every page nobody uses. A packed bfloat16 cache (its
+    keys and values in one uint32 pool) also by the block-spec kernel (a page a step)."""
     batch, q_heads, kv_heads, page, head_dim, per_sequence = 7, 4, 2, 128, 64, 7
     lengths = np.array([0, 5, 3 * page, 0, 7 * page, 3 * page + 1, 0], np.int32)
     rng = np.random.default_rng(0)
@@ -100,6 +118,8 @@ def test_paged_steps_of_several_pages_prefetch_across_sequences(per_step, dtype:
         contiguous = pools
         k, v = (jnp.asarray(np.where(valid[..., None], x, np.nan), jnp.bfloat16) for x in pools)
         cache = pf.DecodeCache(k, v, jnp.asarray(table, jnp.int32))
+        if dtype == "packed":
+            cache = cache._replace(k=pf.pack_kv(k, v), v=None)
     k_all, v_all = (reference.gather_pages(np.asarray(x, np.float32), table) for x in contiguous)
     scale = 1 / math.sqrt(head_dim)
     expected = reference.decode(q, k_all, v_all, lengths, sm_scale=scale)

@@ -1,7 +1,8 @@
 """The ragged paged attention kernel (`ragged_attention`, `ragged_kernel`), in TPU interpret
 mode, against the xla backend's dense reference on the same written cache: decode tokens,
 prefill chunks and both mixed, empty sequences, padding rows, chunks crossing pages and kv
-blocks, GQA, softcap, sliding window, sinks, int8 and bfloat16, with blocks small enough that a
+blocks, GQA, softcap, sliding window, sinks, int8, bfloat16 and packed bfloat16 caches, with
+blocks small enough that a
 sequence spans several query and kv blocks (the conformance suite runs the default blocks, MQA
 and MHA)."""
 
@@ -31,6 +32,7 @@ def _call(
     kv_heads: int = 2,
     dtype: jnp.dtype = jnp.float32,
     int8: bool = False,
+    packed: bool = False,
     sinks: bool = False,
     stale_nan: bool = False,
     unused_pages: int | None = None,
@@ -40,7 +42,8 @@ def _call(
     """(kernel output, reference output, valid rows) of one batch: sequence ``s`` has
     ``new[s]`` new tokens and ``lengths[s]`` positions; its pages are spread over the pool.
     ``backend=None``: through ``pf.ragged_attention(backend="splitkv")``; ``unused_pages``:
-    the table's entries past each sequence's length (which may hold anything)."""
+    the table's entries past each sequence's length (which may hold anything); ``packed``:
+    the cache's keys and values packed in one array (``dtype`` 16-bit, `pf.pack_kv`)."""
     seqs, valid = len(new), sum(new)
     tokens = valid if tokens is None else tokens
     num_pages = seqs * PAGES_PER_SEQUENCE + 3
@@ -68,6 +71,8 @@ def _call(
         scales = {"k_scales": k_scales, "v_scales": v_scales}
     else:
         k_cache, v_cache = k_cache.astype(dtype), v_cache.astype(dtype)
+    if packed:
+        k_cache, v_cache = pf.pack_kv(k_cache, v_cache), None
     q, k, v = (
         jnp.asarray(rng.standard_normal((tokens, heads, HEAD_DIM), np.float32), dtype)
         for heads in (q_heads, kv_heads, kv_heads)
@@ -171,8 +176,14 @@ def test_kv_heads_a_grid_step_in_groups() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"int8": True, "sinks": True}, {"sliding_window": 12}, {"dtype": jnp.bfloat16}],
-    ids=["float32", "int8-sinks", "window", "bfloat16"],
+    [
+        {},
+        {"int8": True, "sinks": True},
+        {"sliding_window": 12},
+        {"dtype": jnp.bfloat16},
+        {"dtype": jnp.bfloat16, "packed": True},
+    ],
+    ids=["float32", "int8-sinks", "window", "bfloat16", "packed"],
 )
 def test_items_of_several_decoding_sequences(options: dict) -> None:
     """The decode call's items take 4 decoding sequences each (2 query heads a kv head): 7 of
@@ -230,6 +241,26 @@ def test_bfloat16_with_window_and_softcap() -> None:
         [1, 13, 2], [40, 13, 20], dtype=jnp.bfloat16, sliding_window=9, softcap=5.0
     )
     _check(actual, expected, valid, FORWARD_TOLERANCE["bfloat16"])
+
+
+@pytest.mark.parametrize(
+    ("new", "lengths"),
+    [([1, 1, 1, 1], [1, 9, 17, 48]), ([1, 7, 1, 16], [33, 7, 16, 40])],
+    ids=["decode", "mixed"],
+)
+def test_a_packed_cache_with_stale_nan_window_softcap_and_sinks(new, lengths) -> None:
+    """A packed bfloat16 cache (one array of keys and values, `pallas_flash.kv_packing`)
+    whose stale slots hold NaN in both halves: the same as the dense reference, GQA."""
+    got = _call(new, lengths, q_heads=8, dtype=jnp.bfloat16, packed=True, stale_nan=True,
+                sinks=True, sliding_window=20, softcap=5.0)  # fmt: skip
+    _check(*got, FORWARD_TOLERANCE["bfloat16"])
+
+
+def test_a_packed_cache_through_the_api_writes_what_xla_writes() -> None:
+    """Core writes the new tokens into the packed pool (the scatter, in the interpreter) and
+    splitkv reads it: the written pool and the output are the xla backend's."""
+    got = _call([3, 1, 0], [20, 44, 0], tokens=6, dtype=jnp.bfloat16, packed=True, backend=None)
+    _check(*got, FORWARD_TOLERANCE["bfloat16"])
 
 
 def test_bfloat16_queries_against_an_int8_cache() -> None:

@@ -30,25 +30,28 @@ TOKENS, SEQS, PAGES_PER_SEQUENCE, Q_HEADS = 256, 16, 128, 8
 
 
 @pytest.mark.parametrize(
-    ("kv_heads", "head_dim", "page_size", "dtype", "window"),
+    ("kv_heads", "head_dim", "page_size", "cache", "window"),
     [
-        (2, 128, 16, jnp.bfloat16, None),
-        (1, 128, 64, jnp.bfloat16, 256),
-        (2, 64, 32, jnp.bfloat16, None),
-        (2, 128, 16, jnp.int8, 100),
-        (2, 128, 128, jnp.int8, None),
+        (2, 128, 16, "bfloat16", None),
+        (1, 128, 64, "packed", 256),
+        (2, 64, 32, "packed", None),
+        (2, 128, 16, "int8", 100),
+        (2, 128, 128, "int8", None),
     ],
     ids=[
         "bf16-kv2-page16",
-        "bf16-kv1-page64-window",
-        "bf16-d64-page32",
+        "packed-kv1-page64-window",
+        "packed-d64-page32",
         "int8-page16-window",
         "int8-page128",
     ],
 )
 def test_a_serving_step_compiles_with_the_pool_in_place(
-    v5e_devices: list[jax.Device], kv_heads: int, head_dim: int, page_size: int, dtype, window
-) -> None:
+    v5e_devices: list[jax.Device], kv_heads: int, head_dim: int, page_size: int, cache: str,
+    window: int | None,
+) -> None:  # fmt: skip
+    """``cache``: bfloat16 K and V pools, one packed pool of both (uint32), or int8 pools
+    with their scales."""
     device = jax.sharding.SingleDeviceSharding(v5e_devices[0])
 
     def struct(shape, dtype, kept: bool = False):  # kept: the pool, in `pf.cache_format`
@@ -58,47 +61,50 @@ def test_a_serving_step_compiles_with_the_pool_in_place(
     num_pages = SEQS * PAGES_PER_SEQUENCE
     pool = (num_pages, kv_heads, page_size, head_dim)
     new = struct((TOKENS, kv_heads, head_dim), jnp.bfloat16)
-    args = [
-        struct((TOKENS, Q_HEADS, head_dim), jnp.bfloat16), new, new,
-        struct(pool, dtype, True), struct(pool, dtype, True),
-        struct((SEQS, PAGES_PER_SEQUENCE), jnp.int32),
-        struct((SEQS + 1,), jnp.int32), struct((SEQS,), jnp.int32),
-    ]  # fmt: skip
-    quantized = dtype == jnp.int8
+    packed, quantized = cache == "packed", cache == "int8"
+    dtype = jnp.uint32 if packed else jnp.dtype(cache)
+    pools = [struct(pool, dtype, True)] * (1 if packed else 2)
     if quantized:
-        args += [struct(pool[:3], jnp.float32, True)] * 2
+        pools += [struct(pool[:3], jnp.float32, True)] * 2
+    layout = [struct((SEQS, PAGES_PER_SEQUENCE), jnp.int32), struct((SEQS + 1,), jnp.int32),
+              struct((SEQS,), jnp.int32)]  # fmt: skip
+    args = [struct((TOKENS, Q_HEADS, head_dim), jnp.bfloat16), new, new, *pools, *layout]
 
-    def step(q, k, v, k_cache, v_cache, table, starts, lengths, *scales):
-        extra = {"k_scales": scales[0], "v_scales": scales[1]} if scales else {}
+    arrays = len(pools)
+
+    def step(q, k, v, *pools_and_layout):
+        held, layout = pools_and_layout[:arrays], pools_and_layout[arrays:]
+        k_cache, v_cache = (held[0], None) if packed else held[:2]
+        extra = {"k_scales": held[2], "v_scales": held[3]} if quantized else {}
         out, cache = pf.ragged_attention(
-            q, k, v, k_cache, v_cache, table, starts, lengths, backend="splitkv",
+            q, k, v, k_cache, v_cache, *layout, backend="splitkv",
             softcap=30.0, sliding_window=window, sinks=jnp.zeros((Q_HEADS,)), **extra,
         )  # fmt: skip
         return out, cache._replace(page_table=None)
 
-    donated = (3, 4, 8, 9) if quantized else (3, 4)
+    donated = tuple(range(3, 3 + arrays))
     kept, kept_scales = pf.cache_format(device, 4), pf.cache_format(device, 3)
     scales_out = kept_scales if quantized else None
-    out_cache = pf.DecodeCache(kept, kept, None, scales_out, scales_out)
+    out_cache = pf.DecodeCache(kept, None if packed else kept, None, scales_out, scales_out)
     jitted = jax.jit(step, donate_argnums=donated, out_shardings=(None, out_cache))
     compiled = jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
     calls = [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)]
-    # core writes K and V by one call of its kernel (their scales, in pages of whole lane
-    # tiles, by another)
+    # core writes K and V (or the packed pool) by one call of its kernel (their int8 scales,
+    # in pages of whole lane tiles, by another)
     writes = [page_write_kernel.KERNEL_NAME]
     if quantized and page_size % 128 == 0:
         writes += [page_write_kernel.SCALES_KERNEL_NAME]
     assert sorted(calls) == sorted([KERNEL_NAME, DECODE_KERNEL_NAME, *writes])
-    pool_bytes = math.prod(pool) * jnp.dtype(dtype).itemsize
+    cache_bytes = math.prod(pool) * 2 * jnp.dtype(jnp.bfloat16 if packed else dtype).itemsize
     # both kernels' sides copy only q-sized data (the new tokens laid out per chunk, q and
     # output per work item, int8 scales gathered per sequence), never the pool
     q_bytes = TOKENS * Q_HEADS * head_dim * 2
     copies = [(op.name, op.bytes, op.relayout) for op in hlo_ops.find_copy_trap(text)]
     assert [c for c in copies if c[1] > 4 * q_bytes and c[2] is not False] == [], copies
     memory = compiled.memory_analysis()
-    assert memory.alias_size_in_bytes >= 2 * pool_bytes
-    assert memory.temp_size_in_bytes < pool_bytes // 2  # q-sized: no copy of the pool
+    assert memory.alias_size_in_bytes >= cache_bytes
+    assert memory.temp_size_in_bytes < cache_bytes // 4  # q-sized: no copy of a pool
 
 
 def _compiled_bf16_step(

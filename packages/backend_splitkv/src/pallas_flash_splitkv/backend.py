@@ -35,6 +35,7 @@ class SplitKvBackend(pf.Backend):
             pf.Capability.SOFTCAP,
             pf.Capability.PAGED_CACHE,
             pf.Capability.INT8_CACHE,
+            pf.Capability.PACKED_CACHE,
             pf.Capability.MULTI_DEVICE,
             pf.Capability.SLIDING_WINDOW,
             pf.Capability.SINKS,

@@ -1,7 +1,7 @@
 """Split-KV decoding on one device or with the cache split over a mesh.
 
 Layouts: q ``[batch, q_heads, head_dim]``; the cache a `pf.DecodeCache` (contiguous or paged,
-float or int8); ``lengths [batch]`` int32; the output ``[batch,
+float, int8 or, paged, packed); ``lengths [batch]`` int32; the output ``[batch,
 q_heads, head_dim]`` in q's dtype.
 
 On one device the kernel's splits are merged by their log-sum-exps (`merge.merge`). Over a
@@ -160,7 +160,9 @@ def _in_specs(cache: pf.DecodeCache, axes: tuple[str, ...]) -> tuple:
     values = PartitionSpec(*split)
     scales = PartitionSpec(*split[:3]) if cache.quantized else None
     table = PartitionSpec() if cache.paged else None
-    return PartitionSpec(), pf.DecodeCache(values, values, table, scales, scales), PartitionSpec()
+    v_values = None if cache.packed else values
+    cache_specs = pf.DecodeCache(values, v_values, table, scales, scales)
+    return PartitionSpec(), cache_specs, PartitionSpec()
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "blocks", "mesh", "axes"))

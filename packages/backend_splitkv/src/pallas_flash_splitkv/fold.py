@@ -5,8 +5,9 @@ A block is ``block_kv`` positions of every kv head, ``[kv_heads, block_kv, head_
 into the heads' running maxima, sums and accumulators (float32) by matmuls batched over the
 head axis: per head, the compiler's latency model chains the scratch reads and writes of one
 head after another's (4x the static critical path at 8 kv heads). An int8 block is converted
-to q's dtype in VMEM (to bfloat16 with its rows paired, `int8_rows`, where the block allows)
-and its scales applied to the scores (K) and to the probabilities (V), ``[group, block_kv]``
+to q's dtype in VMEM (to bfloat16 with its rows paired, `int8_rows`, where the block allows),
+a packed block's words unpacked into keys and values (`pallas_flash.kv_packing`), and an int8
+block's scales applied to the scores (K) and to the probabilities (V), ``[group, block_kv]``
 products rather than ``[block_kv, head_dim]`` ones. Positions at and past the sequence's
 length are masked, and their V rows zeroed (a stale NaN would poison ``p @ v`` even where
 ``p`` is 0). A split that sees no position yields output 0 and
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_flash.kv_packing import unpack_kv
 from pallas_flash.masking import apply_softcap
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import int8_rows
@@ -40,6 +42,7 @@ class Tiling:
     blocks_per_split: int
     paged: bool  # read through a page table
     quantized: bool
+    packed: bool  # k the words of keys and values (`pallas_flash.kv_packing`), v None
     compute_dtype: jnp.dtype
     precision: lax.Precision | None
 
@@ -58,12 +61,13 @@ def tiling_for(
     blocks_per_split: int,
     paged: bool,
     quantized: bool,
+    packed: bool = False,
 ) -> Tiling:
     """The `Tiling` of a call with query ``q``: computing in q's dtype (float32 at the
     highest matmul precision)."""
     return Tiling(
         spec=spec, max_len=max_len, block_kv=block_kv, blocks_per_split=blocks_per_split,
-        paged=paged, quantized=quantized, compute_dtype=q.dtype,
+        paged=paged, quantized=quantized, packed=packed, compute_dtype=q.dtype,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
 
@@ -75,13 +79,13 @@ def clipped_length(lengths_ref: jax.Ref, b: jax.Array, max_len: int) -> jax.Arra
 
 class StepRefs(NamedTuple):
     """One step's refs: q ``[kv_heads, group, head_dim]``; the block of k, v ``[kv_heads,
-    block_kv, head_dim]`` and, when quantized, their scales ``[kv_heads, block_kv]`` (else
-    None); the running max and sum ``[kv_heads, group, 128]`` and accumulator ``[kv_heads,
-    group, head_dim]``, float32."""
+    block_kv, head_dim]`` (packed: k the block's uint32 words, v None) and, when quantized,
+    their scales ``[kv_heads, block_kv]`` (else None); the running max and sum ``[kv_heads,
+    group, 128]`` and accumulator ``[kv_heads, group, head_dim]``, float32."""
 
     q: jax.Ref
     k: jax.Ref
-    v: jax.Ref
+    v: jax.Ref | None
     k_scales: jax.Ref | None
     v_scales: jax.Ref | None
     max: jax.Ref
@@ -99,9 +103,9 @@ def start(step: StepRefs) -> None:
 def fold_block(step: StepRefs, first: jax.Array, length: jax.Array, tiling: Tiling) -> None:
     """Folds the block at position ``first`` (which holds a position ``< length``) into the
     running results; in the block that holds the sequence's end, the V rows (V scales, for
-    int8) at and past ``length`` are zeroed first: a stale NaN would poison p @ v even where
-    p is 0 (int8 values are finite, their scales need not be)."""
-    stale = step.v_scales if tiling.quantized else step.v
+    int8; a packed block's words) at and past ``length`` are zeroed first: a stale NaN would
+    poison p @ v even where p is 0 (int8 values are finite, their scales need not be)."""
+    stale = step.v_scales if tiling.quantized else step.k if tiling.packed else step.v
 
     @pl.when(first + tiling.block_kv > length)
     def _zero_stale_values() -> None:
@@ -130,7 +134,10 @@ def _block_operands(step: StepRefs, tiling: Tiling) -> tuple[jax.Array, ...]:
         scales = int8_rows.pair_lanes(jnp.concatenate([step.k_scales[...], step.v_scales[...]]))
         heads = k.shape[0]
         return k, v, scales[:heads], scales[heads:], int8_rows.paired_order(tiling.block_kv)
-    k, v = (x[...].astype(tiling.compute_dtype) for x in (step.k, step.v))
+    if tiling.packed:
+        k, v = unpack_kv(step.k[...], tiling.compute_dtype)
+    else:
+        k, v = (x[...].astype(tiling.compute_dtype) for x in (step.k, step.v))
     scales = [x[...] if tiling.quantized else None for x in (step.k_scales, step.v_scales)]
     return k, v, *scales, lax.broadcasted_iota(jnp.int32, (1, tiling.block_kv), 1)
 

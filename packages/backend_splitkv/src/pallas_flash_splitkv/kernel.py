@@ -10,9 +10,10 @@ a free view of ``[batch, q_heads, head_dim]``); ``lengths [batch]`` int32. The c
   page ``page_table[b, p // page_size]``.
 
 An int8 cache comes with float32 scales of the cache's shape without ``head_dim`` (one per
-token and kv head); its values are ``int8 * scale``. Outputs per split: the normalised partial
-output ``[batch, splits, kv_heads, group, head_dim]`` and its log-sum-exp ``[batch, splits,
-kv_heads, group]``, both float32.
+token and kv head); its values are ``int8 * scale``. A packed paged cache is one uint32 pool
+of keys and values (``v_cache`` None, `pallas_flash.kv_packing`), one copy a page. Outputs
+per split: the normalised partial output ``[batch, splits, kv_heads, group, head_dim]`` and
+its log-sum-exp ``[batch, splits, kv_heads, group]``, both float32.
 
 This module's kernel reads its blocks through block specs: grid ``(batch, splits, blocks per
 split)``, the first two axes parallel, the last sequential. A block is ``block_kv`` positions
@@ -59,7 +60,8 @@ def _kernel(*refs: jax.Ref, tiling: fold.Tiling) -> None:
     """One grid step ``(b, s, t)``: folds block ``s * blocks_per_split + t`` of every kv head.
 
     Refs, in order: ``lengths [batch]`` and, when paged, the flat page table (SMEM); q
-    ``[kv_heads, group, head_dim]``; k, v ``[kv_heads, block_kv, head_dim]``; when quantized,
+    ``[kv_heads, group, head_dim]``; k, v ``[kv_heads, block_kv, head_dim]`` (packed: the
+    words alone); when quantized,
     their scales ``[kv_heads, block_kv]``; outputs ``[kv_heads, group, head_dim]`` and
     log-sum-exp ``[kv_heads, group, 128]`` (equal lanes); scratch: running max and sum
     ``[kv_heads, group, 128]`` and accumulator ``[kv_heads, group, head_dim]``, float32.
@@ -67,6 +69,8 @@ def _kernel(*refs: jax.Ref, tiling: fold.Tiling) -> None:
     lengths_ref, *refs = refs
     if tiling.paged:
         refs = refs[1:]  # the page table: read by the index maps only
+    if tiling.packed:
+        refs[2:2] = [None]  # k holds the values too
     if not tiling.quantized:
         refs[3:3] = [None, None]
     q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
@@ -108,7 +112,8 @@ def split_partials(
 
     Args:
       q: ``[batch, kv_heads, group, head_dim]``.
-      k_cache, v_cache: contiguous or paged (module doc), dtype of q or int8.
+      k_cache, v_cache: contiguous or paged (module doc), dtype of q or int8; or, paged and
+        packed, ``k_cache`` the uint32 pool of both and ``v_cache`` None.
       lengths: ``[batch]`` int32; values past ``[0, max_len]`` count as the nearest end.
       page_table: ``[batch, pages_per_sequence]`` int32 for a paged cache, else None.
       k_scales, v_scales: float32, the caches' shapes without ``head_dim``, for an int8 cache.
@@ -130,22 +135,31 @@ def split_partials(
             q, k_cache, v_cache, lengths, None, k_scales, v_scales,
             spec=spec, blocks=blocks, devices=devices,
         )  # fmt: skip
-    scales = () if k_scales is None else (k_scales, v_scales)
+    pool = [x for x in (k_cache, v_cache, k_scales, v_scales) if x is not None]
     paged = _paged_partials(spec, blocks, devices)
-    return paged(q, k_cache, v_cache, lengths, page_table, *scales)
+    return paged(q, lengths, page_table, *pool)
+
+
+def _cache_arrays(pool: tuple[jax.Array, ...]) -> tuple[jax.Array | None, ...]:
+    """``k, v, k_scales, v_scales`` of a paged cache's arrays: a packed cache's words alone
+    (``v`` None), k and v, or k and v then their int8 scales."""
+    if len(pool) == 1:
+        return pool[0], None, None, None
+    return (*pool, None, None)[:4]
 
 
 @functools.cache
 def _paged_partials(spec: DecodeSpec, blocks: DecodeBlocks, devices: int) -> Callable[..., Any]:
-    """`split_partials` of a paged cache, ``(q, k, v, lengths, page_table, *scales)``, with a
-    batching rule of its own: the generic one (`pallas_flash.interpret.fold_vmap_into_batch`)
+    """`split_partials` of a paged cache, ``(q, lengths, page_table, *pool)`` (``pool``: k and
+    v, then an int8 cache's scales; or a packed cache's words), with a batching rule of its
+    own: the generic one (`pallas_flash.interpret.fold_vmap_into_batch`)
     folds every argument's mapped axis into its first, which for a pool of pages is the page
     axis, so each slice's table would index the first slice's pool. Here a mapped pool is
     folded with each slice's table entries (clipped into its own pool) offset by the pages
     before it; an unmapped pool is shared as it is, not copied per slice."""
 
-    def call(q, k, v, lengths, table, *scales):
-        k_scales, v_scales = scales or (None, None)
+    def call(q, lengths, table, *pool):
+        k, v, k_scales, v_scales = _cache_arrays(pool)
         one_page = pages_per_step(blocks, k, table) == 1
         kernel = _block_spec_partials if one_page else _paged_split_partials
         return kernel(
@@ -156,24 +170,23 @@ def _paged_partials(spec: DecodeSpec, blocks: DecodeBlocks, devices: int) -> Cal
     folded = jax.custom_batching.custom_vmap(call)
 
     @folded.def_vmap
-    def _rule(axis_size: int, in_batched: list[bool], q, k, v, lengths, table, *scales):
+    def _rule(axis_size: int, in_batched: list[bool], q, lengths, table, *pool):
         def mapped(x: jax.Array, batched: bool) -> jax.Array:
             return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
 
         def fold_mapped(x: jax.Array) -> jax.Array:
             return x.reshape(axis_size * x.shape[1], *x.shape[2:])
 
-        pool = [k, v, *scales]
-        pool_batched = [in_batched[1], in_batched[2], *in_batched[5:]]
-        table = mapped(table, in_batched[4])
+        pool_batched = in_batched[3:]
+        table = mapped(table, in_batched[2])
         if any(pool_batched):
             pool = [fold_mapped(mapped(x, b)) for x, b in zip(pool, pool_batched, strict=True)]
-            num_pages = k.shape[1] if in_batched[1] else k.shape[0]
+            num_pages = pool[0].shape[0] // axis_size
             offsets = jnp.arange(axis_size, dtype=table.dtype)[:, None, None] * num_pages
             table = jnp.clip(table, 0, num_pages - 1) + offsets
         outs = folded(
-            fold_mapped(mapped(q, in_batched[0])), pool[0], pool[1],
-            fold_mapped(mapped(lengths, in_batched[3])), fold_mapped(table), *pool[2:],
+            fold_mapped(mapped(q, in_batched[0])), fold_mapped(mapped(lengths, in_batched[1])),
+            fold_mapped(table), *pool,
         )  # fmt: skip
         outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
         return outs, jax.tree.map(lambda _: True, outs)
@@ -199,6 +212,7 @@ def _block_spec_partials_kernel(
     batch, kv_heads, group, head_dim = q.shape
     paged = page_table is not None
     quantized = k_scales is not None
+    packed = v_cache is None
     if paged:
         num_pages, block_kv = k_cache.shape[0], k_cache.shape[2]
         pages_per_sequence = page_table.shape[1]
@@ -239,11 +253,12 @@ def _block_spec_partials_kernel(
 
     tiling = fold.tiling_for(
         q, spec, max_len=max_len, block_kv=block_kv, blocks_per_split=per_split, paged=paged,
-        quantized=quantized,
+        quantized=quantized, packed=packed,
     )  # fmt: skip
     kv_spec = pl.BlockSpec((None, kv_heads, block_kv, head_dim), kv_map)
-    in_specs = [pl.BlockSpec((None, kv_heads, group, head_dim), q_map), kv_spec, kv_spec]
-    operands = [q, k_cache, v_cache]
+    kv = [k_cache] if packed else [k_cache, v_cache]
+    in_specs = [pl.BlockSpec((None, kv_heads, group, head_dim), q_map), *[kv_spec] * len(kv)]
+    operands = [q, *kv]
     if quantized:
         in_specs += [pl.BlockSpec((None, kv_heads, block_kv), cache_block)] * 2
         operands += [k_scales, v_scales]

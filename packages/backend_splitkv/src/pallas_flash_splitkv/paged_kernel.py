@@ -5,7 +5,8 @@ sequence ``b`` is ``cache[b, :, j x 128 : (j + 1) x 128]``), so that a sequence'
 is copied only as far as its length reaches.
 
 Layouts as `kernel`'s: q ``[batch, kv_heads, group, head_dim]``; pages ``[num_pages, kv_heads,
-page_size, head_dim]`` (int8 with float32 scales ``[num_pages, kv_heads, page_size]``) with
+page_size, head_dim]`` (int8 with float32 scales ``[num_pages, kv_heads, page_size]``; or one
+packed uint32 pool, `pallas_flash.kv_packing`) with
 ``page_table [batch, pages_per_sequence]``, or a contiguous cache ``[batch, kv_heads, max_len,
 head_dim]`` (scales ``[batch, kv_heads, max_len]``); outputs ``[batch, 1, kv_heads, group,
 head_dim]`` and ``[batch, 1, kv_heads, group]`` (one split), float32.
@@ -45,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import tpu
+from pallas_flash.kv_packing import PACKED_DTYPE
 from pallas_flash.memory_space import in_hbm
 from pallas_flash.specs import DecodeSpec
 from pallas_flash_splitkv import fold
@@ -72,13 +74,13 @@ def _kernel(
 ) -> None:
     """One grid step ``(b, i)`` (module doc). Refs: the flat page table when paged (SMEM);
     ``first_from`` (SMEM); q; the cache's arrays in HBM (k, v and, when quantized, their
-    scales); the outputs; scratch: running max, sum and accumulator (as `kernel`), one
-    double-buffered block per cache array, DMA semaphores ``[2, arrays]`` and the SMEM count
-    of steps that held a position.
+    scales; packed: its words); the outputs; scratch: running max, sum and accumulator (as
+    `kernel`), one double-buffered block per cache array, DMA semaphores ``[2, arrays]`` and
+    the SMEM count of steps that held a position.
     """
     table_ref, refs = (refs[0], refs[1:]) if tiling.paged else (None, refs)
     first_from_ref, q_ref, *refs = refs
-    arrays = 4 if tiling.quantized else 2
+    arrays = 4 if tiling.quantized else 1 if tiling.packed else 2
     cache, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[:arrays], refs[arrays : arrays + 5]
     blocks, (sems, folded) = refs[arrays + 5 : 2 * arrays + 5], refs[2 * arrays + 5 :]
     page_size = tiling.block_kv // pages_per_step
@@ -168,8 +170,9 @@ def binary_chunks(pages_per_step: int) -> list[int]:
 
 def pages_per_step(blocks: DecodeBlocks, k_pages: jax.Array, page_table: jax.Array) -> int:
     """Pages a step reads of the pool ``k_pages`` (`DecodeBlocks.for_paged`; 1: the block-spec
-    kernel of `kernel` reads it instead)."""
-    page_bytes = 2 * math.prod(k_pages.shape[1:]) * k_pages.dtype.itemsize  # K and V
+    kernel of `kernel` reads it instead): K and V of a page, or a packed pool's words."""
+    arrays = 1 if k_pages.dtype == PACKED_DTYPE else 2
+    page_bytes = arrays * math.prod(k_pages.shape[1:]) * k_pages.dtype.itemsize
     return blocks.for_paged(page_table.shape[1], k_pages.shape[2], page_bytes)
 
 
@@ -212,6 +215,7 @@ def paged_partials_kernel(
     batch, kv_heads, group, head_dim = q.shape
     paged = page_table is not None
     quantized = k_scales is not None
+    packed = v_cache is None
     if paged:
         num_pages, _, page_size, _ = k_cache.shape
         pages_per_sequence = page_table.shape[1]
@@ -226,10 +230,11 @@ def paged_partials_kernel(
     block = per_step * page_size
     tiling = fold.tiling_for(
         q, spec, max_len=pages_per_sequence * page_size, block_kv=block,
-        blocks_per_split=steps, paged=paged, quantized=quantized,
+        blocks_per_split=steps, paged=paged, quantized=quantized, packed=packed,
     )  # fmt: skip
     prefetch.append(first_non_empty(lengths, tiling.max_len))
-    cache = [k_cache, v_cache] + ([k_scales, v_scales] if quantized else [])
+    kv = [k_cache] if packed else [k_cache, v_cache]
+    cache = kv + ([k_scales, v_scales] if quantized else [])
     scratch = [
         pltpu.VMEM((kv_heads, group, LANES), _F32),
         pltpu.VMEM((kv_heads, group, LANES), _F32),

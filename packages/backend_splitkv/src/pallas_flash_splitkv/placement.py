@@ -59,16 +59,19 @@ def _on_one_device(x: jax.Array) -> bool:
     return len(x.sharding.device_set) == 1
 
 
-def follow(k_cache: jax.Array, v_cache: jax.Array, axis: int = SEQUENCE_AXIS) -> Split | None:
+def follow(
+    k_cache: jax.Array, v_cache: jax.Array | None, axis: int = SEQUENCE_AXIS
+) -> Split | None:
     """The split that decoding with ``mesh=None`` follows: None for one device (see the module
-    doc); ``axis``: the caches' split axis.
+    doc); ``axis``: the caches' split axis; ``v_cache`` None: a packed cache's one array.
 
     Raises:
       pf.InvalidInputError: a cache is on several devices in a way that cannot be followed,
         or the two caches are placed differently.
     """
     splits = []
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+    caches = [("k_cache", k_cache)] + ([] if v_cache is None else [("v_cache", v_cache)])
+    for name, cache in caches:
         if _on_one_device(cache):
             splits.append(None)
             continue
@@ -81,7 +84,7 @@ def follow(k_cache: jax.Array, v_cache: jax.Array, axis: int = SEQUENCE_AXIS) ->
                 f"{cache.sharding}; reshard it, or pass mesh= to split the {what} axis"
             )
         splits.append(split)
-    if splits[0] != splits[1]:
+    if splits[0] != splits[-1]:
         raise pf.InvalidInputError(
             f"v_cache: expected the placement of k_cache ({k_cache.sharding}), "
             f"got {v_cache.sharding}"

@@ -86,7 +86,7 @@ def _ragged_kernel(
     }
     # every entry a page of the pool: the kernels read an entry once per page they copy
     table = jnp.clip(cache.page_table, 0, num_pages - 1)
-    arrays = [cache.k, cache.v]
+    arrays = [cache.k] if cache.packed else [cache.k, cache.v]
     if cache.quantized:  # scales by sequence in whole kv blocks of every call
         most = math.lcm(*per_block.values())
         columns = -(-pages_per_sequence // most) * most

@@ -8,7 +8,9 @@ them once before its first copy, and a masked block zeroes the rows past ``hi`` 
 page, `zero_stale_rows`: the only stale rows a copy brings (the rows before ``lo`` of
 ``lo``'s page are the sequence's own, written; a page before ``lo`` or after ``hi`` is not
 copied, and its rows in the buffer are an earlier copy's, already clean).
-An int8 block's V rows are never NaN; its V scales outside the range are zeroed instead. A
+A packed block (`pallas_flash.kv_packing`) is unpacked once per fold, its stale words
+zeroed as V's rows are (a zero word is a zero key and value). An int8 block's V rows are
+never NaN; its V scales outside the range are zeroed instead. A
 block every row sees whole (its positions from ``lo`` to the item's first token, every page
 copied) is folded unmasked: no position mask, no rows zeroed. An int8 block is converted to
 q's dtype and its scales applied to the scores (K) and to the probabilities (V).
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_flash.kv_packing import unpack_kv
 from pallas_flash.masking import apply_softcap
 from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv.blocks import LANES
@@ -34,8 +37,9 @@ _F32 = jnp.float32
 class HeadRefs(NamedTuple):
     """One kv head's refs in a fold: its query rows ``q [rows, head_dim]``, the kv block of
     each sequence of the item (`BlockSpan`), ``views[e]``: k, v ``[block_kv, head_dim]`` and,
-    for int8, their scales ``[block_kv]``; and its rows' running ``max`` and ``sum`` ``[rows,
-    128]`` and accumulator ``acc [rows, head_dim]``."""
+    for int8, their scales ``[block_kv]``, or a packed block's words ``uint32 [block_kv,
+    head_dim]`` alone; and its rows' running ``max`` and ``sum`` ``[rows, 128]`` and
+    accumulator ``acc [rows, head_dim]``."""
 
     q: jax.Ref
     views: Sequence[Sequence[jax.Ref]]
@@ -87,12 +91,13 @@ def fold_block(
     if masked and not int8:  # first: off the scores' dependent chains
         for head in heads:
             for views, span in zip(head.views, spans, strict=True):
-                zero_stale_rows(views[1], span.hi - span.first, page_size)
+                zero_stale_rows(views[-1], span.hi - span.first, page_size)  # V, or the words
+    kv = [[keys_values(views, dtype) for views in head.views] for head in heads]
     scores = []  # [rows, block_kv] each
-    for head in heads:
+    for head, head_kv in zip(heads, kv, strict=True):
         per_sequence = []
-        for views in head.views:
-            k = views[0][...].astype(dtype)
+        for views, (k, _) in zip(head.views, head_kv, strict=True):
+            k = k[...].astype(dtype)
             dims = (((1,), (1,)), ((), ()))
             s = lax.dot_general(head.q[...], k, dims, preferred_element_type=_F32,
                                 precision=precision)  # fmt: skip
@@ -118,7 +123,7 @@ def fold_block(
         head.max[...] = m_next
         head.sum[...] = alpha * head.sum[...] + jnp.sum(p, axis=1, keepdims=True)
         probabilities.append((p, alpha))
-    for (p, alpha), head in zip(probabilities, heads, strict=True):
+    for (p, alpha), head, head_kv in zip(probabilities, heads, kv, strict=True):
         per_sequence = []
         for e, views in enumerate(head.views):
             p_e = p
@@ -130,10 +135,18 @@ def fold_block(
                     v_scales = jnp.where(seen, v_scales, 0.0)
                 p_e = p * v_scales
             per_sequence.append(lax.dot_general(
-                p_e.astype(dtype), views[1][...].astype(dtype), (((1,), (0,)), ((), ())),
+                p_e.astype(dtype), head_kv[e][1][...].astype(dtype), (((1,), (0,)), ((), ())),
                 preferred_element_type=_F32, precision=precision,
             ))  # fmt: skip
         head.acc[...] = head.acc[...] * alpha[:, :1] + by_row(per_sequence)
+
+
+def keys_values(views: Sequence[jax.Ref], dtype: jnp.dtype) -> tuple[jax.Ref | jax.Array, ...]:
+    """One sequence's block's keys and values ``[block_kv, head_dim]``: its refs (read where
+    they are used), or a packed block's words unpacked into ``dtype`` (`pf.unpack_kv`)."""
+    if len(views) == 1:
+        return unpack_kv(views[0][...], dtype)
+    return views[0], views[1]
 
 
 def lanes(x: jax.Array, width: int) -> jax.Array:

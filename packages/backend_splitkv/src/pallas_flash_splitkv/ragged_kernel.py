@@ -3,9 +3,11 @@ chunks mixed) against their sequences' paged cache, float or int8.
 
 Layouts: the query and the output as the batch holds them, ``[tokens, q_heads, head_dim]``,
 seen as ``[tokens, kv_heads / H, H x group, head_dim]`` (a free reshape) and left in HBM; pages
-``[num_pages, kv_heads, page_size, head_dim]`` (int8 with float32 scales, gathered per
-sequence before the kernel: ``[seqs, kv_heads, positions]``, `ragged_attention`) and the
-flat page table, scalar-prefetched with ``kv_lengths``, ``query_starts`` and the schedule.
+``[num_pages, kv_heads, page_size, head_dim]``: k and v, or one packed uint32 pool of both
+(`pallas_flash.kv_packing`: one copy a page, unpacked in the fold), or int8 k and v with
+float32 scales, gathered per sequence before the kernel: ``[seqs, kv_heads, positions]``,
+`ragged_attention`; and the flat page table, scalar-prefetched with ``kv_lengths``,
+``query_starts`` and the schedule.
 
 Grid ``(kv_heads / H,)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`); each step loops
 over the used work items (the count of used schedule entries prefetched: no empty step). A
@@ -61,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import row_copies, tpu
+from pallas_flash.kv_packing import PACKED_DTYPE
 from pallas_flash.memory_space import in_hbm
 from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
@@ -87,6 +90,7 @@ def _kernel(
     pages_per_block: int,
     pages_per_sequence: int,
     quantized: bool,
+    packed: bool,
     has_sinks: bool,
 ) -> None:
     """One grid step ``h``: every used item ``w`` on kv heads ``h x H`` to ``h x H + H - 1``
@@ -94,15 +98,17 @@ def _kernel(
     sequences``, those below the used count), each ``block_q / S`` token rows of one sequence.
     ``q_hbm`` and the output ``[tokens, kv_heads / H, H x group, head_dim]`` in HBM; refs
     after q: sinks ``[H, rows, 128]`` when given; the cache's arrays in HBM (k, v and, when
-    quantized, their scales); the output's first value (aliased, unread); the output; scratch:
-    the item's query and output rows ``[2, block_q, H x group, head_dim]`` (double-buffered
-    across items), the query per kv head ``[H, rows, head_dim]``, running max and sum ``[H,
-    rows, 128]``, accumulator ``[H, rows, head_dim]``, one double-buffered block of each
-    entry per cache array (``[2, S, H, block_kv, ...]``), DMA semaphores ``[2, arrays]`` and
+    quantized, their scales; ``packed``: the one pool of words); the output's first value
+    (aliased, unread); the output; scratch: the item's query and output rows ``[2, block_q, H
+    x group, head_dim]`` (double-buffered across items), the query per kv head ``[H, rows,
+    head_dim]``, running max and sum ``[H, rows, 128]``, accumulator ``[H, rows, head_dim]``,
+    one double-buffered block of each entry per cache array (``[2, S, H, block_kv, ...]``),
+    DMA semaphores ``[2, arrays]`` and
     ``[2, 2]`` (queries, outputs), and SMEM counters: kv blocks folded, items done, and each
     output buffer's pending copies (first row and rows of each entry)."""
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
-    arrays = 4 if quantized else 2
+    kv_arrays = 1 if packed else 2
+    arrays = 4 if quantized else kv_arrays
     cache, refs = refs[:arrays], refs[arrays + 1 :]  # the aliased first output is not read
     o_hbm, q_buf, o_buf, qs_ref, m_ref, l_ref, acc_ref = refs[:7]
     buffers, (sems, row_sems, folded, done, pending) = refs[7 : 7 + arrays], refs[7 + arrays :]
@@ -149,7 +155,9 @@ def _kernel(
             def _page(k: int = k) -> None:
                 page = table_ref[row_of_sequence + k]  # clipped into the pool before the call
                 rows = pl.ds(k * page_size, page_size)
-                for a, (src, dst) in enumerate(zip(cache[:2], buffers[:2], strict=True)):
+                for a, (src, dst) in enumerate(
+                    zip(cache[:kv_arrays], buffers[:kv_arrays], strict=True)
+                ):
                     act(pltpu.make_async_copy(src.at[page, kv], dst.at[slot, e, :, rows],
                                               sems.at[slot, a]))  # fmt: skip
 
@@ -187,7 +195,7 @@ def _kernel(
         held = jnp.clip(end, 0, pages_per_block)
         if begin is not None:
             held = jnp.maximum(held - jnp.clip(begin, 0, pages_per_block), 0)
-        for a, buffer in enumerate(buffers[:2]):
+        for a, buffer in enumerate(buffers[:kv_arrays]):
 
             def pages(_: jax.Array, size: int, buffer=buffer, a=a):
                 # a wait counts bytes, not places: the first `size` pages' rows, at a static
@@ -356,8 +364,9 @@ def _kernel(
         folded[0], done[0] = 0, 0
         for e in range(sequences):
             pending[0, 2 * e + 1], pending[1, 2 * e + 1] = 0, 0
-        if not quantized:  # no NaN in the V buffers, ever (`ragged_fold`)
-            buffers[1][...] = jnp.zeros(buffers[1].shape, buffers[1].dtype)
+        if not quantized:  # no NaN in the V (or packed) buffers, ever (`ragged_fold`)
+            values = buffers[kv_arrays - 1]
+            values[...] = jnp.zeros(values.shape, values.dtype)
 
         for e in range(sequences):
 
@@ -410,6 +419,8 @@ def kernel_call(
     call's tokens written, the others as they were."""
     _, head_groups, head_rows, head_dim = q_rows.shape
     group = head_rows // heads
+    packed = arrays[0].dtype == PACKED_DTYPE
+    kv_arrays = arrays[:1] if packed else arrays[:2]
     rows = group * call.block_q
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     inputs, in_specs = [q_rows], [hbm]
@@ -427,7 +438,7 @@ def kernel_call(
         pltpu.VMEM((heads, rows, LANES), _F32),
         pltpu.VMEM((heads, rows, LANES), _F32),
         pltpu.VMEM((heads, rows, head_dim), _F32),
-        *(pltpu.VMEM((2, entries, heads, block_kv, head_dim), x.dtype) for x in arrays[:2]),
+        *(pltpu.VMEM((2, entries, heads, block_kv, head_dim), x.dtype) for x in kv_arrays),
         *(pltpu.VMEM((2, entries, heads, block_kv), _F32) for _ in arrays[2:]),
         pltpu.SemaphoreType.DMA((2, len(arrays))),
         pltpu.SemaphoreType.DMA((2, 2)),
@@ -442,7 +453,7 @@ def kernel_call(
     body = functools.partial(
         _kernel, spec=spec, block_q=call.block_q, sequences=entries, pages_per_block=per_block,
         pages_per_sequence=pages_per_sequence, quantized=len(arrays) == 4,
-        has_sinks=sinks is not None,
+        packed=packed, has_sinks=sinks is not None,
     )  # fmt: skip
     aliased = len(prefetch) + len(inputs) + len(arrays)
     return pl.pallas_call(
