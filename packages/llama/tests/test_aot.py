@@ -204,8 +204,9 @@ def test_paged_int8_decode_step_compiles_for_v5e(v5e_devices, chips: int) -> Non
 def test_the_tensor_parallel_engine_step_compiles_for_a_v5e_slice(v5e_devices) -> None:
     """The serving engine's step (`engine_step`) for Llama-3.2-1B over tensor=4, 64 slots and
     512 tokens, a pool of pages of 128 split over its kv heads: every layer writes its new
-    tokens with core's page write and attends with splitkv's ragged kernel, on operands that
-    are copies of q-sized arrays at most (the kernel's queries laid out per work item, as
+    tokens with core's page write into its packed pool (keys and values in one uint32 array)
+    and attends with splitkv's ragged kernel, on operands that are copies of q-sized arrays at
+    most (the kernel's queries laid out per work item, as
     `test_ragged_aot` bounds them), never of a pool; no collective moves a pool; every pool
     is updated in place."""
     from pallas_flash import page_write_kernel
@@ -218,6 +219,7 @@ def test_the_tensor_parallel_engine_step_compiles_for_a_v5e_slice(v5e_devices) -
     num_pages = slots * pages_per_sequence // 2
     params = abstract.inference_params(config, mesh)
     cache = abstract.paged_cache(config, slots, pages_per_sequence, num_pages, page_size, mesh)
+    assert cache.packed and cache.k[0].dtype == jnp.uint32
     batch = abstract.step_batch(slots, budget, pages_per_sequence, mesh)
     step = engine_step.step_program(cache, config, "splitkv", mesh)
     compiled = step.trace(params, cache, batch).lower(lowering_platforms=("tpu",)).compile()
@@ -225,14 +227,14 @@ def test_the_tensor_parallel_engine_step_compiles_for_a_v5e_slice(v5e_devices) -
     calls = [call.name.split(".")[0] for call in hlo_ops.kernel_calls(text)]
     ragged = (ragged_attention.KERNEL_NAME, ragged_attention.DECODE_KERNEL_NAME)
     assert sum(calls.count(name) for name in ragged) == 2 * config.layers, calls
-    assert calls.count(page_write_kernel.KERNEL_NAME) == config.layers  # K and V in one call
+    assert calls.count(page_write_kernel.KERNEL_NAME) == config.layers  # the packed pool
     chip_q = budget * config.q_heads * config.head_dim * 2 // 4
     assert all(bytes_ <= 4 * chip_q for *_, bytes_ in _large_operand_copies(text))
     chip_pool = num_pages * config.kv_heads * page_size * config.head_dim * 2 // 4
     # the layers' all-reduces (2 MiB), the sampled logits' exchanges (16 MiB): not a pool
     assert all(op.bytes < chip_pool // 2 for op in hlo_ops.collectives(text))
     copies = hlo_ops.find_copy_trap(text)  # the sampler's logits are re-laid out; no pool
-    chip_pool_shape = f"bf16[{num_pages},{config.kv_heads // 4},{page_size},{config.head_dim}]"
+    chip_pool_shape = f"u32[{num_pages},{config.kv_heads // 4},{page_size},{config.head_dim}]"
     assert not [op.name for op in copies if op.shape.startswith(chip_pool_shape)]
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes >= 2 * config.layers * chip_pool  # pools in place

@@ -171,6 +171,23 @@ def test_a_tensor_parallel_engine_serves_the_one_device_tokens(tiny, engine, bac
     assert served.free_pages == FEW_PAGES, "no page leaked"
 
 
+def test_a_bfloat16_engine_s_packed_cache_serves_the_same_tokens_batched(tiny) -> None:
+    """A bfloat16 model's paged cache is packed (keys and values in one uint32 pool a layer,
+    `pallas_flash.kv_packing`), here split over a (1, 1, 2) mesh's kv heads and read by
+    splitkv's ragged kernel: the same greedy tokens batched under preemption as alone, and
+    no page leaked."""
+    config, params = tiny
+    config = config.replace(dtype="bfloat16")
+    mesh = make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    placed = jax.device_put(params, param_shardings(config, mesh))
+    served = Engine(placed, config, num_pages=FEW_PAGES, backend="splitkv", mesh=mesh, **SIZES)
+    assert served._cache.packed and served._cache.k[0].dtype == jnp.uint32
+    requests = _requests(5, seed=3)
+    assert _tokens(served.run_all(requests)) == _alone(served, requests)
+    assert served.preemptions > 0
+    assert served.free_pages == FEW_PAGES, "no page leaked"
+
+
 def test_a_mesh_that_splits_the_batch_is_refused(tiny) -> None:
     config, params = tiny
     mesh = make_mesh(1, 2, 2)

@@ -125,6 +125,35 @@ def test_int8_caches_give_logits_close_to_the_bfloat16_cache_s(tiny) -> None:
     np.testing.assert_allclose(paged, contiguous, atol=1e-5)
 
 
+def test_a_bfloat16_paged_cache_is_packed_and_decodes_as_the_contiguous_one(tiny) -> None:
+    """A 16-bit paged cache keeps each layer's keys and values in one uint32 pool
+    (`pallas_flash.kv_packing`); written by prefill and four decode steps, it gives the
+    contiguous bfloat16 cache's logits (packing loses no bit), and its pages unpacked hold
+    the contiguous cache's keys and values."""
+    config, params = tiny
+    config = config.replace(dtype="bfloat16")  # the compiles of the test above
+    cache = init_cache(config, 3, MAX_LEN, page_size=PAGE)
+    assert cache.packed and cache.v is None and cache.k[0].dtype == jnp.uint32
+    assert cache.k[0].shape == (3 * MAX_LEN // PAGE, config.kv_heads, PAGE, config.head_dim)
+    np.testing.assert_array_equal(
+        _decode_logits(params, config, page_size=PAGE), _decode_logits(params, config)
+    )
+    p = gen.inference_params(params, config)
+    tokens, lengths = _prompt_batch()
+    paged = init_cache(config, 3, MAX_LEN, page_size=PAGE)
+    contiguous = init_cache(config, 3, MAX_LEN)
+    _, paged = gen.prefill(p, paged, tokens, lengths, config, "xla")
+    _, contiguous = gen.prefill(p, contiguous, tokens, lengths, config, "xla")
+    table = np.asarray(paged.pages.page_table)
+    layer = paged.layer(config.layers - 1)
+    k, v = (np.asarray(x, np.float32) for x in layer.unpacked(jnp.bfloat16)[:2])
+    for b, n in enumerate(np.asarray(lengths)):
+        for pool, want in ((k, contiguous.k[-1]), (v, contiguous.v[-1])):
+            pages = pool[table[b, : -(-int(n) // PAGE)]]  # [pages, heads, PAGE, dim]
+            got = np.moveaxis(pages, 0, 1).reshape(config.kv_heads, -1, config.head_dim)[:, :n]
+            np.testing.assert_array_equal(got, np.asarray(want, np.float32)[b, :, :n])
+
+
 @pytest.mark.parametrize("kv_cache, decode_backend", [("contiguous", "xla"), ("paged", "splitkv")])
 def test_int8_caches_generate_end_to_end(tiny, kv_cache, decode_backend) -> None:
     config, params = tiny

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
+from pallas_flash import kv_packing
 from pallas_flash_llama import generation, int8_weights, model
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.engine_step import StepBatch
@@ -131,18 +132,24 @@ def paged_cache(
     """A paged `KVCache` as the serving engine holds it over a ``(1, 1, tensor)`` mesh
     (`kv_cache.init_cache`, ``split="heads"``): each layer's pool ``[num_pages, kv_heads,
     page_size, head_dim]`` split over its kv heads and row-major, int8 with float32 scales
-    when ``kv_dtype`` says so; the page table of ``slots`` rows, the allocator and the
-    lengths on every device."""
+    when ``kv_dtype`` says so, one packed uint32 pool of keys and values when 16-bit
+    (`kv_cache.KVCache`); the page table of ``slots`` rows, the allocator and the lengths on
+    every device."""
     check_split("heads", paged=True, mesh=mesh)
     shape = (num_pages, config.kv_heads, page_size, config.head_dim)
-    layers, scales = _layer_buffers(config, shape, pool_sharding(mesh, "heads"), kv_dtype)
+    dtype = jnp.dtype(config.dtype if kv_dtype is None else kv_dtype)
+    packed = kv_packing.packable(dtype)
+    placed = pool_sharding(mesh, "heads")
+    layers, scales = _layer_buffers(config, shape, placed, kv_packing.PACKED_DTYPE if packed
+                                    else kv_dtype)  # fmt: skip
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def whole(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
 
     pages = pf.PageAllocator(whole((slots, pages_per_sequence)), whole((1, num_pages)), whole((1,)))
-    return KVCache(layers, layers, whole((slots,)), scales, scales, pages, split="heads")
+    values = None if packed else layers
+    return KVCache(layers, values, whole((slots,)), scales, scales, pages, split="heads")
 
 
 def step_batch(slots: int, token_budget: int, pages_per_sequence: int, mesh: Mesh) -> StepBatch:

@@ -119,7 +119,7 @@ def _heads_layer(cache: pf.DecodeCache) -> pf.DecodeCache:
         return pf.DecodeCache(heads, heads, None, scales, scales)
     pool = PartitionSpec(None, "tensor", None, None)
     scales = None if cache.k_scales is None else PartitionSpec(None, "tensor", None)
-    return pf.DecodeCache(pool, pool, PartitionSpec(), scales, scales)
+    return pf.DecodeCache(pool, None if cache.packed else pool, PartitionSpec(), scales, scales)
 
 
 def _write_and_decode(q, k, v, cache, blocks, positions, lengths, *, backend, mesh):

@@ -192,17 +192,18 @@ def jit_step(
     check_split(cache.split, cache.paged)
     scales = None if cache.k_scales is None else pf.kept_format(cache.k_scales[0])
     kept = pf.kept_format(cache.k[0])
-    return _jit(step, config, backend, mesh, kept, scales, cache.split)
+    return _jit(step, config, backend, mesh, kept, scales, cache.split, cache.packed)
 
 
 @functools.cache
-def _jit(step, config, backend, mesh, kept, kept_scales, split) -> jax.stages.Wrapped:
+def _jit(step, config, backend, mesh, kept, kept_scales, split, packed) -> jax.stages.Wrapped:
     layers = (kept,) * config.layers
     scales = None if kept_scales is None else (kept_scales,) * config.layers
+    values = None if packed else layers
     return jax.jit(
         functools.partial(step, config=config, backend=backend, mesh=mesh),
         donate_argnames="cache",
-        out_shardings=(None, KVCache(layers, layers, None, scales, scales, None, split)),
+        out_shardings=(None, KVCache(layers, values, None, scales, scales, None, split)),
     )
 
 

@@ -20,7 +20,10 @@ Layouts (`pf.DecodeCache`), per layer:
   the mesh's batch axes of size 1);
 - int8 (either layout): K and V in int8 with float32 scales, the buffer's shape without
   ``head_dim`` (one per token and kv head), quantized as they are written
-  (`pallas_flash.cache_write.write_kv`).
+  (`pallas_flash.cache_write.write_kv`);
+- packed (paged, 16-bit): each layer's keys and values in one uint32 pool (``k``; ``v`` None),
+  a word a position's key and value (`pallas_flash.kv_packing`), so that a step's new token
+  is written alone rather than with the tile of 16 positions around it.
 
 Each layer's buffer is its own array, not a slice of a ``[layers, ...]`` stack: a kernel's
 operand must be a whole buffer, and slicing a layer out of a stack would copy it (a
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_flash as pf
-from pallas_flash import page_allocator
+from pallas_flash import kv_packing, page_allocator
 from pallas_flash.cache_write import write_kv, write_pages
 from pallas_flash_llama.config import LlamaConfig
 from pallas_flash_llama.sharding import BATCH_AXES, batch_parts
@@ -63,8 +66,8 @@ class KVCache:
 
     Attributes:
       k: per layer, ``[batch, kv_heads, max_len, head_dim]``, or paged ``[num_pages,
-        kv_heads, page_size, head_dim]``; the compute dtype or int8.
-      v: per layer, shaped as ``k``.
+        kv_heads, page_size, head_dim]``; the compute dtype or int8, or (packed) uint32.
+      v: per layer, shaped as ``k``; None for a packed cache.
       lengths: ``[batch]`` int32 tokens cached per sequence (positions past it are unused).
       k_scales: per layer, float32 ``k``'s shape without ``head_dim`` for an int8 cache,
         else None.
@@ -75,7 +78,7 @@ class KVCache:
     """
 
     k: Layers
-    v: Layers
+    v: Layers | None
     lengths: jax.Array
     k_scales: Layers | None = None
     v_scales: Layers | None = None
@@ -93,6 +96,11 @@ class KVCache:
         return self.k_scales is not None
 
     @property
+    def packed(self) -> bool:
+        """Whether each layer's K and V are one packed pool (module doc)."""
+        return self.v is None
+
+    @property
     def page_size(self) -> int | None:
         """Positions per page of a paged cache; None for a contiguous one."""
         return self.k[0].shape[2] if self.paged else None
@@ -106,7 +114,7 @@ class KVCache:
         """Layer ``i``'s cache as ``pf.decode`` reads it."""
         return pf.DecodeCache(
             self.k[i],
-            self.v[i],
+            None if self.v is None else self.v[i],
             None if self.pages is None else self.pages.page_table,
             None if self.k_scales is None else self.k_scales[i],
             None if self.v_scales is None else self.v_scales[i],
@@ -205,6 +213,7 @@ def init_cache(
       max_len: positions per sequence (paged: rounded up to whole pages).
       mesh: split each layer's buffer over it as ``split`` says.
       kv_dtype: of K and V: None for the compute dtype, or ``jnp.int8`` (then with scales).
+        A paged cache of a 16-bit dtype is packed (module doc).
       page_size: positions per page, for a paged cache; None: contiguous.
       num_pages: pages per layer's pool (a multiple of the devices its pages are split
         over); default: enough for every sequence to reach ``max_len`` whichever device each
@@ -244,9 +253,10 @@ def init_cache(
     scales = None
     if dtype == jnp.int8:
         scales = (shape[:3], jnp.float32, scales_sharding(sharding))
+    packed = paged and kv_packing.packable(dtype)
     return KVCache(
-        zeros(shape, dtype, sharding),
-        zeros(shape, dtype, sharding),
+        zeros(shape, kv_packing.PACKED_DTYPE if packed else dtype, sharding),
+        None if packed else zeros(shape, dtype, sharding),
         jnp.zeros((batch,), jnp.int32),
         None if scales is None else zeros(*scales),
         None if scales is None else zeros(*scales),
