@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+import pallas_flash as pf
 from pallas_flash_bench.kernels import backend_kernels, ragged_step, row_figures, subjects
 from pallas_flash_bench.kernels.sweeps import (
     SERVING_LENGTHS,
@@ -100,6 +101,8 @@ def test_our_backends_run_a_windowed_step_with_pf_s_window() -> None:
 
     arrays = measure.random_arrays(subjects.array_specs(WINDOWED), WINDOWED)
     out, _ = subjects.backend_subjects(["xla"])[0].build(WINDOWED, None)(*arrays)
+    k_cache, v_cache = pf.unpack_kv(arrays[3], WINDOWED.dtype)  # the packed pool
+    arrays = [*arrays[:3], k_cache, v_cache, *arrays[4:]]
     q, k, v, k_cache, v_cache, table, starts, lengths = (np.asarray(a, np.float64) for a in arrays)
     for s, (lo, hi) in enumerate(zip(starts[:-1].astype(int), starts[1:].astype(int), strict=True)):
         n, length = hi - lo, int(lengths[s])
@@ -136,26 +139,32 @@ def test_the_other_workloads_record_what_they_did_before_mixed_steps() -> None:
 
 
 def test_our_backends_run_it_through_ragged_attention_with_the_cache_donated() -> None:
+    """A bfloat16 step's cache is one packed pool (`ragged_step.packed`), as the engine keeps
+    it; a float32 step's is K's and V's."""
     specs = subjects.array_specs(STEP)
+    assert specs[3].dtype == "uint32" and specs[4].dtype == "int32"
     assert [s.shape for s in specs] == [
-        (15, 4, 8), (15, 2, 8), (15, 2, 8), (8, 2, 16, 8), (8, 2, 16, 8), (5, 4), (6,), (5,),
+        (15, 4, 8), (15, 2, 8), (15, 2, 8), (8, 2, 16, 8), (5, 4), (6,), (5,),
     ]  # fmt: skip
     backends = {s.name: s for s in subjects.backend_subjects()}
     xla = backends["xla"]
-    assert xla.donate(STEP) == (3, 4) and xla.donate(Workload("decode", 64)) == ()
+    assert xla.donate(STEP) == (3,) and xla.donate(Workload("decode", 64)) == ()
     assert xla.build(STEP, None) is not None
+    float32 = dataclasses.replace(STEP, dtype="float32")
+    k_pool, v_pool = subjects.array_specs(float32)[3:5]
+    assert k_pool == v_pool and k_pool.dtype == "float32" and len(k_pool.shape) == 4
+    assert xla.donate(float32) == (3, 4)
 
 
 def test_its_measured_arrays_run_on_the_xla_backend_through_the_build() -> None:
     import jax.numpy as jnp
 
-    import pallas_flash as pf
     from pallas_flash_bench.runs import measure
 
     arrays = measure.random_arrays(subjects.array_specs(STEP), STEP)
-    assert arrays[6].tolist() == [0, 1, 2, 3, 9, 15] and arrays[7].tolist() == [5, 17, 40, 16, 16]
+    assert arrays[5].tolist() == [0, 1, 2, 3, 9, 15] and arrays[6].tolist() == [5, 17, 40, 16, 16]
     out, cache = subjects.backend_subjects(["xla"])[0].build(STEP, None)(*arrays)
-    want, _ = pf.ragged_attention(*arrays, backend="xla")
+    want, _ = pf.ragged_attention(*arrays[:4], None, *arrays[4:], backend="xla")
     assert out.shape == (15, 4, 8) and jnp.allclose(out, want)
     assert cache.k.shape == arrays[3].shape
 
@@ -230,12 +239,12 @@ def test_the_windows_run_is_the_matrix_s_steps_without_and_at_each_window() -> N
 
 
 def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
-    # pages of 16 (bfloat16: chunks of 8): each decode token and each chunk of 6 (positions
-    # 10..15) is one item in part of its chunk; one kv block of 64 positions each, masked
-    # (none is seen whole by every row), both kv heads in one grid step: (items, blocks seen
-    # whole, masked blocks); the page write's 5 items in one group: (groups, reads, patches,
-    # writes' waits)
-    assert backend_kernels.loop_trips("xla", STEP, "pallas_flash_write_pages.3") == (1, 5, 5, 5)
+    # pages of 16 of a packed pool (uint32: chunks of one position): each of the 15 new tokens
+    # is one item, its whole chunk (written without a read); one kv block of 64 positions
+    # each, masked (none is seen whole by every row), both kv heads in one grid step: (items,
+    # blocks seen whole, masked blocks); the page write's 15 items in one group: (groups,
+    # reads, patches, writes' waits)
+    assert backend_kernels.loop_trips("xla", STEP, "pallas_flash_write_pages.3") == (1, 15, 15, 15)
     ragged = "pallas_flash_ragged_paged_attention.1"  # the chunks' call, 4 query heads / kv
     assert backend_kernels.loop_trips("splitkv", STEP, ragged) == (2, 0, 2)
     decoding = "pallas_flash_ragged_paged_attention_decode.2"  # the 3 decodes: one item
@@ -243,8 +252,8 @@ def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
     assert backend_kernels.loop_trips("xla", STEP, ragged) is None
     decode = Workload("decode", 64, batch=2, cache="paged", page_size=16)
     assert backend_kernels.loop_trips("splitkv", decode, "pallas_flash_write_pages") is None
-    chunk = 2 * 8 * 8 * 2  # kv heads x positions x head_dim x bytes
-    moved = 2 * (2 * 5 + 5) * chunk  # K and V: every chunk written and read, its patch read
+    chunk = 2 * 1 * 8 * 4  # kv heads x positions x head_dim x bytes of a word
+    moved = 2 * 15 * chunk  # the packed pool: each token's row read and its chunk written
     new_rows = STEP.tokens * STEP.cache_bytes_per_token
     assert backend_kernels.min_hbm_bytes(STEP) == STEP.min_hbm_bytes + moved - new_rows
     assert backend_kernels.min_hbm_bytes(decode) == decode.min_hbm_bytes

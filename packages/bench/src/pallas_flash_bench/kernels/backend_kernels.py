@@ -32,6 +32,7 @@ import numpy as np
 
 import pallas_flash as pf
 from pallas_flash import page_write_kernel, page_write_plan
+from pallas_flash.kv_packing import PACKED_DTYPE
 from pallas_flash.ragged_attention import token_pages
 from pallas_flash_bench.kernels import ragged_step
 from pallas_flash_bench.kernels.workloads import Workload
@@ -102,18 +103,26 @@ def _pool_shares(backend: str, w: Workload, tokens: int) -> dict[str, float]:
 
 def min_hbm_bytes(workload: Workload) -> float:
     """The least a backend moves on ``workload``: on a serving step, the workload's least with
-    the page write's chunks and whole pages (`page_write_kernel.moved_bytes`, K and V) in
-    place of the new rows written into their pages, which the least counts."""
+    the page write's chunks and whole pages (`page_write_kernel.moved_bytes`, K and V, or a
+    packed pool's) in place of the new rows written into their pages, which the least
+    counts."""
     w = workload
     if w.op != "ragged":
         return w.min_hbm_bytes
-    moved = 2 * page_write_kernel.moved_bytes(_page_write_plan(w), _pool(w))
+    moved = _pools(w) * page_write_kernel.moved_bytes(_page_write_plan(w), _pool(w))
     new_rows = ragged_step.tokens(w) * w.cache_bytes_per_token
     return w.min_hbm_bytes + moved - new_rows
 
 
 def _pool(w: Workload) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((w.num_pages, w.kv_heads, w.page_size, w.head_dim), w.dtype)
+    """One pool of the step's cache: K's (or V's), or the packed pool of both."""
+    dtype = PACKED_DTYPE if ragged_step.packed(w) else w.dtype
+    return jax.ShapeDtypeStruct((w.num_pages, w.kv_heads, w.page_size, w.head_dim), dtype)
+
+
+def _pools(w: Workload) -> int:
+    """The cache's pools: K and V, or the packed one."""
+    return 1 if ragged_step.packed(w) else 2
 
 
 def _arrays(w: Workload) -> tuple[jax.Array, jax.Array]:
@@ -124,13 +133,15 @@ def _arrays(w: Workload) -> tuple[jax.Array, jax.Array]:
 
 def _page_write_plan(w: Workload) -> tuple[page_write_plan.Items, page_write_plan.WholePages]:
     """The page write's chunk items and whole pages on the step (the same for K and V)."""
-    return page_write_kernel.plan(_pool(w), *_token_pages(w, w.tokens), _sequences(w), pools=2)
+    return page_write_kernel.plan(_pool(w), *_token_pages(w, w.tokens), _sequences(w),
+                                  pools=_pools(w))  # fmt: skip
 
 
 def _page_write_runs(w: Workload, tokens: int) -> tuple[int, ...]:
     """The page write's loops on the step padded to ``tokens`` (`page_write_kernel.loop_runs`,
-    keys and values in one call)."""
-    return page_write_kernel.loop_runs(_pool(w), *_token_pages(w, tokens), _sequences(w), pools=2)
+    keys and values in one call, or the packed pool)."""
+    return page_write_kernel.loop_runs(_pool(w), *_token_pages(w, tokens), _sequences(w),
+                                       pools=_pools(w))  # fmt: skip
 
 
 def _token_pages(w: Workload, tokens: int) -> tuple[jax.Array, jax.Array]:

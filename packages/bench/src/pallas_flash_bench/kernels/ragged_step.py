@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pallas_flash import kv_packing
+
 if TYPE_CHECKING:
     from pallas_flash_bench.kernels.workloads import Workload
 
@@ -47,6 +49,12 @@ def pf_window(workload: Workload) -> int | None:
     """``pf.ragged_attention``'s ``sliding_window`` for the step: a token at ``p`` sees ``p - w``
     to ``p``, so one less than the positions the workload's window counts."""
     return None if workload.sliding_window is None else workload.sliding_window - 1
+
+
+def packed(workload: Workload) -> bool:
+    """Whether the step's cache is packed, as the serving engine keeps a 16-bit one: keys and
+    values in one uint32 pool (`pallas_flash.kv_packing`)."""
+    return kv_packing.packable(workload.dtype)
 
 
 def visible_pairs(workload: Workload) -> int:

@@ -63,27 +63,29 @@ def array_specs(workload: Workload) -> list[ArraySpec]:
 
 def ragged_specs(workload: Workload) -> list[ArraySpec]:
     """``pf.ragged_attention``'s arguments: ``q [tokens, q_heads, head_dim]``, ``k, v [tokens,
-    kv_heads, head_dim]``, ``k_cache, v_cache [num_pages, kv_heads, page_size, head_dim]``,
-    ``page_table [seqs, seq_len / page_size]``, ``query_starts [seqs + 1]`` and ``kv_lengths
-    [seqs]``."""
+    kv_heads, head_dim]``, the cache's pools ``[num_pages, kv_heads, page_size, head_dim]``
+    (`ragged_cache`: k's and v's, or the packed one, `ragged_step.packed`), ``page_table
+    [seqs, seq_len / page_size]``, ``query_starts [seqs + 1]`` and ``kv_lengths [seqs]``."""
     w = workload
     seqs, new = len(w.sequence_lengths), ArraySpec((w.tokens, w.kv_heads, w.head_dim), w.dtype)
-    cache = ArraySpec((w.num_pages, w.kv_heads, w.page_size, w.head_dim), w.dtype)
+    shape = (w.num_pages, w.kv_heads, w.page_size, w.head_dim)
+    packed = ragged_step.packed(w)
+    pools = [ArraySpec(shape, "uint32")] if packed else [ArraySpec(shape, w.dtype)] * 2
     return [
         ArraySpec((w.tokens, w.q_heads, w.head_dim), w.dtype),
         new,
         new,
-        cache,
-        cache,
+        *pools,
         ArraySpec((seqs, w.seq_len // w.page_size), "int32"),
         ArraySpec((seqs + 1,), "int32"),
         ArraySpec((seqs,), "int32"),
     ]
 
 
-RAGGED_CACHE = (3, 4)
-"""``k_cache, v_cache`` in `ragged_specs`: donated, as a serving engine donates them, so that
-the write of the new tokens is in place."""
+def ragged_cache(workload: Workload) -> tuple[int, ...]:
+    """The cache's pools in `ragged_specs` (k's and v's, or the packed one): donated, as a
+    serving engine donates them, so that the write of the new tokens is in place."""
+    return (3,) if ragged_step.packed(workload) else (3, 4)
 
 
 def no_donation(workload: Workload) -> tuple[int, ...]:
@@ -92,8 +94,8 @@ def no_donation(workload: Workload) -> tuple[int, ...]:
 
 
 def backend_donation(workload: Workload) -> tuple[int, ...]:
-    """A backend's donated arguments: a ragged step's cache (`RAGGED_CACHE`), nothing else."""
-    return RAGGED_CACHE if workload.op == "ragged" else ()
+    """A backend's donated arguments: a ragged step's cache (`ragged_cache`), nothing else."""
+    return ragged_cache(workload) if workload.op == "ragged" else ()
 
 
 def decode_options(workload: Workload, extra: tuple[jax.Array, ...]) -> dict[str, jax.Array]:
@@ -181,6 +183,8 @@ def _backend_build(
         needed.add("paged_cache")
     if workload.cache_dtype == "int8":
         needed.add("int8_cache")
+    if workload.op == "ragged" and ragged_step.packed(workload):
+        needed.add("packed_cache")
     if workload.sliding_window is not None:
         needed.add("sliding_window")
     if not needed <= info.capabilities:
@@ -188,9 +192,10 @@ def _backend_build(
     if workload.op == "ragged":
         window = ragged_step.pf_window(workload)
 
-        def ragged(q, k, v, k_cache, v_cache, page_table, query_starts, kv_lengths):
+        def ragged(q, k, v, *pools_and_layout):
+            pools, layout = pools_and_layout[:-3], pools_and_layout[-3:]
             return pf.ragged_attention(
-                q, k, v, k_cache, v_cache, page_table, query_starts, kv_lengths,
+                q, k, v, pools[0], pools[1] if len(pools) == 2 else None, *layout,
                 sliding_window=window, backend=info.name,
             )  # fmt: skip
 

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_flash as pf
+from pallas_flash.kv_packing import PACKED_DTYPE
 from pallas_flash_bench.kernels import ragged_step
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.aot.program_ref import ArraySpec
@@ -27,21 +29,26 @@ def platform() -> str:
 
 
 def random_arrays(specs: list[ArraySpec], workload: Workload) -> list[jax.Array]:
-    """Normal floats for q/k/v (and int8 caches' values and scales); the workload's lengths
+    """Normal floats for q/k/v (and int8 caches' values and scales; a packed pool's keys and
+    values in the workload's dtype, `pf.pack_kv`); the workload's lengths
     (`Workload.sequence_lengths`; attention has none) and, for a paged cache, a page table that
     hands every sequence its own pages of the pool in shuffled order (the arguments' order of
     `subjects.array_specs`)."""
     rng = np.random.default_rng(0)
-    arrays = [
-        jnp.asarray(rng.standard_normal(spec.shape), dtype=spec.dtype)
-        if not jnp.issubdtype(jnp.dtype(spec.dtype), jnp.integer)
-        else jnp.zeros(spec.shape, spec.dtype)
-        for spec in specs
-    ]
+
+    def normal(spec: ArraySpec) -> jax.Array:
+        if jnp.dtype(spec.dtype) == PACKED_DTYPE:
+            k, v = (rng.standard_normal(spec.shape) for _ in range(2))
+            return pf.pack_kv(jnp.asarray(k, workload.dtype), jnp.asarray(v, workload.dtype))
+        if jnp.issubdtype(jnp.dtype(spec.dtype), jnp.integer):
+            return jnp.zeros(spec.shape, spec.dtype)
+        return jnp.asarray(rng.standard_normal(spec.shape), dtype=spec.dtype)
+
+    arrays = [normal(spec) for spec in specs]
     if workload.op == "ragged":  # page_table, query_starts, kv_lengths (`ragged_specs`)
         tables = (ragged_step.page_table(workload, rng), ragged_step.query_starts(workload),
                   workload.sequence_lengths)  # fmt: skip
-        arrays[5:] = [jnp.asarray(t, jnp.int32) for t in tables]
+        arrays[-3:] = [jnp.asarray(t, jnp.int32) for t in tables]
     if workload.op == "decode":
         lengths = workload.sequence_lengths
         arrays[3] = jnp.asarray(lengths, jnp.int32)
