@@ -245,6 +245,10 @@ def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
     # blocks seen whole, masked blocks); the page write's 15 items in one group: (groups,
     # reads, patches, writes' waits)
     assert backend_kernels.loop_trips("xla", STEP, "pallas_flash_write_pages.3") == (1, 15, 15, 15)
+    # an int8 cache (the engine's, `ModelWorkload.kv_dtype`): K and V in chunks of a page of 16
+    # (a 32-row tile is longer), each run of new tokens one item
+    int8 = backend_kernels.loop_trips("xla", STEP, "pallas_flash_write_pages.3", cache_dtype="int8")
+    assert int8 == (1, 5, 5, 5)
     ragged = "pallas_flash_ragged_paged_attention.1"  # the chunks' call, 4 query heads / kv
     assert backend_kernels.loop_trips("splitkv", STEP, ragged) == (2, 0, 2)
     decoding = "pallas_flash_ragged_paged_attention_decode.2"  # the 3 decodes: one item

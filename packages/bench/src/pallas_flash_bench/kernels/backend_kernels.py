@@ -40,17 +40,22 @@ from pallas_flash_estimate.cost import kernel_cost
 
 
 def loop_trips(
-    backend: str, workload: Workload, kernel: str, tokens: int | None = None
+    backend: str,
+    workload: Workload,
+    kernel: str,
+    tokens: int | None = None,
+    cache_dtype: str | None = None,
 ) -> tuple[int, ...] | None:
     """The runs of ``kernel``'s loops without a trip count over the whole kernel, in program
-    order, when ``backend`` runs ``workload`` (padded to ``tokens``, default its own); None
-    for a kernel without such loops here."""
+    order, when ``backend`` runs ``workload`` (padded to ``tokens``, default its own; its
+    cache in ``cache_dtype``: None for the workload's, packed where 16-bit, or ``"int8"``);
+    None for a kernel without such loops here."""
     if workload.op != "ragged":
         return None
     stem = kernel.split(".")[0]
     tokens = workload.tokens if tokens is None else tokens
     if stem == page_write_kernel.KERNEL_NAME:
-        return _page_write_runs(workload, tokens)
+        return _page_write_runs(workload, tokens, cache_dtype)
     ragged = _splitkv_ragged(backend)
     if ragged is not None and stem in (ragged.KERNEL_NAME, ragged.DECODE_KERNEL_NAME):
         return _ragged_runs(ragged, workload, stem, tokens)
@@ -58,10 +63,11 @@ def loop_trips(
 
 
 def occupancy(
-    backend: str, workload: Workload, tokens: int | None = None
+    backend: str, workload: Workload, tokens: int | None = None, cache_dtype: str | None = None
 ) -> Callable[[str], kernel_cost.FullGrid]:
-    """For a whole program that runs ``workload`` (a ragged step, padded to ``tokens``) on
-    one chip: each Pallas kernel's occupancy by name, its `loop_trips` and, for splitkv's
+    """For a whole program that runs ``workload`` (a ragged step, padded to ``tokens``, its
+    cache in ``cache_dtype`` as `loop_trips` takes it) on one chip: each Pallas kernel's
+    occupancy by name, its `loop_trips` and, for splitkv's
     ragged calls, the share of its operands it reads: the pool's pages its own sequences
     hold (the pools are nearly all of its operands' bytes)."""
     tokens = workload.tokens if tokens is None else tokens
@@ -69,7 +75,7 @@ def occupancy(
 
     @functools.cache
     def of(kernel: str) -> kernel_cost.FullGrid:
-        trips = loop_trips(backend, workload, kernel, tokens)
+        trips = loop_trips(backend, workload, kernel, tokens, cache_dtype)
         return kernel_cost.FullGrid(loop_trips=trips, copied=shares.get(kernel.split(".")[0]))
 
     return of
@@ -114,15 +120,16 @@ def min_hbm_bytes(workload: Workload) -> float:
     return w.min_hbm_bytes + moved - new_rows
 
 
-def _pool(w: Workload) -> jax.ShapeDtypeStruct:
-    """One pool of the step's cache: K's (or V's), or the packed pool of both."""
-    dtype = PACKED_DTYPE if ragged_step.packed(w) else w.dtype
+def _pool(w: Workload, cache_dtype: str | None = None) -> jax.ShapeDtypeStruct:
+    """One pool of the step's cache: K's (or V's), int8 where ``cache_dtype`` says so, or the
+    packed pool of both (`ragged_step.packed`)."""
+    dtype = cache_dtype or (PACKED_DTYPE if ragged_step.packed(w) else w.dtype)
     return jax.ShapeDtypeStruct((w.num_pages, w.kv_heads, w.page_size, w.head_dim), dtype)
 
 
-def _pools(w: Workload) -> int:
+def _pools(w: Workload, cache_dtype: str | None = None) -> int:
     """The cache's pools: K and V, or the packed one."""
-    return 1 if ragged_step.packed(w) else 2
+    return 1 if cache_dtype is None and ragged_step.packed(w) else 2
 
 
 def _arrays(w: Workload) -> tuple[jax.Array, jax.Array]:
@@ -137,11 +144,12 @@ def _page_write_plan(w: Workload) -> tuple[page_write_plan.Items, page_write_pla
                                   pools=_pools(w))  # fmt: skip
 
 
-def _page_write_runs(w: Workload, tokens: int) -> tuple[int, ...]:
+def _page_write_runs(w: Workload, tokens: int, cache_dtype: str | None) -> tuple[int, ...]:
     """The page write's loops on the step padded to ``tokens`` (`page_write_kernel.loop_runs`,
     keys and values in one call, or the packed pool)."""
-    return page_write_kernel.loop_runs(_pool(w), *_token_pages(w, tokens), _sequences(w),
-                                       pools=_pools(w))  # fmt: skip
+    pool = _pool(w, cache_dtype)
+    return page_write_kernel.loop_runs(pool, *_token_pages(w, tokens), _sequences(w),
+                                       pools=_pools(w, cache_dtype))  # fmt: skip
 
 
 def _token_pages(w: Workload, tokens: int) -> tuple[jax.Array, jax.Array]:

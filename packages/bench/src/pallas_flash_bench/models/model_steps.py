@@ -61,7 +61,7 @@ def _occupancy(w: ModelWorkload, program: str) -> Callable[[str], Occupancy]:
     """What each Pallas kernel of ``program`` runs, by kernel name."""
     if w.step == "engine":
         return backend_kernels.occupancy(w.decode_backend, w.engine_mix(w.mesh[2]),
-                                         w.engine_bucket)  # fmt: skip
+                                         w.engine_bucket, w.kv_dtype)  # fmt: skip
     kernels = _kernel_workload(w, program)
     return lambda _: kernels
 
