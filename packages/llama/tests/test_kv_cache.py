@@ -67,17 +67,31 @@ def test_a_paged_cache_generates_the_contiguous_cache_s_tokens(
     assert paged == contiguous_tokens
 
 
-def test_pages_are_allocated_per_sequence_and_written_in_place(tiny) -> None:
-    """Prefill takes ceil(length / page) pages per prompt; a decode step takes a page for each
-    sequence at a page boundary, writes into the donated pool, and the pages read through the
-    table hold what the contiguous cache holds."""
-    config, params = tiny
+def _prefilled(params, config):
+    """The prompt batch prefilled (xla) into a paged cache and a contiguous one: (inference
+    params, paged, contiguous, prompt lengths)."""
     p = gen.inference_params(params, config)
     tokens, lengths = _prompt_batch()
     paged = init_cache(config, 3, MAX_LEN, page_size=PAGE)
     contiguous = init_cache(config, 3, MAX_LEN)
     _, paged = gen.prefill(p, paged, tokens, lengths, config, "xla")
     _, contiguous = gen.prefill(p, contiguous, tokens, lengths, config, "xla")
+    return p, paged, contiguous, lengths
+
+
+def _positions(pool: np.ndarray, pages: np.ndarray, n: int, config) -> np.ndarray:
+    """A sequence's first ``n`` positions ``[kv_heads, n, head_dim]`` from its ``pages`` of
+    ``pool [num_pages, kv_heads, PAGE, head_dim]``."""
+    held = np.moveaxis(pool[pages], 0, 1)  # [heads, pages, PAGE, dim]
+    return held.reshape(config.kv_heads, -1, config.head_dim)[:, :n]
+
+
+def test_pages_are_allocated_per_sequence_and_written_in_place(tiny) -> None:
+    """Prefill takes ceil(length / page) pages per prompt; a decode step takes a page for each
+    sequence at a page boundary, writes into the donated pool, and the pages read through the
+    table hold what the contiguous cache holds."""
+    config, params = tiny
+    p, paged, contiguous, lengths = _prefilled(params, config)
     num_pages = paged.k[0].shape[0]
     assert num_pages == 3 * MAX_LEN // PAGE
     held = [math.ceil(n / PAGE) for n in lengths]  # 1, 1, 3
@@ -96,8 +110,7 @@ def test_pages_are_allocated_per_sequence_and_written_in_place(tiny) -> None:
     assert len(set(table[table >= 0].tolist())) == sum(held), "a page held twice"
     for layer in range(config.layers):
         for b, n in enumerate(np.asarray(paged.lengths)):
-            pages = np.asarray(paged.k[layer])[table[b, : held[b]]]  # [pages, heads, PAGE, dim]
-            k = np.moveaxis(pages, 0, 1).reshape(config.kv_heads, -1, config.head_dim)[:, :n]
+            k = _positions(np.asarray(paged.k[layer]), table[b, : held[b]], n, config)
             np.testing.assert_array_equal(k, np.asarray(contiguous.k[layer])[b, :, :n])
 
 
@@ -138,19 +151,13 @@ def test_a_bfloat16_paged_cache_is_packed_and_decodes_as_the_contiguous_one(tiny
     np.testing.assert_array_equal(
         _decode_logits(params, config, page_size=PAGE), _decode_logits(params, config)
     )
-    p = gen.inference_params(params, config)
-    tokens, lengths = _prompt_batch()
-    paged = init_cache(config, 3, MAX_LEN, page_size=PAGE)
-    contiguous = init_cache(config, 3, MAX_LEN)
-    _, paged = gen.prefill(p, paged, tokens, lengths, config, "xla")
-    _, contiguous = gen.prefill(p, contiguous, tokens, lengths, config, "xla")
+    _, paged, contiguous, lengths = _prefilled(params, config)
     table = np.asarray(paged.pages.page_table)
     layer = paged.layer(config.layers - 1)
     k, v = (np.asarray(x, np.float32) for x in layer.unpacked(jnp.bfloat16)[:2])
     for b, n in enumerate(np.asarray(lengths)):
         for pool, want in ((k, contiguous.k[-1]), (v, contiguous.v[-1])):
-            pages = pool[table[b, : -(-int(n) // PAGE)]]  # [pages, heads, PAGE, dim]
-            got = np.moveaxis(pages, 0, 1).reshape(config.kv_heads, -1, config.head_dim)[:, :n]
+            got = _positions(pool, table[b, : -(-int(n) // PAGE)], n, config)
             np.testing.assert_array_equal(got, np.asarray(want, np.float32)[b, :, :n])
 
 
