@@ -47,10 +47,7 @@ def check_cache_arrays(q: Any, cache: DecodeCache, layout: str) -> None:
         raise fail(
             "v_cache", f"shape {tuple(jnp.shape(cache.v))}", f"the shape of k_cache, {k_shape}"
         )
-    _, q_heads, head_dim = jnp.shape(q)
-    if k_shape[3] != head_dim:
-        raise fail("k_cache", f"shape {k_shape}", f"head_dim {head_dim} (from q)")
-    check_heads("k_cache", q_heads, k_shape[1])
+    _check_k_heads(q, cache)
     if jnp.int8 in (jnp.result_type(cache.k), jnp.result_type(cache.v)):
         _check_int8(q, cache, layout)
         return
@@ -59,6 +56,15 @@ def check_cache_arrays(q: Any, cache: DecodeCache, layout: str) -> None:
         if scales is not None:
             dtype = jnp.result_type(cache.k)
             raise fail(name, f"scales for a {dtype} cache", "None (scales go with an int8 cache)")
+
+
+def _check_k_heads(q: Any, cache: DecodeCache) -> None:
+    """k's ``head_dim`` is q's, and its kv heads divide q's heads."""
+    _, q_heads, head_dim = jnp.shape(q)
+    k_shape = tuple(jnp.shape(cache.k))
+    if k_shape[3] != head_dim:
+        raise fail("k_cache", f"shape {k_shape}", f"head_dim {head_dim} (from q)")
+    check_heads("k_cache", q_heads, k_shape[1])
 
 
 def _check_packed(q: Any, cache: DecodeCache, layout: str) -> None:
@@ -73,11 +79,7 @@ def _check_packed(q: Any, cache: DecodeCache, layout: str) -> None:
     if not packable(jnp.result_type(q)):
         raise fail("q", f"dtype {jnp.result_type(q)} with a packed cache",
                    "bfloat16 or float16 (a packed cache holds 16-bit keys and values)")  # fmt: skip
-    _, q_heads, head_dim = jnp.shape(q)
-    k_shape = tuple(jnp.shape(cache.k))
-    if k_shape[3] != head_dim:
-        raise fail("k_cache", f"shape {k_shape}", f"head_dim {head_dim} (from q)")
-    check_heads("k_cache", q_heads, k_shape[1])
+    _check_k_heads(q, cache)
     for name, scales in (("k_scales", cache.k_scales), ("v_scales", cache.v_scales)):
         if scales is not None:
             raise fail(name, "scales for a packed cache", "None (scales go with an int8 cache)")
