@@ -145,3 +145,26 @@ def test_bad_arrays_name_the_argument(toy):
     with pytest.raises(pf.InvalidInputError, match=r"^sliding_window: expected a non-negative"):
         _call(q, k, v, k_pages, v_pages, sliding_window=-1)
     assert toy.calls == []
+
+
+def test_a_backend_that_writes_the_new_tokens_itself_gets_them_unwritten(make_backend, install):
+    """``Backend.ragged_attention_and_write``: a backend that overrides it gets the new keys
+    and values beside the cache as the caller gave it (core writes nothing), and the API
+    returns its output and cache; the base class writes, then calls ``ragged_attention``."""
+    q, k, v, k_pages, v_pages = _arrays()
+    base = make_backend("writes-itself")
+
+    class WritesItself(type(base)):
+        def ragged_attention_and_write(self, q, k, v, cache, query_starts, kv_lengths, spec,
+                                       *, sinks=None):  # fmt: skip
+            self.calls.append(dict(k=k, v=v, cache=cache))
+            return q - 1, cache._replace(k=cache.k + 1)
+
+    backend = WritesItself(base.name, base.capabilities, base.platforms, base.priority, base.fn)
+    install(backend)
+    out, cache = _call(q, k, v, k_pages, v_pages, backend="writes-itself")
+    (call,) = backend.calls
+    np.testing.assert_array_equal(call["cache"].k, k_pages)  # unwritten
+    np.testing.assert_array_equal(call["k"], k)
+    np.testing.assert_array_equal(out, q - 1)
+    np.testing.assert_array_equal(cache.k, k_pages + 1)

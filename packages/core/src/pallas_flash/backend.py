@@ -10,6 +10,7 @@ import jax
 from pallas_flash.capabilities import Capability
 from pallas_flash.decode_cache import DecodeCache
 from pallas_flash.errors import UnsupportedFeatureError
+from pallas_flash.ragged_write import write_new_tokens
 from pallas_flash.specs import AttentionSpec, DecodeSpec, RaggedSpec, SegmentIds
 
 
@@ -120,6 +121,28 @@ class Backend:
           sinks: ``[q_heads]``, passed only to calls that use it (``sinks`` capability).
         """
         raise UnsupportedFeatureError(f"backend {self.name!r} does not implement ragged attention")
+
+    def ragged_attention_and_write(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        cache: DecodeCache,
+        query_starts: jax.Array,
+        kv_lengths: jax.Array,
+        spec: RaggedSpec,
+        *,
+        sinks: jax.Array | None = None,
+    ) -> tuple[jax.Array, DecodeCache]:
+        """``pf.ragged_attention``: the output of `ragged_attention` and the cache with the new
+        tokens' keys and values ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` (q's dtype)
+        written at their positions. By default core writes them into their pages
+        (`pallas_flash.ragged_write`), then `ragged_attention` reads the written cache; a
+        backend whose kernel writes them itself (reading each once, from the batch) overrides
+        this, with the same result."""
+        cache = write_new_tokens(cache, k, v, query_starts, kv_lengths)
+        extra = {} if sinks is None else {"sinks": sinks}
+        return self.ragged_attention(q, cache, query_starts, kv_lengths, spec, **extra), cache
 
 
 @dataclasses.dataclass(frozen=True)

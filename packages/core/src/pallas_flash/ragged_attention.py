@@ -1,9 +1,12 @@
 """``pf.ragged_attention``: one call over the new tokens of many sequences, decoding and
 prefilling at once, against their paged cache (the serving engine's attention).
 
-Core validates the call, writes the new keys and values into their pages (`write_tokens`,
-quantized for an int8 cache) and hands the backend the written cache: every backend reads the
-same cache, and the write happens once, in place when the caller donates the cache.
+Core validates the call and hands the backend the new keys and values with the cache
+(`pallas_flash.Backend.ragged_attention_and_write`): by default core writes them into their
+pages (`pallas_flash.ragged_write`, quantized for an int8 cache, packed for a packed one) and
+the backend's kernel reads the written cache; a backend whose kernel writes them itself reads
+each new token once. Either way the write happens once, in place when the caller donates the
+cache.
 """
 
 from __future__ import annotations
@@ -12,10 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import validation
-from pallas_flash.cache_write import Arrays, write_kv_arrays, write_tokens
 from pallas_flash.capabilities import Capability
 from pallas_flash.decode_cache import DecodeCache
-from pallas_flash.ragged_batch import token_places
 from pallas_flash.ragged_validation import check_ragged
 from pallas_flash.registry import select_backend
 from pallas_flash.specs import RaggedSpec
@@ -104,41 +105,5 @@ def ragged_attention(
     impl = select_backend(backend, frozenset(f for f, needed in used.items() if needed))
     cache = cache._replace(page_table=cache.page_table.astype(jnp.int32))
     query_starts, kv_lengths = query_starts.astype(jnp.int32), kv_lengths.astype(jnp.int32)
-    cache = write_new_tokens(cache, k, v, query_starts, kv_lengths)
     extra = {} if sinks is None else {"sinks": sinks}
-    out = impl.ragged_attention(q, cache, query_starts, kv_lengths, spec, **extra)
-    return out, cache
-
-
-def write_new_tokens(
-    cache: DecodeCache, k: jax.Array, v: jax.Array, query_starts: jax.Array, kv_lengths: jax.Array
-) -> DecodeCache:
-    """``cache`` with each valid row of ``k``, ``v`` ``[tokens, kv_heads, head_dim]`` written
-    at its sequence's position (`pallas_flash.ragged_batch`); padding rows and rows whose page
-    is out of range are written nowhere."""
-    page_size = cache.k.shape[2]
-    pages, rows = token_pages(cache.page_table, page_size, query_starts, kv_lengths, k.shape[0])
-    seqs = kv_lengths.shape[0]
-
-    def write_arrays(arrays: Arrays, values: Arrays) -> Arrays:
-        return write_tokens(arrays, values, pages, rows, sequences=seqs)
-
-    return write_kv_arrays(cache, k, v, write_arrays)
-
-
-def token_pages(
-    page_table: jax.Array,
-    page_size: int,
-    query_starts: jax.Array,
-    kv_lengths: jax.Array,
-    tokens: int,
-) -> tuple[jax.Array, jax.Array]:
-    """``pages``, ``rows`` ``[tokens]`` int32: the page and row each of a ragged batch's
-    ``tokens`` rows is written at (`ragged_attention`'s arguments); -1 for padding rows and
-    rows past a sequence's pages."""
-    pages_per_sequence = page_table.shape[1]
-    places = token_places(query_starts, kv_lengths, tokens)
-    column = places.position // page_size
-    inside = places.valid & (places.position >= 0) & (column < pages_per_sequence)
-    page = page_table[places.sequence, jnp.clip(column, 0, pages_per_sequence - 1)]
-    return jnp.where(inside, page, -1), places.position % page_size
+    return impl.ragged_attention_and_write(q, k, v, cache, query_starts, kv_lengths, spec, **extra)
