@@ -1,5 +1,6 @@
 """The ragged paged attention kernel (`ragged_attention`, `ragged_kernel`), in TPU interpret
-mode, against the xla backend's dense reference on the same written cache: decode tokens,
+mode, against the xla backend's dense reference, the cache it writes the xla backend's (a
+packed cache's written by the kernel itself, the others by core): decode tokens,
 prefill chunks and both mixed, empty sequences, padding rows, chunks crossing pages and kv
 blocks, GQA, softcap, sliding window, sinks, int8, bfloat16 and packed bfloat16 caches, with
 blocks small enough that a
@@ -93,9 +94,13 @@ def _call(
         softcap=options.get("softcap"),
         window=options.get("sliding_window"),
     )
-    actual = backend.ragged_attention(
-        q, cache, starts, kv_lengths, spec, sinks=options.get("sinks")
+    unwritten = pf.DecodeCache(k_cache, v_cache, table, *scales.values())
+    actual, written = backend.ragged_attention_and_write(
+        q, k, v, unwritten, starts, kv_lengths, spec, sinks=options.get("sinks")
     )
+    for mine, theirs in zip(written, cache, strict=True):
+        same = mine is None or jnp.array_equal(mine, theirs, equal_nan=True)  # stale NaN
+        assert same, "the written cache must be xla's"
     return actual, expected, valid
 
 
@@ -245,22 +250,52 @@ def test_bfloat16_with_window_and_softcap() -> None:
 
 @pytest.mark.parametrize(
     ("new", "lengths"),
-    [([1, 1, 1, 1], [1, 9, 17, 48]), ([1, 7, 1, 16], [33, 7, 16, 40])],
-    ids=["decode", "mixed"],
+    [
+        ([1, 1, 1, 1], [1, 9, 17, 48]),
+        ([1, 7, 1, 16], [33, 7, 16, 40]),
+        ([5, 12, 20], [5, 30, 47]),
+    ],
+    ids=["decode", "mixed", "prefill"],
 )
 def test_a_packed_cache_with_stale_nan_window_softcap_and_sinks(new, lengths) -> None:
     """A packed bfloat16 cache (one array of keys and values, `pallas_flash.kv_packing`)
-    whose stale slots hold NaN in both halves: the same as the dense reference, GQA."""
+    whose stale slots hold NaN in both halves, its new tokens written by the kernel (chunks
+    over several items, a window starting inside a page): the same as the dense reference,
+    GQA, and the pool xla writes."""
     got = _call(new, lengths, q_heads=8, dtype=jnp.bfloat16, packed=True, stale_nan=True,
                 sinks=True, sliding_window=20, softcap=5.0)  # fmt: skip
     _check(*got, FORWARD_TOLERANCE["bfloat16"])
 
 
 def test_a_packed_cache_through_the_api_writes_what_xla_writes() -> None:
-    """Core writes the new tokens into the packed pool (the scatter, in the interpreter) and
-    splitkv reads it: the written pool and the output are the xla backend's."""
+    """splitkv's kernel writes the new tokens into the packed pool through the API: the
+    written pool and the output are the xla backend's."""
     got = _call([3, 1, 0], [20, 44, 0], tokens=6, dtype=jnp.bfloat16, packed=True, backend=None)
     _check(*got, FORWARD_TOLERANCE["bfloat16"])
+
+
+@pytest.mark.parametrize("entry", [-1, 10**6])
+def test_a_packed_token_whose_page_is_out_of_the_pool_is_written_nowhere(entry: int) -> None:
+    """A decode token and a chunk's last tokens whose table entries lie outside the pool (a
+    caller's bug the API cannot check when traced): the kernel writes them nowhere, as core
+    writes for the xla backend, and the rest of the pool as xla writes it."""
+    rng = np.random.default_rng(5)
+    pool = (12, 1, PAGE_SIZE, HEAD_DIM)
+    words = pf.pack_kv(*(jnp.asarray(rng.standard_normal(pool), jnp.bfloat16) for _ in "kv"))
+    table = jnp.asarray([[0, 1, 2, entry, 4, 5], [6, 7, entry, 9, 10, 11]], jnp.int32)
+    # a decode token at 24 (page entry 3), a chunk at 14..19 (pages 1 and 2, entry 2)
+    q, k, v = (jnp.asarray(rng.standard_normal((7, heads, HEAD_DIM)), jnp.bfloat16)
+               for heads in (2, 1, 1))  # fmt: skip
+    starts, lengths = jnp.asarray([0, 1, 7], jnp.int32), jnp.asarray([25, 20], jnp.int32)
+    args = (q, k, v, words, None, table, starts, lengths)
+    # traced, so the API cannot check the table (a concrete one out of range raises)
+    _, theirs = jax.jit(lambda *a: pf.ragged_attention(*a, backend="xla"))(*args)
+    _, mine = SMALL.ragged_attention_and_write(
+        q, k, v, pf.DecodeCache(words, None, table), starts, lengths,
+        pf.RaggedSpec(sm_scale=HEAD_DIM**-0.5),
+    )  # fmt: skip
+    assert (mine.k == theirs.k).all()
+    assert (theirs.k != words).any(), "the chunk's first tokens are written"
 
 
 def test_bfloat16_queries_against_an_int8_cache() -> None:

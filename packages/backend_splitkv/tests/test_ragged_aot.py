@@ -1,8 +1,8 @@
 """Ahead-of-time compilation of ``pf.ragged_attention`` on the ``splitkv`` backend for one TPU
 v5e chip by the real compiler (libtpu; no TPU needed, skipped without it): a serving step of
 256 new tokens from 16 sequences against a pool of 2,048 pages, with the cache donated. Mosaic
-compiles the kernels within VMEM (core's write of the new tokens, the attention); the pool is
-written in place and never copied."""
+compiles the kernels within VMEM (core's write of the new tokens, or for a packed pool the
+attention's own, and the attention); the pool is written in place and never copied."""
 
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ def test_a_serving_step_compiles_with_the_pool_in_place(
     compiled = jitted.trace(*args).lower(lowering_platforms=("tpu",)).compile()
     text = compiled.as_text()
     calls = [op.name.split(".")[0] for op in hlo_ops.kernel_calls(text)]
-    # core writes K and V (or the packed pool) by one call of its kernel (their int8 scales,
-    # in pages of whole lane tiles, by another)
-    writes = [page_write_kernel.KERNEL_NAME]
+    # core writes K and V by one call of its kernel (their int8 scales, in pages of whole
+    # lane tiles, by another); the ragged calls write a packed pool's new tokens themselves
+    writes = [] if packed else [page_write_kernel.KERNEL_NAME]
     if quantized and page_size % 128 == 0:
         writes += [page_write_kernel.SCALES_KERNEL_NAME]
     assert sorted(calls) == sorted([KERNEL_NAME, DECODE_KERNEL_NAME, *writes])
@@ -160,7 +160,7 @@ def test_a_step_at_four_kv_heads_a_chip_compiles_within_its_vmem_estimate(
     """Llama-3-8B over 2 chips: 16 query heads over 4 kv heads a chip, a 448-token chunk
     beside 64 decodes. A grid step takes all 4 kv heads, items of 128 tokens and kv blocks of
     1024 positions: more than Mosaic's default scoped VMEM (16 MiB on v5e), so the kernel asks
-    for its own estimate (`ragged_kernel.kernel_call`); without it Mosaic's
+    for its own estimate (`ragged_call.kernel_call`); without it Mosaic's
     CompileTimeScopedVmemOom."""
     text = _compiled_bf16_step(v5e_devices[0], 512, 65, (16, 4), pages=64)
     calls = sorted(op.name.split(".")[0] for op in hlo_ops.kernel_calls(text))

@@ -7,7 +7,7 @@ import jax
 import pallas_flash as pf
 from pallas_flash_splitkv.blocks import DecodeBlocks
 from pallas_flash_splitkv.decode import split_kv_decode
-from pallas_flash_splitkv.ragged_attention import ragged_attention
+from pallas_flash_splitkv.ragged_attention import ragged_attention, ragged_attention_and_write
 from pallas_flash_splitkv.ragged_blocks import RaggedBlocks
 
 
@@ -85,3 +85,24 @@ class SplitKvBackend(pf.Backend):
         return ragged_attention(
             q, cache, query_starts, kv_lengths, spec=spec, blocks=self.ragged_blocks, sinks=sinks
         )
+
+    def ragged_attention_and_write(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        cache: pf.DecodeCache,
+        query_starts: jax.Array,
+        kv_lengths: jax.Array,
+        spec: pf.RaggedSpec,
+        *,
+        sinks: jax.Array | None = None,
+    ) -> tuple[jax.Array, pf.DecodeCache]:
+        """A packed cache's new tokens written by the ragged kernel itself, each read once
+        (`ragged_attention_and_write`); other caches written by core first."""
+        if not cache.packed:
+            return super().ragged_attention_and_write(
+                q, k, v, cache, query_starts, kv_lengths, spec, sinks=sinks
+            )
+        return ragged_attention_and_write(q, k, v, cache, query_starts, kv_lengths, spec=spec,
+                                          blocks=self.ragged_blocks, sinks=sinks)  # fmt: skip

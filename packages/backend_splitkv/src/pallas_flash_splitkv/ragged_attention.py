@@ -8,7 +8,9 @@ sequence an item (``KERNEL_NAME``); the second writes its tokens' rows into the 
 output (aliased).
 
 An int8 cache's scales are gathered per sequence before the calls (`_scales_by_sequence`), in
-whole kv blocks of both calls.
+whole kv blocks of both calls. A packed cache's new tokens are written by the calls themselves
+(`ragged_attention_and_write`), each its own sequences', from the packed batch they read them
+from; other caches come written by core.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_flash import interpret
 from pallas_flash.decode_cache import DecodeCache
+from pallas_flash.kv_packing import pack_kv
+from pallas_flash.ragged_write import token_pages
 from pallas_flash.specs import RaggedSpec
 from pallas_flash_splitkv import ragged_blocks
 from pallas_flash_splitkv.ragged_blocks import (
@@ -31,9 +35,15 @@ from pallas_flash_splitkv.ragged_blocks import (
     RaggedBlocks,
     item_span,
 )
-from pallas_flash_splitkv.ragged_kernel import kernel_call
+from pallas_flash_splitkv.ragged_call import kernel_call
 
-__all__ = ["DECODE_KERNEL_NAME", "KERNEL_NAME", "loop_runs", "ragged_attention"]
+__all__ = [
+    "DECODE_KERNEL_NAME",
+    "KERNEL_NAME",
+    "loop_runs",
+    "ragged_attention",
+    "ragged_attention_and_write",
+]
 
 
 def _scales_by_sequence(scales: jax.Array, page_table: jax.Array, columns: int) -> jax.Array:
@@ -61,6 +71,7 @@ def _schedule(
 
 def _ragged_kernel(
     q: jax.Array,
+    new: jax.Array | None,
     cache: DecodeCache,
     query_starts: jax.Array,
     kv_lengths: jax.Array,
@@ -69,10 +80,12 @@ def _ragged_kernel(
     spec: RaggedSpec,
     blocks: RaggedBlocks,
     interpret: pltpu.InterpretParams | bool | None,
-) -> jax.Array:
-    """`ragged_attention` with the interpreter's settings, or None for Mosaic: one kernel call
-    per `ragged_blocks.kernel_calls` (the decoding sequences', the others'), each writing its
-    own tokens' rows of the one output in place."""
+) -> tuple[jax.Array, jax.Array]:
+    """`ragged_attention_and_write` with the interpreter's settings, or None for Mosaic: one
+    kernel call per `ragged_blocks.kernel_calls` (the decoding sequences', the others'), each
+    writing its own tokens' rows of the one output in place and, for a packed pool, their new
+    keys and values (``new``: the packed batch ``[kv_heads, tokens, head_dim]``; None for a
+    written cache): the output and the pool's first array."""
     tokens, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = cache.k.shape
     pages_per_sequence = cache.page_table.shape[1]
@@ -97,13 +110,20 @@ def _ragged_kernel(
     by_group = (rows, kv_heads // heads, heads * (q_heads // kv_heads), head_dim)
     q_rows = jnp.pad(q, ((0, rows - tokens), (0, 0), (0, 0))).reshape(by_group)
     out = jnp.zeros(by_group, q.dtype)  # padding rows stay zeros
+    written_pages = []  # where the kernels write the new tokens, each row's page (-1: none)
+    if new is not None:
+        pages, _ = token_pages(cache.page_table, page_size, query_starts, kv_lengths, tokens)
+        written_pages.append(pages)
     for call in calls:
         plan = _schedule(query_starts, kv_lengths, call)
         used = jnp.sum(plan.count > 0, dtype=jnp.int32)[None]  # the entries the items take
-        prefetch = [kv_lengths, query_starts, table.reshape(-1), *plan, used]
-        out = kernel_call(q_rows, out, prefetch, arrays, sinks, spec, call, per_block[call.name],
-                          heads, pages_per_sequence, interpret)  # fmt: skip
-    return out.reshape(rows, q_heads, head_dim)[:tokens]
+        prefetch = [kv_lengths, query_starts, table.reshape(-1), *plan, used, *written_pages]
+        out, written = kernel_call(q_rows, out, prefetch, arrays, new, sinks, spec, call,
+                                   per_block[call.name], heads, pages_per_sequence,
+                                   interpret)  # fmt: skip
+        if written is not None:  # the next call reads (and writes) the written pool
+            arrays = [written]
+    return out.reshape(rows, q_heads, head_dim)[:tokens], arrays[0]
 
 
 _jitted = interpret.jit_kernel(_ragged_kernel, ("spec", "blocks"), fold_vmap=False)
@@ -119,10 +139,33 @@ def ragged_attention(
     blocks: RaggedBlocks,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """``pf.Backend.ragged_attention`` of validated inputs: ``[tokens, q_heads, head_dim]`` in
-    q's dtype, zeros for padding rows. Runs as Mosaic or interpreted, as
-    `pallas_flash.interpret` decides."""
-    return _jitted(q, cache, query_starts, kv_lengths, sinks, spec=spec, blocks=blocks)
+    """``pf.Backend.ragged_attention`` of validated inputs, the new tokens already written:
+    ``[tokens, q_heads, head_dim]`` in q's dtype, zeros for padding rows. Runs as Mosaic or
+    interpreted, as `pallas_flash.interpret` decides."""
+    out, _ = _jitted(q, None, cache, query_starts, kv_lengths, sinks, spec=spec, blocks=blocks)
+    return out
+
+
+def ragged_attention_and_write(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: DecodeCache,
+    query_starts: jax.Array,
+    kv_lengths: jax.Array,
+    *,
+    spec: RaggedSpec,
+    blocks: RaggedBlocks,
+    sinks: jax.Array | None = None,
+) -> tuple[jax.Array, DecodeCache]:
+    """``pf.Backend.ragged_attention_and_write`` of validated inputs and a packed ``cache``
+    (`pallas_flash.kv_packing`): the kernels read each new token's key and value ``k``, ``v``
+    ``[tokens, kv_heads, head_dim]`` once, from the batch packed ``[kv_heads, tokens,
+    head_dim]`` (one fusion of XLA's, as RPA v3 joins its keys and values), and write it into
+    its page from VMEM (`ragged_kernel`). The output and the written cache."""
+    new = jnp.swapaxes(pack_kv(k, v), 0, 1)
+    out, pool = _jitted(q, new, cache, query_starts, kv_lengths, sinks, spec=spec, blocks=blocks)
+    return out, cache._replace(k=pool)
 
 
 def loop_runs(

@@ -8,8 +8,9 @@ them once before its first copy, and a masked block zeroes the rows past ``hi`` 
 page, `zero_stale_rows`: the only stale rows a copy brings (the rows before ``lo`` of
 ``lo``'s page are the sequence's own, written; a page before ``lo`` or after ``hi`` is not
 copied, and its rows in the buffer are an earlier copy's, already clean).
-A packed block (`pallas_flash.kv_packing`) is unpacked once per fold, its stale words
-zeroed as V's rows are (a zero word is a zero key and value). An int8 block's V rows are
+A packed block (`pallas_flash.kv_packing`) is unpacked once per fold; it is copied exactly (its
+positions in ``[lo, hi]``, the new ones from the batch, `ragged_kernel`), so its other rows are
+an earlier copy's or the zeros it started with: none to zero. An int8 block's V rows are
 never NaN; its V scales outside the range are zeroed instead. A
 block every row sees whole (its positions from ``lo`` to the item's first token, every page
 copied) is folded unmasked: no position mask, no rows zeroed. An int8 block is converted to
@@ -65,6 +66,8 @@ def fold_block(
     spec: RaggedSpec,
     masked: bool,
     page_size: int,
+    *,
+    exact: bool = False,
 ) -> None:
     """Folds one kv block of each sequence of an item into the running max, sum and
     accumulator of each of ``heads``, stage by stage across them (every head's scores, then
@@ -75,7 +78,8 @@ def fold_block(
     (``sequence_of_row [rows, 1]``; None for one sequence): their chains are one chain.
     ``q_pos [rows, 1]``: each row's position; ``masked``: False for blocks every row sees
     whole (module doc; then the spans' ``lo`` and ``hi`` are not read); ``page_size``:
-    positions per page of the block."""
+    positions per page of the block; ``exact``: the blocks were copied exactly, no stale
+    rows to zero (a packed pool's, module doc)."""
     dtype = heads[0].q.dtype
     precision = lax.Precision.HIGHEST if dtype == _F32 else None
     block_kv = heads[0].views[0][0].shape[0]
@@ -88,7 +92,7 @@ def fold_block(
             chosen = jnp.where(sequence_of_row == e, value, chosen)
         return chosen
 
-    if masked and not int8:  # first: off the scores' dependent chains
+    if masked and not int8 and not exact:  # first: off the scores' dependent chains
         for head in heads:
             for views, span in zip(head.views, spans, strict=True):
                 zero_stale_rows(views[-1], span.hi - span.first, page_size)  # V, or the words

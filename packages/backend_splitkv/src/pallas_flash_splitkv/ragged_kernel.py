@@ -6,8 +6,11 @@ seen as ``[tokens, kv_heads / H, H x group, head_dim]`` (a free reshape) and lef
 ``[num_pages, kv_heads, page_size, head_dim]``: k and v, or one packed uint32 pool of both
 (`pallas_flash.kv_packing`: one copy a page, unpacked in the fold), or int8 k and v with
 float32 scales, gathered per sequence before the kernel: ``[seqs, kv_heads, positions]``,
-`ragged_attention`; and the flat page table, scalar-prefetched with ``kv_lengths``,
-``query_starts`` and the schedule.
+`ragged_attention`; for a packed pool whose new tokens the kernel writes, the new keys and
+values packed ``[kv_heads, tokens, head_dim]``; and the flat page table (its entries clipped
+into the pool by the caller), scalar-prefetched with ``kv_lengths``, ``query_starts``, the
+schedule and, where the kernel writes the new tokens, each row's page
+(`pallas_flash.ragged_write.token_pages`).
 
 Grid ``(kv_heads / H,)``, ``H`` kv heads a step (`RaggedBlocks.heads_for`); each step loops
 over the used work items (the count of used schedule entries prefetched: no empty step). A
@@ -32,29 +35,26 @@ Copies, all by manual DMA:
   nothing and never copied back. In VMEM a kv head's rows are laid out ``[group x block_q,
   head_dim]``, row ``g x block_q + t``: token ``t`` (of entry ``t / (block_q / S)``), query
   head ``g``.
-- KV blocks: one copy per page that holds a position of an entry's range, all ``H`` heads at
-  once (the table's entries clipped into the pool by the caller; int8 scales one copy per
-  block), into a double-buffered VMEM block (waited for once per array where all its pages
-  are copied: a DMA semaphore counts bytes): block ``i + 1``'s copies start before block
-  ``i`` is folded, and an item's last block starts the copies of the next step's first block
-  (the next item of the heads, else item 0 of the next ``H``: the grid runs in order, an SMEM
-  count of folded blocks carrying the buffer parity), so no step waits for its first block
-  but the grid's first. A float cache's V buffers start as zeros: no stale NaN ever sits in them
-  (`ragged_fold`).
+- KV blocks (`ragged_copies`): each entry's blocks into a double-buffered VMEM block, a packed
+  pool's exactly and its new tokens written from there: block ``i + 1``'s copies start before
+  block ``i`` is folded, and an item's last block starts the copies of the next step's first
+  block (the next item of the heads, else item 0 of the next ``H``: the grid runs in order,
+  an SMEM count of folded blocks carrying the buffer parity), so no step waits for its first
+  block but the grid's first. A float or packed cache's V buffers start as zeros: no stale
+  NaN ever sits in them (`ragged_fold`).
 
 All ``group`` query heads of a kv head share one ``[rows, block] @ [block, head_dim]`` matmul,
 one per kv head of the step and entry (GQA reads each page once per item). Sinks join each row's
 denominator at the end. Rows that see no position give zeros, and so do padding rows (the
 first call's output starts as zeros).
 
-One `kernel_call` is one call of the kernel; `pallas_flash_splitkv.ragged_attention` makes a
-batch's calls.
+`ragged_call.kernel_call` is one call of the kernel; `pallas_flash_splitkv.ragged_attention`
+makes a batch's calls.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,19 +62,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_flash import row_copies, tpu
-from pallas_flash.kv_packing import PACKED_DTYPE
-from pallas_flash.memory_space import in_hbm
+from pallas_flash import row_copies
 from pallas_flash.specs import RaggedSpec
-from pallas_flash_splitkv import ragged_blocks
-from pallas_flash_splitkv.blocks import LANES
 from pallas_flash_splitkv.ragged_blocks import ItemRange, item_span
+from pallas_flash_splitkv.ragged_copies import BlockCopies
 from pallas_flash_splitkv.ragged_fold import BlockSpan, HeadRefs, finish_rows, fold_block
 
 _F32 = jnp.float32
 
 
-def _kernel(
+def kernel(
     lengths_ref: jax.Ref,
     starts_ref: jax.Ref,
     table_ref: jax.Ref,
@@ -82,7 +79,6 @@ def _kernel(
     first_ref: jax.Ref,
     count_ref: jax.Ref,
     used_ref: jax.Ref,
-    q_hbm: jax.Ref,
     *refs: jax.Ref,
     spec: RaggedSpec,
     block_q: int,
@@ -91,6 +87,7 @@ def _kernel(
     pages_per_sequence: int,
     quantized: bool,
     packed: bool,
+    writes: bool,
     has_sinks: bool,
 ) -> None:
     """One grid step ``h``: every used item ``w`` on kv heads ``h x H`` to ``h x H + H - 1``
@@ -106,12 +103,19 @@ def _kernel(
     DMA semaphores ``[2, arrays]`` and
     ``[2, 2]`` (queries, outputs), and SMEM counters: kv blocks folded, items done, and each
     output buffer's pending copies (first row and rows of each entry)."""
+    token_pages_ref, refs = (refs[0], refs[1:]) if writes else (None, refs)
+    q_hbm, refs = refs[0], refs[1:]
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     kv_arrays = 1 if packed else 2
     arrays = 4 if quantized else kv_arrays
-    cache, refs = refs[:arrays], refs[arrays + 1 :]  # the aliased first output is not read
-    o_hbm, q_buf, o_buf, qs_ref, m_ref, l_ref, acc_ref = refs[:7]
-    buffers, (sems, row_sems, folded, done, pending) = refs[7 : 7 + arrays], refs[7 + arrays :]
+    cache, refs = refs[:arrays], refs[arrays:]
+    new_hbm, refs = (refs[0], refs[1:]) if writes else (None, refs)
+    o_hbm, refs = refs[1], refs[2:]  # after the aliased first output, not read
+    pool_out, refs = (refs[0], refs[1:]) if writes else (None, refs)
+    q_buf, o_buf, qs_ref, m_ref, l_ref, acc_ref = refs[:6]
+    buffers, refs = refs[6 : 6 + arrays], refs[6 + arrays :]
+    sems, row_sems, folded, done, pending = refs[:5]
+    write_sems = refs[5] if writes else None
     heads = qs_ref.shape[0]
     q_per_kv = q_buf.shape[2] // heads
     tokens = q_hbm.shape[0]
@@ -131,86 +135,10 @@ def _kernel(
                          count_ref[entry], spec.window, block_kv, max_len)  # fmt: skip
         return ItemRange(seq, *span)
 
-    def page_span(r: ItemRange, block: jax.Array) -> tuple[jax.Array | None, jax.Array]:
-        """The pages ``[begin, end)`` of ``block`` (unclipped) that hold a position of item
-        range ``r``, ``[r.lo, r.hi]``; ``begin`` None without a window (0)."""
-        first_page = block * pages_per_block
-        end = lax.div(r.hi + page_size, jnp.int32(page_size)) - first_page  # hi + 1 >= 0
-        begin = None if spec.window is None else lax.div(r.lo, jnp.int32(page_size)) - first_page
-        return begin, end
-
-    def copies(r: ItemRange, head_group: jax.Array, block: jax.Array, slot: jax.Array, e: int,
-               act) -> None:  # fmt: skip
-        """``act`` on the copies of kv head group ``head_group``'s block ``block`` of entry
-        ``e``'s range ``r``: its pages that hold a position in ``[r.lo, r.hi]``
-        (`page_span`), each one copy of all the group's heads, and its int8 scales
-        (`scale_copies`)."""
-        kv = pl.ds(pl.multiple_of(head_group * heads, heads), heads)
-        begin, end = page_span(r, block)
-        row_of_sequence = r.seq * pages_per_sequence + block * pages_per_block
-        for k in range(pages_per_block):
-            held = k < end if begin is None else (k < end) & (k >= begin)
-
-            @pl.when(held)
-            def _page(k: int = k) -> None:
-                page = table_ref[row_of_sequence + k]  # clipped into the pool before the call
-                rows = pl.ds(k * page_size, page_size)
-                for a, (src, dst) in enumerate(
-                    zip(cache[:kv_arrays], buffers[:kv_arrays], strict=True)
-                ):
-                    act(pltpu.make_async_copy(src.at[page, kv], dst.at[slot, e, :, rows],
-                                              sems.at[slot, a]))  # fmt: skip
-
-        scale_copies(r, head_group, block, slot, e, act)
-
-    def scale_copies(r: ItemRange, head_group: jax.Array, block: jax.Array, slot: jax.Array,
-                     e: int, act) -> None:  # fmt: skip
-        """``act`` on the copies of an int8 cache's scales for ``block`` of entry ``e``'s range
-        ``r`` on kv head group ``head_group``: the block's positions of the sequence's
-        gathered scales, one copy per array (none for a float cache)."""
-        kv = pl.ds(pl.multiple_of(head_group * heads, heads), heads)
-        start = pl.multiple_of(block * block_kv, block_kv)
-        for a in range(2, arrays):
-            src = cache[a].at[r.seq, kv, pl.ds(start, block_kv)]
-            act(pltpu.make_async_copy(src, buffers[a].at[slot, e], sems.at[slot, a]))
-
-    def wait_block(r: ItemRange, block: jax.Array, slot: jax.Array, e: int) -> None:
-        """Waits for the copies of ``block`` of entry ``e``'s range ``r`` into buffer
-        ``slot``: where every page of the block holds a position in ``[r.lo, r.hi]``, once per
-        array for the whole block (a DMA semaphore counts bytes: the pages' copies together
-        fill it), so no page's table entry and descriptor is made again; else `wait_pages`."""
-        first_page = block * pages_per_block
-        whole = ((first_page + 1) * page_size > r.lo) & (
-            (first_page + pages_per_block - 1) * page_size <= r.hi
-        )
-        pl.when(whole)(lambda: wait_whole(slot, e))
-        pl.when(jnp.logical_not(whole))(lambda: wait_pages(r, block, slot, e))
-
-    def wait_pages(r: ItemRange, block: jax.Array, slot: jax.Array, e: int) -> None:
-        """Waits for the copies of the pages of ``block`` that hold a position of ``r`` (one
-        run of them, `page_span`) into entry ``e``'s buffer ``slot``: for their count, a few
-        waits of static sizes (`row_copies.by_powers_of_two`; a DMA semaphore counts bytes),
-        not one a page; then its scales'."""
-        begin, end = page_span(r, block)
-        held = jnp.clip(end, 0, pages_per_block)
-        if begin is not None:
-            held = jnp.maximum(held - jnp.clip(begin, 0, pages_per_block), 0)
-        for a, buffer in enumerate(buffers[:kv_arrays]):
-
-            def pages(_: jax.Array, size: int, buffer=buffer, a=a):
-                # a wait counts bytes, not places: the first `size` pages' rows, at a static
-                # offset (a dynamic one need not fall on a tile of an int8 buffer)
-                rows = buffer.at[slot, e, :, pl.ds(0, size * page_size)]
-                return pltpu.make_async_copy(rows, rows, sems.at[slot, a])
-
-            row_copies.by_powers_of_two(held, pages_per_block, pages, lambda c: c.wait())
-        scale_copies(r, h, block, slot, e, lambda c: c.wait())
-
-    def wait_whole(slot: jax.Array, e: int) -> None:
-        """Waits for every page's copies into entry ``e``'s buffer ``slot``, once per array."""
-        for a, buffer in enumerate(buffers):
-            whole = buffer.at[slot, e]
-            pltpu.make_async_copy(whole, whole, sems.at[slot, a]).wait()
+    kv_copies = BlockCopies(
+        lengths_ref, starts_ref, table_ref, cache, buffers, sems, spec.window, pages_per_block,
+        pages_per_sequence, entry_rows, new_hbm, token_pages_ref, pool_out, write_sems,
+    )  # fmt: skip
 
     def window_start(first: jax.Array) -> jax.Array:
         """The first of an entry's ``block_q / sequences`` token rows copied for an entry whose
@@ -304,12 +232,18 @@ def _kernel(
             slot = (base + i) & 1
             for e, r in enumerate(ranges):
                 if masked:
-                    pl.when(i < blocks[e])(lambda e=e, r=r: wait_block(r, r.first_block + i,
-                                                                       slot, e))  # fmt: skip
+                    pl.when(i < blocks[e])(lambda e=e, r=r: kv_copies.wait(
+                        r, h, r.first_block + i, slot, e))  # fmt: skip
                 elif sequences == 1:  # every page of the block copied
-                    wait_whole(slot, e)
+                    kv_copies.wait_whole(slot, e)
                 else:  # every page of a used entry's block copied
-                    pl.when(used[e])(lambda e=e: wait_whole(slot, e))
+                    pl.when(used[e])(lambda e=e: kv_copies.wait_whole(slot, e))
+            if writes:  # the entries' own new tokens, written from the block
+                written = [
+                    kv_copies.write_own(r, count_ref[entry[e]], used[e] & (i < blocks[e]), h,
+                                        r.first_block + i, slot, e)
+                    for e, r in enumerate(ranges)
+                ]  # fmt: skip
             # the next block's copies: this item's, or after its last the next step's first
             # (one region whichever it is, so that no step's schedule holds both)
             last = i + 1 == item_blocks
@@ -323,7 +257,7 @@ def _kernel(
                 @pl.when(jnp.where(last, next_used, i + 1 < blocks[e]))
                 def _start_next(e=e, ahead=ahead, ahead_group=ahead_group,
                                 ahead_block=ahead_block) -> None:  # fmt: skip
-                    copies(ahead, ahead_group, ahead_block, 1 - slot, e, lambda c: c.start())
+                    kv_copies.start(ahead, ahead_group, ahead_block, 1 - slot, e)
 
             spans = [BlockSpan((r.first_block + i) * block_kv, r.lo, r.hi) for r in ranges]
             group = [  # each kv head of the group: its own 2-D matmuls
@@ -332,7 +266,11 @@ def _kernel(
                          m_ref.at[j], l_ref.at[j], acc_ref.at[j])
                 for j in range(heads)
             ]  # fmt: skip
-            fold_block(group, q_pos, spans, sequence_of_row, spec, masked, page_size)
+            fold_block(group, q_pos, spans, sequence_of_row, spec, masked, page_size,
+                       exact=packed)  # fmt: skip
+            if writes:  # before the buffer takes block i + 2
+                for e in range(sequences):
+                    kv_copies.wait_written(written[e], slot, e)
             return carry
 
         # the masked blocks before the whole ones (a window's only), the whole, the rest
@@ -373,7 +311,7 @@ def _kernel(
             @pl.when(e < entries)
             def _start_first(e: int = e) -> None:
                 r = entry_range(jnp.int32(e))
-                copies(r, 0, r.first_block, 0, e, lambda c: c.start())
+                kv_copies.start(r, 0, r.first_block, 0, e)
 
         query_copies(jnp.int32(0), 0, 0, lambda c: c.start())
 
@@ -383,95 +321,3 @@ def _kernel(
     def _last_step() -> None:
         wait_output(0)
         wait_output(1)
-
-
-SCORE_TEMPORARIES = 3
-"""``[rows, block_kv]`` float32 arrays each kv head of a grid step keeps live at once in a
-fold (scores, their exponentials, the probabilities cast for the second matmul; the step's
-heads are folded together, `ragged_fold.fold_block`), beside the scratch: the VMEM
-estimate's temporaries (`kernel_call` asks Mosaic for a scoped-VMEM limit from it; at 4 kv
-heads a step, items of 128 tokens of 4 query heads and kv blocks of 1024 positions outgrew
-Mosaic's default 16 MiB)."""
-
-
-def _vmem_bytes(scratch: object) -> int:
-    """Bytes of one VMEM scratch buffer (0 for semaphores and SMEM)."""
-    if getattr(scratch, "memory_space", None) != pltpu.VMEM:
-        return 0
-    return math.prod(scratch.shape) * jnp.dtype(scratch.dtype).itemsize
-
-
-def kernel_call(
-    q_rows: jax.Array,
-    out: jax.Array,
-    prefetch: list[jax.Array],
-    arrays: list[jax.Array],
-    sinks: jax.Array | None,
-    spec: RaggedSpec,
-    call: ragged_blocks.KernelCall,
-    per_block: int,
-    heads: int,
-    pages_per_sequence: int,
-    interpret: pltpu.InterpretParams | bool | None,
-) -> jax.Array:
-    """One `pallas_call` of the kernel over ``q_rows [tokens, kv_heads / heads, heads x group,
-    head_dim]``, ``heads`` kv heads a grid step: ``out`` (same layout) with the rows of the
-    call's tokens written, the others as they were."""
-    _, head_groups, head_rows, head_dim = q_rows.shape
-    group = head_rows // heads
-    packed = arrays[0].dtype == PACKED_DTYPE
-    kv_arrays = arrays[:1] if packed else arrays[:2]
-    rows = group * call.block_q
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
-    inputs, in_specs = [q_rows], [hbm]
-    if sinks is not None:
-        per_row = jnp.repeat(sinks.astype(_F32).reshape(-1, group), call.block_q, axis=1)
-        inputs.append(jnp.broadcast_to(per_row[..., None], (*per_row.shape, LANES)))
-        in_specs.append(pl.BlockSpec((heads, rows, LANES), lambda h, *refs: (h, 0, 0)))
-    block_kv = per_block * arrays[0].shape[2]
-    entries = call.sequences
-    row_block = (2, call.block_q, head_rows, head_dim)
-    scratch = [
-        pltpu.VMEM(row_block, q_rows.dtype),
-        pltpu.VMEM(row_block, q_rows.dtype),
-        pltpu.VMEM((heads, rows, head_dim), q_rows.dtype),
-        pltpu.VMEM((heads, rows, LANES), _F32),
-        pltpu.VMEM((heads, rows, LANES), _F32),
-        pltpu.VMEM((heads, rows, head_dim), _F32),
-        *(pltpu.VMEM((2, entries, heads, block_kv, head_dim), x.dtype) for x in kv_arrays),
-        *(pltpu.VMEM((2, entries, heads, block_kv), _F32) for _ in arrays[2:]),
-        pltpu.SemaphoreType.DMA((2, len(arrays))),
-        pltpu.SemaphoreType.DMA((2, 2)),
-        pltpu.SMEM((1,), jnp.int32),
-        pltpu.SMEM((1,), jnp.int32),
-        pltpu.SMEM((2, 2 * entries), jnp.int32),
-    ]
-    # the step's heads at once, and each entry's scores before they are chosen from
-    temporaries = (SCORE_TEMPORARIES + entries - 1) * heads * rows * block_kv * 4
-    sinks_block = 2 * heads * rows * LANES * 4 if sinks is not None else 0  # double-buffered
-    needed = sum(_vmem_bytes(s) for s in scratch) + sinks_block + temporaries
-    body = functools.partial(
-        _kernel, spec=spec, block_q=call.block_q, sequences=entries, pages_per_block=per_block,
-        pages_per_sequence=pages_per_sequence, quantized=len(arrays) == 4,
-        packed=packed, has_sinks=sinks is not None,
-    )  # fmt: skip
-    aliased = len(prefetch) + len(inputs) + len(arrays)
-    return pl.pallas_call(
-        body,
-        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(prefetch),
-            grid=(head_groups,),
-            in_specs=[*in_specs, *[hbm] * len(arrays), hbm],
-            out_specs=hbm,
-            scratch_shapes=scratch,
-        ),
-        input_output_aliases={aliased: 0},
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",),
-            disable_bounds_checks=True,
-            vmem_limit_bytes=tpu.scoped_vmem_limit(needed, tpu.current_generation()),
-        ),
-        interpret=False if interpret is None else interpret,
-        name=call.name,
-    )(*prefetch, *inputs, *(in_hbm(x, interpret) for x in arrays), out)
