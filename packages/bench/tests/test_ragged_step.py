@@ -259,8 +259,11 @@ def test_our_kernels_loops_and_page_write_bytes_on_a_step() -> None:
     chunk = 2 * 1 * 8 * 4  # kv heads x positions x head_dim x bytes of a word
     moved = 2 * 15 * chunk  # the packed pool: each token's row read and its chunk written
     new_rows = STEP.tokens * STEP.cache_bytes_per_token
-    assert backend_kernels.min_hbm_bytes(STEP) == STEP.min_hbm_bytes + moved - new_rows
-    assert backend_kernels.min_hbm_bytes(decode) == decode.min_hbm_bytes
+    assert backend_kernels.min_hbm_bytes("xla", STEP) == STEP.min_hbm_bytes + moved - new_rows
+    assert backend_kernels.min_hbm_bytes("xla", decode) == decode.min_hbm_bytes
+    # splitkv's ragged kernel writes a packed pool's new tokens itself, each read once
+    assert backend_kernels.writes_own("splitkv", STEP)
+    assert backend_kernels.min_hbm_bytes("splitkv", STEP) == STEP.min_hbm_bytes
 
 
 def test_a_program_whose_only_kernels_are_cache_writes_keeps_the_compilers_bytes() -> None:

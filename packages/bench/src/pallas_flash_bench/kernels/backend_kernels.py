@@ -12,7 +12,9 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
   over each item's kv blocks (those folded whole, the masked).
 - HBM bytes (``Subject.min_hbm_bytes``): the page write moves whole chunks of the pool (the
   rows beside a decode token's, read and written back), more than the least a step must move
-  (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops.
+  (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops; splitkv's ragged calls
+  on a packed pool write the new tokens themselves, copying each position they read once
+  (`pallas_flash_splitkv.ragged_kernel`): the least.
 - In a whole program (a model's step, `occupancy`): each kernel's loop trips, and for
   splitkv's ragged calls the share of the pool they read, the pages of their own sequences.
 
@@ -33,7 +35,7 @@ import numpy as np
 import pallas_flash as pf
 from pallas_flash import page_write_kernel, page_write_plan
 from pallas_flash.kv_packing import PACKED_DTYPE
-from pallas_flash.ragged_attention import token_pages
+from pallas_flash.ragged_write import token_pages
 from pallas_flash_bench.kernels import ragged_step
 from pallas_flash_bench.kernels.workloads import Workload
 from pallas_flash_estimate.cost import kernel_cost
@@ -107,17 +109,24 @@ def _pool_shares(backend: str, w: Workload, tokens: int) -> dict[str, float]:
     return shares
 
 
-def min_hbm_bytes(workload: Workload) -> float:
-    """The least a backend moves on ``workload``: on a serving step, the workload's least with
-    the page write's chunks and whole pages (`page_write_kernel.moved_bytes`, K and V, or a
-    packed pool's) in place of the new rows written into their pages, which the least
-    counts."""
+def min_hbm_bytes(backend: str, workload: Workload) -> float:
+    """The least ``backend`` moves on ``workload``: on a serving step, the workload's least
+    with the page write's chunks and whole pages (`page_write_kernel.moved_bytes`, K and V, or
+    a packed pool's) in place of the new rows written into their pages, which the least
+    counts; the least itself where the backend's kernels write the new tokens (`writes_own`)."""
     w = workload
-    if w.op != "ragged":
+    if w.op != "ragged" or writes_own(backend, w):
         return w.min_hbm_bytes
     moved = _pools(w) * page_write_kernel.moved_bytes(_page_write_plan(w), _pool(w))
     new_rows = ragged_step.tokens(w) * w.cache_bytes_per_token
     return w.min_hbm_bytes + moved - new_rows
+
+
+def writes_own(backend: str, w: Workload) -> bool:
+    """Whether ``backend``'s kernels write a serving step's new tokens themselves, with no
+    page write of core's: splitkv's on a packed pool
+    (``SplitKvBackend.ragged_attention_and_write``)."""
+    return _splitkv_ragged(backend) is not None and ragged_step.packed(w)
 
 
 def _pool(w: Workload, cache_dtype: str | None = None) -> jax.ShapeDtypeStruct:

@@ -265,7 +265,7 @@ def backend_subjects(names: list[str] | None = None) -> list[Subject]:
             version=_backend_version(info.distribution),
             build=functools.partial(_backend_build, info),
             loop_trips=functools.partial(backend_kernels.loop_trips, info.name),
-            min_hbm_bytes=backend_kernels.min_hbm_bytes,
+            min_hbm_bytes=functools.partial(backend_kernels.min_hbm_bytes, info.name),
             donate=backend_donation,
         )
         for info in infos

@@ -225,9 +225,10 @@ def engine_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["## The serving engine's steps (v5e-8)", "",
             "One step of `pallas-flash-llama`'s serving engine, compiled whole for v5e-8: the "
             "model tensor-parallel over the 8 chips, the paged cache's kv heads split over "
-            "them, every layer's new tokens written into their pages by core's page write and "
-            "attended by splitkv's ragged kernel (one call for the decoding sequences, one for "
-            "the prompt chunks), then each decoding sequence's next token sampled. The step is "
+            "them, every layer's new tokens attended by splitkv's ragged kernel (one call for "
+            "the decoding sequences, one for the prompt chunks), which writes them into their "
+            "pages (a bfloat16 cache, packed; an int8 cache's by core's page write first), then "
+            "each decoding sequence's next token sampled. The step is "
             "padded to the engine's smallest token bucket that holds it. Its kernels are "
             "charged the loop runs and the pages their sequences hold, from the kernels' own "
             "modules (as the mixed steps' rows are). Tokens/s: one sampled token per decoding "
