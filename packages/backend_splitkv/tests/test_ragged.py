@@ -274,6 +274,24 @@ def test_a_packed_cache_through_the_api_writes_what_xla_writes() -> None:
     _check(*got, FORWARD_TOLERANCE["bfloat16"])
 
 
+def test_a_packed_cache_written_before_the_call_is_read_exactly() -> None:
+    """``ragged_attention`` of a packed cache core has already written (the backend API's
+    read-only call): every position copied from its page, the new ones too, with a window
+    starting inside a page; the output is the one the kernel gives when it writes them."""
+    rng = np.random.default_rng(3)
+    pool = (14, 2, PAGE_SIZE, HEAD_DIM)
+    words = pf.pack_kv(*(jnp.asarray(rng.standard_normal(pool), jnp.bfloat16) for _ in "kv"))
+    table = jnp.asarray(rng.permutation(14)[:12].reshape(2, 6), jnp.int32)
+    q, k, v = (jnp.asarray(rng.standard_normal((8, heads, HEAD_DIM)), jnp.bfloat16)
+               for heads in (4, 2, 2))  # fmt: skip
+    starts, lengths = jnp.asarray([0, 1, 8], jnp.int32), jnp.asarray([30, 21], jnp.int32)
+    spec = pf.RaggedSpec(sm_scale=HEAD_DIM**-0.5, window=11)
+    unwritten = pf.DecodeCache(words, None, table)
+    writing, cache = SMALL.ragged_attention_and_write(q, k, v, unwritten, starts, lengths, spec)
+    reading = SMALL.ragged_attention(q, cache, starts, lengths, spec)
+    np.testing.assert_array_equal(np.asarray(reading, np.float32), np.asarray(writing, np.float32))
+
+
 @pytest.mark.parametrize("entry", [-1, 10**6])
 def test_a_packed_token_whose_page_is_out_of_the_pool_is_written_nowhere(entry: int) -> None:
     """A decode token and a chunk's last tokens whose table entries lie outside the pool (a
