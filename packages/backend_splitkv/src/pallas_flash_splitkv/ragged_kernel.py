@@ -93,16 +93,19 @@ def kernel(
     """One grid step ``h``: every used item ``w`` on kv heads ``h x H`` to ``h x H + H - 1``
     (module doc); item ``w`` takes the schedule's entries ``w x S`` to ``w x S + S - 1`` (``S =
     sequences``, those below the used count), each ``block_q / S`` token rows of one sequence.
-    ``q_hbm`` and the output ``[tokens, kv_heads / H, H x group, head_dim]`` in HBM; refs
-    after q: sinks ``[H, rows, 128]`` when given; the cache's arrays in HBM (k, v and, when
-    quantized, their scales; ``packed``: the one pool of words); the output's first value
-    (aliased, unread); the output; scratch: the item's query and output rows ``[2, block_q, H
-    x group, head_dim]`` (double-buffered across items), the query per kv head ``[H, rows,
-    head_dim]``, running max and sum ``[H, rows, 128]``, accumulator ``[H, rows, head_dim]``,
-    one double-buffered block of each entry per cache array (``[2, S, H, block_kv, ...]``),
-    DMA semaphores ``[2, arrays]`` and
-    ``[2, 2]`` (queries, outputs), and SMEM counters: kv blocks folded, items done, and each
-    output buffer's pending copies (first row and rows of each entry)."""
+    ``refs``: with ``writes`` (the kernel writes a packed pool's new tokens) each batch
+    row's page ``[tokens]`` (prefetched); ``q_hbm`` ``[tokens, kv_heads / H, H x group,
+    head_dim]`` in HBM; sinks ``[H, rows, 128]`` when given; the cache's arrays in HBM (k, v
+    and, when quantized, their scales; ``packed``: the one pool of words); with ``writes`` the
+    packed new tokens ``[kv_heads, tokens, head_dim]``; the output's first value (aliased,
+    unread); the output (q's layout) and, with ``writes``, the written pool (aliased to the
+    pool); scratch: the item's query and output rows ``[2, block_q, H x group, head_dim]``
+    (double-buffered across items), the query per kv head ``[H, rows, head_dim]``, running
+    max and sum ``[H, rows, 128]``, accumulator ``[H, rows, head_dim]``, one double-buffered
+    block of each entry per cache array (``[2, S, H, block_kv, ...]``), DMA semaphores ``[2,
+    arrays]`` and ``[2, 2]`` (queries, outputs), SMEM counters: kv blocks folded, items done,
+    and each output buffer's pending copies (first row and rows of each entry); with
+    ``writes`` the writes' DMA semaphores ``[2]``."""
     token_pages_ref, refs = (refs[0], refs[1:]) if writes else (None, refs)
     q_hbm, refs = refs[0], refs[1:]
     sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
