@@ -274,6 +274,18 @@ def test_a_packed_cache_through_the_api_writes_what_xla_writes() -> None:
     _check(*got, FORWARD_TOLERANCE["bfloat16"])
 
 
+def test_the_kernel_writes_only_a_packed_cache() -> None:
+    """A float cache's rows are not 32-bit: the kernel does not write it (core does)."""
+    pool = jnp.zeros((4, 1, PAGE_SIZE, HEAD_DIM), jnp.bfloat16)
+    new = jnp.zeros((1, 1, HEAD_DIM), jnp.bfloat16)
+    cache = pf.DecodeCache(pool, pool, jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="cache: expected a packed cache"):
+        ragged_attention.ragged_attention_and_write(
+            new, new, new, cache, jnp.asarray([0, 1]), jnp.asarray([3]),
+            spec=pf.RaggedSpec(sm_scale=1.0), blocks=RaggedBlocks(),
+        )  # fmt: skip
+
+
 def test_a_packed_cache_written_before_the_call_is_read_exactly() -> None:
     """``ragged_attention`` of a packed cache core has already written (the backend API's
     read-only call): every position copied from its page, the new ones too, with a window

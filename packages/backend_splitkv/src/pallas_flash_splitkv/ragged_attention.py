@@ -162,7 +162,17 @@ def ragged_attention_and_write(
     (`pallas_flash.kv_packing`): the kernels read each new token's key and value ``k``, ``v``
     ``[tokens, kv_heads, head_dim]`` once, from the batch packed ``[kv_heads, tokens,
     head_dim]`` (one fusion of XLA's, as RPA v3 joins its keys and values), and write it into
-    its page from VMEM (`ragged_kernel`). The output and the written cache."""
+    its page from VMEM (`ragged_copies`). The output and the written cache.
+
+    Raises:
+      ValueError: ``cache`` is not packed (its rows are not 32-bit: a kernel cannot write one
+        alone; core writes such a cache, `pallas_flash.ragged_write`).
+    """
+    if not cache.packed:
+        raise ValueError(
+            "cache: expected a packed cache (pallas_flash.pack_kv) for the kernel to write its "
+            f"new tokens, got k_cache of dtype {cache.k.dtype} with a v_cache"
+        )
     new = jnp.swapaxes(pack_kv(k, v), 0, 1)
     out, pool = _jitted(q, new, cache, query_starts, kv_lengths, sinks, spec=spec, blocks=blocks)
     return out, cache._replace(k=pool)

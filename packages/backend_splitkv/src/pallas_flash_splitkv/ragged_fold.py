@@ -9,7 +9,7 @@ page, `zero_stale_rows`: the only stale rows a copy brings (the rows before ``lo
 ``lo``'s page are the sequence's own, written; a page before ``lo`` or after ``hi`` is not
 copied, and its rows in the buffer are an earlier copy's, already clean).
 A packed block (`pallas_flash.kv_packing`) is unpacked once per fold; it is copied exactly (its
-positions in ``[lo, hi]``, the new ones from the batch, `ragged_kernel`), so its other rows are
+positions in ``[lo, hi]``, the new ones from the batch, `ragged_copies`), so its other rows are
 an earlier copy's or the zeros it started with: none to zero. An int8 block's V rows are
 never NaN; its V scales outside the range are zeroed instead. A
 block every row sees whole (its positions from ``lo`` to the item's first token, every page
