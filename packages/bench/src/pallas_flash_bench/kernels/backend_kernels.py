@@ -14,7 +14,7 @@ for (`ragged_step`), as the references' modules give theirs (`rpa_reference.loop
   rows beside a decode token's, read and written back), more than the least a step must move
   (`ragged_step.min_hbm_bytes`), whose copy trap sees only XLA's ops; splitkv's ragged calls
   on a packed pool write the new tokens themselves, copying each position they read once
-  (`pallas_flash_splitkv.ragged_kernel`): the least.
+  (`pallas_flash_splitkv.ragged_copies`): the least.
 - In a whole program (a model's step, `occupancy`): each kernel's loop trips, and for
   splitkv's ragged calls the share of the pool they read, the pages of their own sequences.
 
