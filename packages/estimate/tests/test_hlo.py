@@ -187,6 +187,36 @@ def test_a_kernel_operand_copied_behind_a_bitcast_is_found():
     assert [(call.name, producer.name) for call, producer in found] == [("k", "copy.2")]
 
 
+SPARSECORE_TOY = """\
+HloModule sparsecore
+
+%called_computation (p: bf16[64,128]) -> bf16[64,128] {
+  %p = bf16[64,128]{1,0} parameter(0)
+  ROOT %c = bf16[64,128]{0,1} copy(%p)
+}, execution_thread="sparsecore"
+
+ENTRY %main (x: bf16[64,128]) -> bf16[64,128] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %s = ((bf16[64,128]{1,0}), bf16[64,128]{0,1}, u32[]) call-start(%x),
+    async_execution_thread="sparsecore", to_apply=%called_computation
+  ROOT %d = bf16[64,128]{0,1} call-done(%s)
+}
+"""
+
+
+def test_a_computation_closed_with_attributes_ends_there():
+    """v7x's compiler offloads relayouts to the SparseCore, in computations closed by
+    ``}, execution_thread="sparsecore"``: the entry after them is still found."""
+    comps = hlo.parse_computations(SPARSECORE_TOY)
+    assert list(comps) == ["called_computation", "main"]
+    assert [op.name for op in comps["called_computation"].ops] == ["p", "c"]
+    assert [op.opcode for op in hlo.parse_entry(SPARSECORE_TOY)] == [
+        "parameter",
+        "call-start",
+        "call-done",
+    ]
+
+
 def test_no_entry_computation():
     with pytest.raises(ValueError, match="ENTRY"):
         hlo.parse_entry("HloModule empty\n")

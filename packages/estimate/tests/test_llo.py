@@ -342,6 +342,25 @@ def test_mxu_cycles_count_every_executed_vmatmul_per_mxu():
     assert sched.executed_mxu_cycles_min == sched.executed_mxu_cycles_max == 320
 
 
+def test_v7x_vmatmuls_into_a_result_buffer_count_on_the_mxu_they_name():
+    """v7x's listings index the MXU's result buffer in the mnemonic
+    (``vmatmul.mubr.bf16.gmra.mrb[4].mxu0``): the unit is still its last suffix, so the two
+    MXUs are counted apart: 10 x 16 / 2 = 80 cycles each at v7x's two rows a cycle, and the
+    busiest, mxu0, 8 more for the listing's own vmatmul run once (88, not the 160 of one
+    unit)."""
+    text = TINY.replace(
+        "0x4 :  {}",
+        "0x4 : > { %20 = vmatmul.mubr.bf16.gmra.mrb[4].mxu0 %v1  ;;  "
+        "%21 = vmatmul.mubr.bf16.gmra.mrb[0].mxu1 %v1 }",
+    ).replace("0x5 :  {}", "0x5 : > { %22 = vpop.f32.mrb[4].mxu0 }")
+    listing = bundle_listing.parse_bundles(text, "k.1", mxu_rows_per_cycle=2)
+    popped = [i for b in listing.bundles for i in b.instructions if i.dest == "%22"]
+    assert popped[0].opcode == "vpop.f32.mrb[4].mxu0" and popped[0].args == ""
+    assert sorted(listing.mxu_prefixes) == ["mxu0", "mxu1"]
+    sched = llo.build_schedule(listing)
+    assert sched.executed_mxu_cycles_min == sched.executed_mxu_cycles_max == 88
+
+
 def test_tiny_listing_guard_and_negated_exit():
     text = TINY.replace("scmp.ne.s32.totalorder %s2, 0", "scmp.eq.s32.totalorder %s2, 9")
     text = text.replace("scmp.lt.s32.totalorder %s3, 10", "scmp.ge.s32.totalorder %s3, 12")

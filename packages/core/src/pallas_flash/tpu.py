@@ -3,8 +3,8 @@
 Kernel backends size their VMEM use (block sizes, scoped-VMEM limits) from the generation a
 call runs on, chosen at trace time by `current_generation`:
 
-1. the ``PALLAS_FLASH_TPU`` environment variable (``v4``, ``v5e``, ``v5p``, ``v6e``), needed
-   when compiling ahead of time for a TPU the host does not have;
+1. the ``PALLAS_FLASH_TPU`` environment variable (``v4``, ``v5e``, ``v5p``, ``v6e``,
+   ``v7x``), needed when compiling ahead of time for a TPU the host does not have;
 2. else, on a TPU, the first device's ``device_kind``;
 3. else (no TPU: the kernels run in Pallas's TPU interpreter) v5e, the generation the
    kernels are tuned for.
@@ -36,9 +36,10 @@ class TpuGeneration:
       name: e.g. ``v5e``.
       device_kinds: ``jax.Device.device_kind`` strings of its chips.
       vmem_bytes: VMEM of one TensorCore.
-      tensorcores: TensorCores per chip (2: megacore, which splits a kernel's parallel grid
-        axes between its cores).
-      hbm_bytes: HBM of one chip.
+      tensorcores: TensorCores one device drives (2: megacore, which splits a kernel's
+        parallel grid axes between its cores). A v7x chip's two TensorCores are two devices
+        without megacore: 1.
+      hbm_bytes: HBM of one device (a v7x device holds half its chip's).
     """
 
     name: str
@@ -55,6 +56,7 @@ GENERATIONS = {
         TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MiB, 1, 16 * GiB),
         TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 64 * MiB, 2, 95 * GiB),
         TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 1, 32 * GiB),
+        TpuGeneration("v7x", ("TPU7x", "TPU v7x"), 64 * MiB, 1, 96 * GiB),
     )
 }
 """The generations the kernels are sized for, by name."""

@@ -4,7 +4,15 @@ Figures are Google's published per-chip specifications. ``clock_hz`` is derived,
 published: peak bf16 FLOP/s / (MXUs x width x width x 2 flops per multiply-add x rows an MXU
 takes a cycle), e.g. v5e: 197e12 / (4 x 128 x 128 x 2 x 1) = 1.5 GHz; v6e (2 MXUs of 256 x
 256, as jax's ``tpu_info`` and its listings' ``mxu0``/``mxu1`` say, each taking 2 rows a
-cycle: `Target.mxu_rows_per_cycle`): 918e12 / (2 x 256 x 256 x 2 x 2) = 1.75 GHz.
+cycle: `Target.mxu_rows_per_cycle`): 918e12 / (2 x 256 x 256 x 2 x 2) = 1.75 GHz; v7x (per
+device, half a chip: the same two MXUs): 1,153.5e12 / (2 x 256 x 256 x 2 x 2) = 2.2 GHz.
+
+v7x's rows a cycle are not visible in its listings: its compiler issues vmatmuls into the
+MXUs' result buffers (``mrb[i]``) every other bundle and the MXU drains them at its own rate.
+Two rows a cycle at 2.2 GHz is the reading its measurements allow: at four rows and 1.1 GHz
+the compiler's own bundle count of tokamax's forward (``bf16[1,16384,16,128]``, full, at its
+timed blocks: 10.24 M bundles a kernel) would take 9.3 ms, 1.66x its measured 5.62 ms, and
+a static schedule cannot outlast the device.
 
 Collectives between chips are modelled, not scheduled, by one model
 (`pallas_flash_estimate.program.ici`), for whole programs and the bench's kernel rows alike.
@@ -65,7 +73,7 @@ class Target:
     mxu_rows_per_cycle: int = 1
     """Rows of a ``vmatmul``'s left operand one MXU takes a cycle: 1 on the 128-wide MXUs of
     v4, v5e and v5p (a 16-row bfloat16 vmatmul every 16 bundles on one MXU where the compiler
-    keeps it busy), 2 on v6e's 256-wide ones (one every 8 bundles)."""
+    keeps it busy), 2 on v6e's and v7x's 256-wide ones (on v6e one every 8 bundles)."""
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -97,6 +105,33 @@ def _v5e_slice(x: int, y: int, host: tuple[int, int, int]) -> Target:
     options = dict(_V5E, topology=f"v5e:{x}x{y}", chips_per_host_bounds=host)
     return Target(name=f"v5e-{x * y}", chips=x * y, torus=(x, y), ici_wraparound=x == y == 16,
                   **options)  # fmt: skip
+
+
+def _v7x() -> Target:
+    """One v7x (Ironwood) TensorCore: a v7x chip shows up as two devices without megacore
+    (jax's ``tpu_info``: 2 TensorCores, 2 MXUs of 256 each, 64 MiB VMEM a core), so, as for
+    v4, every figure is one device's, half a chip's. Chip figures are Google's published
+    ones: 4,614 TFLOP/s FP8 (2,307 bf16), 192 GiB of HBM at 7.37 TB/s, 1.2 TB/s of ICI both
+    ways; the links' count (6, a 3D torus as v5p's) is an assumption. No list price was
+    recorded by this project: NaN (pass ``--price``)."""
+    chip_flops = 2307e12
+    return Target(
+        name="v7x",
+        generation="v7x",
+        topology="tpu7x:2x2x1",
+        chips_per_host_bounds=(2, 2, 1),
+        chips=1,
+        peak_flops=chip_flops / 2,
+        hbm_bytes=192 * GiB // 2,
+        hbm_bandwidth=7370e9 / 2,
+        vmem_bytes=64 * MiB,
+        clock_hz=chip_flops / 2 / (2 * 256 * 256 * 2 * 2),
+        mxu_rows_per_cycle=2,
+        ici_bandwidth=1200e9 / 2 / 2,
+        ici_link_bandwidth=1200e9 / 2 / 2 / 6,
+        collective_latency=10e-6,
+        price_per_chip_hour=float("nan"),
+    )
 
 
 TARGETS = {
@@ -156,7 +191,10 @@ TARGETS = {
         collective_latency=10e-6,
         price_per_chip_hour=2.70,
     ),
+    "v7x": _v7x(),
 }
+
+
 SENSITIVITY = {
     "ICI bandwidth x0.7": lambda t: dataclasses.replace(
         t, ici_bandwidth=0.7 * t.ici_bandwidth, ici_link_bandwidth=0.7 * t.ici_link_bandwidth

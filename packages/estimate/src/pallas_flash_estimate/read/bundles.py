@@ -29,7 +29,11 @@ CMOV_RE = re.compile(r"^\(\s*(?P<pred>!?%p\w+)\s*,\s*(?P<old>[^)]+?)\s*\)\s*,\s*
 _BUNDLE_RE = re.compile(
     r"^\s*(?P<addr>0x[0-9a-fA-F]+|\d+)\s+(?P<markers>(?:[A-Z]{2}\s*)*):\s*(?P<nest>>*)\s*\{"
 )
-_INSTR_RE = re.compile(r"^(?P<dest>%[\w.\-]+)\s*=\s*(?P<opcode>[A-Za-z_][\w.\-]*)\s*(?P<args>.*)$")
+_INSTR_RE = re.compile(
+    r"^(?P<dest>%[\w.\-]+)\s*=\s*(?P<opcode>[A-Za-z_][\w.\-]*(?:\[\d+\][\w.\-]*)*)\s*(?P<args>.*)$"
+)
+"""An instruction with a result; its mnemonic may index a register file of the unit it names
+(v7x: ``vmatmul.mubr.bf16.gmra.mrb[4].mxu0``, MXU 0's result buffer 4)."""
 _GUARD_RE = re.compile(r"^\(\s*(?P<guard>!?%p\w+)\s*\)\s*,?\s*(?P<rest>.*)$", re.S)
 _BRANCH_RE = re.compile(r"^\(\s*(?P<pred>!?%p\w+)\s*\)\s*target\s*=\s*\$region(?P<region>\d+)")
 
@@ -39,7 +43,7 @@ class Instruction:
     """One instruction of a bundle."""
 
     dest: str | None  # "%s22_s24"; None when the text has no "%x = " prefix
-    opcode: str  # full mnemonic, e.g. "vmatmul.bf16.gmra.mxu0"
+    opcode: str  # full mnemonic, e.g. "vmatmul.bf16.gmra.mxu0", "vpop.f32.mrb[0].mxu0"
     args: str  # operands after the mnemonic, comments and predicate guard removed
     guard: str | None = None  # "%p3" / "!%p3" when the instruction is predicated
     note: str = ""  # its comments, e.g. "phi copy :: iteration index, stage = 1"

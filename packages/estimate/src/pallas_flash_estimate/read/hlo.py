@@ -73,6 +73,9 @@ _DTYPE_BITS = {
 #: Opcodes that move data to a new layout or buffer.
 
 _COMP_RE = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(")
+_COMP_END_RE = re.compile(r"^\}(?:,.*)?\s*$")
+"""A computation's closing brace, alone or with attributes (``}, execution_thread="sparsecore"``:
+v7x's SparseCore computations)."""
 _INSTR_START_RE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=")
 _INSTR_RE = re.compile(r"^\s*(?P<root>ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*")
 _ARRAY_RE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?P<layout>\{[^{}]*\})?")
@@ -379,7 +382,7 @@ def parse_computations(text: str) -> dict[str, Computation]:
         if buf and not _balanced(" ".join(buf)):
             buf.append(line)  # an instruction spanning lines
             continue
-        if line.strip() == "}":
+        if _COMP_END_RE.match(line):
             flush()
             comps[current] = Computation(current, entry, tuple(ops))
             current = None
