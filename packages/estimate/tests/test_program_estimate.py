@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash_estimate import TARGETS, Target, UnknownGridError, estimate_program
+from pallas_flash_estimate import (
+    TARGETS,
+    ImplausibleEstimateError,
+    Target,
+    UnknownGridError,
+    estimate_program,
+)
 from pallas_flash_estimate.aot import worker
 from pallas_flash_estimate.aot.devices import libtpu_version
 from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef, parse_array
@@ -81,8 +87,13 @@ def test_array_arguments_are_read_from_their_dtype_and_shape() -> None:
 
 
 def test_a_target_round_trips_through_json() -> None:
+    """Compared as JSON: a price not recorded is NaN (v7x), equal to itself only so."""
     for target in TARGETS.values():
-        assert Target.from_json(json.loads(json.dumps(target.to_json()))) == target
+        again = Target.from_json(json.loads(json.dumps(target.to_json())))
+        assert json.dumps(again.to_json()) == json.dumps(target.to_json())
+        assert dataclasses.replace(again, price_per_chip_hour=0) == dataclasses.replace(
+            target, price_per_chip_hour=0
+        )
 
 
 @needs_libtpu
@@ -144,6 +155,18 @@ def test_a_grid_sized_from_an_argument_is_unknown_unless_its_steps_are_given(sam
                          loop_trips={"sparse_block": (64,)})  # fmt: skip
     kernel = held.seconds_by_kind["kernel"]
     assert given.seconds_by_kind["kernel"] == pytest.approx(kernel, rel=0.02)
+
+
+@needs_libtpu
+def test_loop_trips_its_flops_cannot_explain_give_no_figure(sample_programs):
+    """The kernel declares the flops of raising its 64 blocks: its grid given as 1 step puts
+    it under half of them at peak, as 4,096 puts its MXU work over 16 times them; either is
+    refused by name, not returned as a figure."""
+    x, steps = _bf16(64 * 256, 256), jax.ShapeDtypeStruct((), jnp.int32)
+    for trips, said in (((1,), "too few times"), ((4096,), "too many times")):
+        with pytest.raises(ImplausibleEstimateError, match=rf"sparse_blocks\.1: .*{said}"):
+            estimate_program(sample_programs.sparse_blocks_given, x, steps,
+                             loop_trips={"sparse_blocks": trips})  # fmt: skip
 
 
 @needs_libtpu

@@ -27,7 +27,9 @@ Beneath it, a library by stage, as a program's compiled output flows through it:
   (`cost.spread`), its DMA traffic (`cost.dma`), an op's HBM bytes (`cost.op_bytes`), and how
   much of a program's collective and copy time its own schedule hides (`cost.overlap`).
 - `pallas_flash_estimate.program`: a whole program's step, every op charged for its runs
-  (`program.whole_program`), its collectives over the slice's torus (`program.ici`).
+  (`program.whole_program`), its collectives over the slice's torus (`program.ici`), and
+  each op held against its flops (`program.sanity`: a loop counted too few or too many
+  times gives no figure).
 - `pallas_flash_estimate.calibration`: the static figure held against published
   measurements, and the error band each kind of program keeps.
 
@@ -40,6 +42,7 @@ be mixed with its own. The chips it estimates for, with the published figures it
 from pallas_flash_estimate.calibration import CalibratedTime
 from pallas_flash_estimate.program.whole_program import ANALYSIS_VERSION
 from pallas_flash_estimate.program_estimate import (
+    ImplausibleEstimateError,
     ProgramEstimate,
     UnknownGridError,
     estimate_program,
@@ -50,6 +53,7 @@ __all__ = [
     "ANALYSIS_VERSION",
     "TARGETS",
     "CalibratedTime",
+    "ImplausibleEstimateError",
     "ProgramEstimate",
     "Target",
     "UnknownGridError",

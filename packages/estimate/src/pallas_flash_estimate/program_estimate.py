@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pallas_flash_estimate import calibration
 from pallas_flash_estimate.aot import worker
 from pallas_flash_estimate.aot.program_ref import ProgramRef
+from pallas_flash_estimate.program import sanity
 from pallas_flash_estimate.targets import TARGETS, Target
 
 
@@ -34,6 +35,17 @@ class UnknownGridError(ValueError):
             f"the program, so how long it takes is unknown; pass estimate_program(..., "
             f"loop_trips={{{stems}}}): how often its loops without a trip count run, "
             f"outermost first (a grid sized at run time: its steps)"
+        )
+
+
+class ImplausibleEstimateError(ValueError):
+    """The estimate is outside what the program's flops allow (`program.sanity`): a loop
+    counted too few or too many times. ``reasons``: one per op, or the whole program's."""
+
+    def __init__(self, program: str, reasons: Sequence[str]):
+        self.reasons = tuple(reasons)
+        super().__init__(
+            f"{program}: no estimate: the counted loops do not explain it ({'; '.join(reasons)})"
         )
 
 
@@ -92,7 +104,8 @@ def _ms(seconds: float) -> str:
 
 def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEstimate:
     """The `ProgramEstimate` of a worker's result (`aot.worker.analyse`); raises the
-    compiler's error, and `UnknownGridError` for a kernel whose grid steps are unknown."""
+    compiler's error, `UnknownGridError` for a kernel whose grid steps are unknown, and
+    `ImplausibleEstimateError` for an estimate its flops refuse (`program.sanity`)."""
     if "job_error" in result:
         raise RuntimeError(f"{ref.label}: the worker failed: {result['job_error']}")
     if not result["compiled"]:
@@ -100,6 +113,14 @@ def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEs
     e = result["estimate"]
     if e.get("kernels_of_unknown_grid"):
         raise UnknownGridError(ref.label, e["kernels_of_unknown_grid"])
+    refused = list(e.get("implausible_ops", ()))
+    floor = (result.get("flops") or 0.0) / target.peak_flops
+    if e["step_seconds_scheduled"] < sanity.FLOOR_SHARE * floor:
+        refused.append(f"the program: estimated {e['step_seconds_scheduled'] * 1e3:.4g} ms, under "
+                       f"{sanity.FLOOR_SHARE:g} of its {result['flops']:.4g} flops at peak "
+                       f"({floor * 1e3:.4g} ms)")  # fmt: skip
+    if refused:
+        raise ImplausibleEstimateError(ref.label, refused)
     notes = list(result["notes"])
     if e["ops_without_listing"]:
         notes.append(f"ops without a listing, charged their HBM bytes only: "
@@ -145,7 +166,10 @@ def estimate_program(
     counted from the program's constants: the grid's size and the tables that decide what
     each step runs (a mask built with NumPy at trace time). Where the program does not hold
     them, it raises `UnknownGridError` unless ``loop_trips`` gives, per kernel name (without
-    its ``.N``), how often its loops without a trip count run, outermost first.
+    its ``.N``), how often its loops without a trip count run, outermost first. An estimate
+    that the flops of its ops refuse (a kernel under its flops at peak, or its counted MXU
+    work far over them: `program.sanity`) raises `ImplausibleEstimateError` instead of a
+    number the program cannot take.
     """
     if isinstance(target, str):
         if target not in TARGETS:

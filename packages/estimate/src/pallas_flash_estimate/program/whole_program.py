@@ -39,7 +39,7 @@ from typing import NamedTuple, Protocol
 
 from pallas_flash_estimate.cost import kernel_cost, llo, op_bytes, overlap, spread
 from pallas_flash_estimate.evaluate import program_loops
-from pallas_flash_estimate.program import ici
+from pallas_flash_estimate.program import ici, sanity
 from pallas_flash_estimate.read import hlo, hlo_ops
 from pallas_flash_estimate.targets import SENSITIVITY, Target
 
@@ -70,6 +70,7 @@ class OpTime:
     dma_bytes: int = 0  # a Pallas kernel's block copies in one run, at most
     undecided_seconds: float = 0.0  # a kernel's regions the schedule cannot decide, one run
     unknown_grid: bool = False  # a Pallas kernel whose grid steps no one knows (run once)
+    implausible: str | None = None  # why its rooflines refuse its figure (`sanity`), one run
 
     @property
     def seconds(self) -> float:
@@ -140,9 +141,13 @@ def op_times(
             cycles_of[schedule.name] = _cycles(schedule, kernel, kernel_workload)
         c = cycles_of[schedule.name]
         once = c.kind != "kernel" and schedule.executed_bundles_max is None
-        out.append(OpTime(op.name, c.kind, runs.runs(op.name), c.cycles / target.clock_hz,
-                          memory * c.read, once, c.grid_steps, c.dma_bytes,
-                          c.undecided_cycles / target.clock_hz, c.unknown_grid))  # fmt: skip
+        static = c.cycles / target.clock_hz
+        declared = (hlo_ops.cost_estimate(op) or {}).get("flops") if c.kind == "kernel" else None
+        mxu = None if c.mxu_cycles is None else c.mxu_cycles / target.clock_hz
+        refused = sanity.implausible(op.name, static, mxu, declared, target.peak_flops)
+        out.append(OpTime(op.name, c.kind, runs.runs(op.name), static, memory * c.read, once,
+                          c.grid_steps, c.dma_bytes, c.undecided_cycles / target.clock_hz,
+                          c.unknown_grid, refused))  # fmt: skip
     return out, unmatched
 
 
@@ -155,6 +160,7 @@ class _ListingCost:
     dma_bytes: int = 0
     undecided_cycles: int = 0  # in regions the schedule cannot decide
     unknown_grid: bool = False  # its grid's steps are not known (charged one)
+    mxu_cycles: int | None = None  # a kernel's busiest MXU's, one run
 
 
 def _cycles(
@@ -178,7 +184,7 @@ def _cycles(
         unknown = isinstance(workload, kernel_cost.FullGrid) and not trips
         unknown = unknown and schedule.grid_steps is None and schedule.trip_count is None
         return _ListingCost(entry["cycles"], "kernel", read, steps, entry["dma_bytes"] or 0, full,
-                            unknown)  # fmt: skip
+                            unknown, entry["estimates"].get("mxu"))  # fmt: skip
     if schedule.executed_bundles_max is None:
         return _ListingCost(schedule.bundles, "other", 1.0)
     mxu = schedule.executed_mxu_cycles_max or 0
@@ -328,6 +334,7 @@ def _cost(
         # charged in full where the kernel's occupancy does not say how often they run
         "kernel_undecided_seconds": sum(t.runs * t.undecided_seconds for t in kernels),
         "kernels_of_unknown_grid": sorted({t.name for t in kernels if t.unknown_grid}),
+        "implausible_ops": sorted({t.implausible for t in times if t.implausible}),
         "top_ops": [dict(dataclasses.asdict(t), seconds=t.seconds) for t in heaviest],
     }
     return found
