@@ -121,7 +121,7 @@ def test_the_published_points_are_as_their_sources_print_them() -> None:
 
 
 COMMITTED = calibration.load("v5e")
-GENERATIONS = ("v5e", "v5p", "v6e")
+GENERATIONS = ("v5e", "v5p", "v6e", "v7x")
 """The generations with a committed calibration."""
 
 
@@ -179,3 +179,17 @@ def test_attention_points_are_fitted_and_their_band_held_out() -> None:
         assert len(attention) >= 40 and 0.3 < len(fitted) / len(attention) < 0.7
         band = calibration.load(generation)["bands"][calibration.ATTENTION]
         assert band["held_out"] is not None and band["held_out"] <= band["band"]
+
+
+def test_v7x_is_validated_with_v6e_s_coefficients_and_fits_nothing() -> None:
+    """No coefficient is fitted on v7x: its points are all held out, calibrated by the
+    coefficients of v6e (the same two 256-wide MXUs), and their bands say how the model
+    carries to a generation it never saw, forward and backward."""
+    v7x = calibration.load("v7x")
+    assert v7x["coefficients_from"] == "v6e"
+    assert v7x["coefficients"] == calibration.load("v6e")["coefficients"]
+    assert {p["role"] for p in v7x["points"]} == {"validate"}
+    for kind in (calibration.ATTENTION, calibration.ATTENTION_BACKWARD):
+        band = v7x["bands"][kind]
+        assert band["points"] >= 30 and band["held_out"] == band["band"]
+    assert calibration.describe(v7x).startswith("v6e's coefficients, validated on")

@@ -65,6 +65,29 @@ def test_a_timed_key_becomes_its_program_at_the_timed_configuration(monkeypatch)
     assert "causal, residuals, blocks 1024/2048/512" in point.name
 
 
+def test_a_timed_backward_key_becomes_tokamax_s_vjp_from_its_residuals(monkeypatch) -> None:
+    """A VJP key: the residuals (``[batch, heads, seq]``), the output and its cotangent, q, k
+    and v, in that order; plain as the forward's; kind attention backward; never fitted on
+    v7x (validation only)."""
+    vjp = {"residuals": ["f32[4,16,4096]", "f32[4,16,4096]"], "out": "bf16[4,4096,16,128]",
+           "dout": "bf16[4,4096,16,128]"}  # fmt: skip
+    config = {"block_q_dkv": 1024, "block_kv_dkv": 1024, "block_kv_dkv_compute": 512}
+    files = {"pallas_mosaic_tpu_flash_attention_vjp": {
+        json.dumps(PLAIN | vjp | {"mask": CAUSAL_MASK}): {json.dumps(config): TIMES},
+        json.dumps(PLAIN | vjp | {"logits_soft_cap": 30.0}): {json.dumps(config): TIMES},
+    }}  # fmt: skip
+    monkeypatch.setattr(tokamax_timings, "data_file", lambda g, op: files.get(op, {}))
+    monkeypatch.setattr(tokamax_timings, "source", lambda g, op: f"{g} {op}")
+    (point,) = tokamax_timings.points("v7x")
+    assert point.kind == calibration.ATTENTION_BACKWARD and point.role == "validate"
+    assert point.program.function.endswith(":tokamax_flash_attention_vjp")
+    assert [a.shape for a in point.program.args] == [(4, 16, 4096)] * 2 + [(4, 4096, 16, 128)] * 5
+    assert [a.dtype for a in point.program.args[:3]] == ["float32", "float32", "bfloat16"]
+    kwargs = dict(point.program.kwargs)
+    assert json.loads(kwargs["config"]) == config and kwargs["causal"] is True
+    assert "backward" in point.name and "blocks 1024/1024/512" in point.name
+
+
 def test_half_the_keys_are_fitted_by_their_hash_and_none_of_v7x() -> None:
     keys = [_key(q=f"bf16[{b},{n},16,128]") for b in range(1, 9) for n in (512, 1024, 2048)]
     fitted = [tokamax_timings.fitted("v6e", k) for k in keys]

@@ -39,8 +39,11 @@ COEFFICIENTS = ("static_factor", "step_seconds", "fill_factor", "host_call_secon
 ATTENTION = "attention forward"
 """The kind of attention kernels, timed forward (tokamax's autotuning data)."""
 
+ATTENTION_BACKWARD = "attention backward"
+"""The kind of attention backward kernels (tokamax's VJP, timed on v7x only)."""
+
 KINDS = ("MXU-bound", "memory-bound", "grid-step-bound", "data-dependent", ATTENTION,
-         "train step", "serving run")  # fmt: skip
+         ATTENTION_BACKWARD, "train step", "serving run")  # fmt: skip
 """Kinds of program a band is given for: read from a program's estimate (`kind`), or declared
 by its caller (an attention kernel, a train step, a serving run)."""
 
@@ -152,10 +155,15 @@ def predicted_seconds(values: list[float], coefficients: Mapping[str, float]) ->
     return sum(coefficients[c] * v for c, v in zip(COEFFICIENTS, values, strict=True))
 
 
-def calibrate_points(points: Sequence[Mapping], versions: Mapping[str, str | None]) -> dict:
+def calibrate_points(
+    points: Sequence[Mapping],
+    versions: Mapping[str, str | None],
+    coefficients: Mapping[str, float] | None = None,
+) -> dict:
     """The calibration of analysed ``points`` (``{"point": CalibrationPoint.to_json(),
     "estimate": whole-program estimate or None, "error": ...}``): coefficients fitted on
-    the ``fit`` points, each point's static and calibrated ratio to its measurement, and
+    the ``fit`` points (or the ``coefficients`` given: a generation only validated,
+    `COEFFICIENTS_FROM`), each point's static and calibrated ratio to its measurement, and
     each kind's band. Points without an estimate are listed with their error."""
     estimated = [p for p in points if p.get("estimate")]
     programs = [ProgramFeatures.of_estimate(p["estimate"]) for p in estimated]
@@ -163,7 +171,10 @@ def calibrate_points(points: Sequence[Mapping], versions: Mapping[str, str | Non
             for f, p in zip(programs, estimated, strict=True)]  # fmt: skip
     training = [r for r, p, f in zip(rows, estimated, programs, strict=True)
                 if p["point"]["role"] == "fit" and not f.upper_bound]  # fmt: skip
-    coefficients = fit(training)
+    if coefficients is None:
+        coefficients = fit(training)
+    elif training:
+        raise ValueError("coefficients: given for points some of which are to be fitted")
     table = []
     for (values, measured), p, f in zip(rows, estimated, programs, strict=True):
         calibrated = predicted_seconds(values, coefficients)
@@ -210,7 +221,12 @@ BANDS_FROM = {"v5e": "v5p"}
 """A generation none of whose attention kernels was ever timed, and the generation with the
 same MXUs (four 128-wide, one row a cycle) whose bands of `BORROWED_KINDS` it takes."""
 
-BORROWED_KINDS = (ATTENTION,)
+BORROWED_KINDS = (ATTENTION, ATTENTION_BACKWARD)
+
+COEFFICIENTS_FROM = {"v7x": "v6e"}
+"""A generation only validated: no coefficient is fitted on its points; it is calibrated by
+the coefficients of the generation with the same MXUs (two 256-wide, two rows a cycle), and
+its bands show how the model carries to a generation it never saw."""
 
 
 def load(generation: str) -> dict | None:
@@ -222,21 +238,29 @@ def load(generation: str) -> dict | None:
 
 def with_borrowed_bands(found: dict) -> dict:
     """A calibration whose kinds of `BORROWED_KINDS` without a point take the band of
-    `BANDS_FROM`'s generation (committed), marked with it (``bands[kind]["generation"]``)."""
+    `BANDS_FROM`'s generation (committed) where it has points, marked with it
+    (``bands[kind]["generation"]``)."""
     found = dict(found, bands=dict(found["bands"]))
     donor = load(BANDS_FROM[found["generation"]]) if found["generation"] in BANDS_FROM else None
     for name in BORROWED_KINDS if donor else ():
-        if not found["bands"].get(name, {}).get("points"):
-            found["bands"][name] = dict(donor["bands"][name], generation=donor["generation"])
+        lent = donor["bands"].get(name, {})
+        if lent.get("points") and not found["bands"].get(name, {}).get("points"):
+            found["bands"][name] = dict(lent, generation=donor["generation"])
     return found
 
 
 def describe(calibration: Mapping) -> str:
-    """``fitted on 9 of 30 published v5e measurements, libtpu 0.0.42.1``."""
+    """``fitted on 9 of 30 published v5e measurements, libtpu 0.0.42.1``, or for a generation
+    only validated ``v6e's coefficients, validated on 114 measured v7x programs, ...``."""
     points = calibration["points"]
+    libtpu = calibration["versions"].get("libtpu")
+    donor = calibration.get("coefficients_from")
+    if donor:
+        return (f"{donor}'s coefficients, validated on {len(points)} measured "
+                f"{calibration['generation']} programs (none fitted), libtpu {libtpu}")  # fmt: skip
     fitted = sum(1 for p in points if p["role"] == "fit")
     return (f"fitted on {fitted} of {len(points)} published {calibration['generation']} "
-            f"measurements, libtpu {calibration['versions'].get('libtpu')}")  # fmt: skip
+            f"measurements, libtpu {libtpu}")  # fmt: skip
 
 
 def calibrate(

@@ -10,6 +10,8 @@ them, to be compiled and estimated like any program (`pallas_flash_estimate.esti
 - `tokamax_flash_attention`: tokamax's Mosaic TPU flash attention forward at one configuration
   of its autotuning data; `pallas_attention`: ours (`pf.attention` on the ``pallas``
   backend), held beside it (`tokamax_comparison`).
+- `tokamax_flash_attention_vjp`: that kernel's backward from the forward's residuals;
+  `pallas_attention_backward`: ours from the same residuals.
 """
 
 from __future__ import annotations
@@ -136,6 +138,36 @@ def tokamax_flash_attention(
     return op(q, k, v, is_causal=causal, return_residuals=residuals)
 
 
+def tokamax_flash_attention_vjp(
+    max_logits: jax.Array,
+    logsumexp: jax.Array,
+    out: jax.Array,
+    dout: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    config: str,
+    causal: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tokamax's Mosaic TPU flash attention backward (its VJP op): the gradients of q, k and
+    v (``[batch, seq, heads, head_dim]``, as `tokamax_flash_attention`) from the forward's
+    residuals (``[batch, heads, seq]`` float32: the rows' max logits and log-sum-exp), its
+    output and the output's cotangent ``dout``, at the configuration ``config`` (its
+    autotuning data's JSON). Needs tokamax."""
+    from tokamax._src.ops.attention import base
+    from tokamax._src.ops.attention import pallas_mosaic_tpu_vjp as tpu_vjp
+
+    op = tpu_vjp.PallasMosaicTpuFlashAttentionVjp(config=tpu_vjp.Config(**json.loads(config)))
+    grads = op((max_logits, logsumexp), out, dout, q, k, v,
+               precision=(jax.lax.DotAlgorithmPreset.DEFAULT,) * 2,
+               logits_dtype=jnp.dtype("float32"), logits_scale=q.shape[-1] ** -0.5, bias=None,
+               logits_soft_cap=None, mask=base.Mask(is_causal=causal), dropout_mask=None,
+               dropout_rate=0.0, paging_info=None, q_indices=None, k_indices=None,
+               normalize_output=True)  # fmt: skip
+    return grads["q"], grads["k"], grads["v"]
+
+
 def pallas_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False
 ) -> jax.Array:
@@ -144,3 +176,26 @@ def pallas_attention(
     import pallas_flash as pf
 
     return pf.attention(q, k, v, causal=causal, backend="pallas")
+
+
+def pallas_attention_backward(
+    lse: jax.Array,
+    out: jax.Array,
+    dout: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Our backward (the ``pallas`` backend's kernels at their default blocks) from the
+    forward's residuals, as ``jax.grad`` of ``pf.attention`` runs it: ``lse [batch, heads, 1,
+    seq]`` float32, ``out`` and ``dout`` like q's output, q ``[batch, heads, seq, head_dim]``,
+    k and v ``[batch, kv_heads, seq_kv, head_dim]``; the gradients of q, k and v."""
+    from pallas_flash.specs import AttentionSpec
+    from pallas_flash_pallas.kernels.backward import flash_backward
+
+    spec = AttentionSpec(sm_scale=q.shape[-1] ** -0.5, causal=causal,
+                         q_offset=k.shape[2] - q.shape[2])  # fmt: skip
+    dq, dk, dv, _ = flash_backward(q, k, v, None, out, lse, dout, spec=spec)
+    return dq, dk, dv

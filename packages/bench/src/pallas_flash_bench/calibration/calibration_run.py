@@ -24,19 +24,33 @@ def program_job(ref: ProgramRef, target: Target) -> dict:
 
 
 def error_of(result: dict | None) -> str | None:
-    """A worker result's error: the job's own (the worker failed) or the program's."""
-    return (result or {}).get("job_error") or (result or {}).get("error")
+    """A worker result's error: the job's own (the worker failed), the program's, or why its
+    estimate is refused (`pallas_flash_estimate.program.sanity`: loops its flops cannot
+    explain)."""
+    result = result or {}
+    refused = (result.get("estimate") or {}).get("implausible_ops")
+    if refused:
+        return f"no estimate: the counted loops do not explain it ({'; '.join(refused)})"
+    return result.get("job_error") or result.get("error")
 
 
-def attention_figures(result: dict | None, generation: str) -> dict | None:
-    """A worker result's static and calibrated seconds as an attention kernel (the
-    generation's attention band), and whether its estimate is an upper bound; None without
-    an estimate."""
+def estimate_of(result: dict | None) -> dict | None:
+    """A worker result's estimate, None where there is none or it is refused (`error_of`)."""
     estimate = (result or {}).get("estimate")
-    if not estimate:
+    return None if not estimate or estimate.get("implausible_ops") else estimate
+
+
+def attention_figures(
+    result: dict | None, generation: str, kind: str = calibration.ATTENTION
+) -> dict | None:
+    """A worker result's static and calibrated seconds as an attention kernel of ``kind``
+    (forward or backward: the generation's band of it), and whether its estimate is an upper
+    bound; None without an estimate."""
+    estimate = estimate_of(result)
+    if estimate is None:
         return None
     features = calibration.ProgramFeatures.of_estimate(estimate)
-    found = calibration.calibrate(features, generation, calibration.ATTENTION)
+    found = calibration.calibrate(features, generation, kind)
     return {"static_seconds": features.static_seconds,
             "calibrated_seconds": None if found is None else found.seconds,
             "upper_bound": features.upper_bound}  # fmt: skip
@@ -56,10 +70,13 @@ def run(target: Target, versions: dict, cache: ResultCache, workers: int,
             analysed.append({"point": point.to_json(), "estimate": point.estimate, "error": None})
             continue
         result = results[i]
-        error = error_of(result)
-        analysed.append({"point": point.to_json(), "estimate": result.get("estimate"),
-                         "error": error})  # fmt: skip
-    found = calibration.calibrate_points(analysed, versions)
+        analysed.append({"point": point.to_json(), "estimate": estimate_of(result),
+                         "error": error_of(result)})  # fmt: skip
+    donor = calibration.COEFFICIENTS_FROM.get(target.generation)
+    given = None if donor is None else calibration.load(donor)["coefficients"]
+    found = calibration.calibrate_points(analysed, versions, given)
+    if donor is not None:
+        found["coefficients_from"] = donor
     found["generation"] = target.generation
     found["analysis"] = ANALYSIS_VERSION
     out_dir.mkdir(parents=True, exist_ok=True)

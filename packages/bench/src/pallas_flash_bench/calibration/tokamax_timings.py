@@ -5,19 +5,23 @@ Each file maps a call's bound arguments (JSON: shapes such as ``bf16[4,4096,16,1
 mask, ``return_residuals``) to the configuration tokamax chose for it and that
 configuration's ``evaluation_times_ms`` (profiled on the device); an untimed key is ``{}``.
 A point is the call compiled at its chosen configuration (`calibration_programs`), measured
-by the median of its times. Two files are read:
+by the median of its times. Three files are read:
 
 - ``pallas_mosaic_tpu_ragged_dot.json``: the forward grouped matmul (kind read from the
   estimate, as any program's). Most keys of v5p and v6e give only the groups' count and
   total size, not the sizes: those are left out, as ``batched_rpa.json`` is (no lengths);
 - ``pallas_mosaic_tpu_flash_attention.json``: the forward flash attention, causal or not, with
   or without residuals (kind ``attention forward``). Keys with a bias, soft cap, dropout,
-  paging, window or other mask are left out: the bench compiles plain attention only.
+  paging, window or other mask are left out: the bench compiles plain attention only;
+- ``pallas_mosaic_tpu_flash_attention_vjp.json``: its backward (kind ``attention
+  backward``), the gradients from the forward's residuals, output and cotangent, on the same
+  plain keys (timed on v7x only).
 
 Which points the fit sees (``role``): on v5e, the grouped matmul `V5E_FIT` (v5e's other
 sources, the guides and MaxText, validate it with the rest); on v5p and v6e, half of each
 file's usable keys, chosen by a hash of the key (`fitted`); on v7x none
-(`VALIDATION_ONLY`): it shows how the model carries to a generation it never saw.
+(`calibration.COEFFICIENTS_FROM`): it shows how the model carries to a generation it never
+saw.
 """
 
 from __future__ import annotations
@@ -35,13 +39,10 @@ import numpy as np
 from pallas_flash_bench.calibration import calibration_programs
 from pallas_flash_bench.calibration.calibration_point import CalibrationPoint, Role
 from pallas_flash_estimate.aot.program_ref import ArraySpec, ProgramRef
-from pallas_flash_estimate.calibration import ATTENTION
+from pallas_flash_estimate.calibration import ATTENTION, ATTENTION_BACKWARD, COEFFICIENTS_FROM
 
 CHIPS = {"v5e": "tpu_v5_lite", "v5p": "tpu_v5", "v6e": "tpu_v6_lite", "v7x": "tpu7x"}
 """tokamax's folder of autotuning data for each TPU generation."""
-
-VALIDATION_ONLY = frozenset({"v7x"})
-"""Generations no coefficient is fitted on."""
 
 V5E_FIT = ("bf16[131072,2048]", "bf16[128,2048,768]")
 """The v5e grouped matmul (lhs, rhs) the v5e calibration is fitted on."""
@@ -51,6 +52,9 @@ DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 
 FLASH_ATTENTION = "pallas_mosaic_tpu_flash_attention"
 """tokamax's data file (op name) of its Mosaic TPU flash attention forward."""
+
+FLASH_ATTENTION_VJP = "pallas_mosaic_tpu_flash_attention_vjp"
+"""tokamax's data file of the same kernel's backward (its VJP op)."""
 
 
 def source(generation: str, op: str) -> str:
@@ -63,16 +67,18 @@ def source(generation: str, op: str) -> str:
 
 def fitted(generation: str, key: str) -> bool:
     """Whether the fit sees a key of ``generation``'s data: on v5p and v6e the keys whose
-    SHA-256 is even (about half, fixed by the key alone); never on a `VALIDATION_ONLY` one."""
-    if generation in VALIDATION_ONLY:
+    SHA-256 is even (about half, fixed by the key alone); never on one only validated
+    (`calibration.COEFFICIENTS_FROM`)."""
+    if generation in COEFFICIENTS_FROM:
         return False
     return hashlib.sha256(key.encode()).digest()[-1] % 2 == 0
 
 
 def points(generation: str) -> list[CalibrationPoint]:
-    """Every usable timed key of ``generation``'s grouped matmul and flash attention; none
-    when tokamax is not installed or has no data for it."""
-    return [*ragged_dot_points(generation), *flash_attention_points(generation)]
+    """Every usable timed key of ``generation``'s grouped matmul and flash attention (forward
+    and backward); none when tokamax is not installed or has no data for it."""
+    return [*ragged_dot_points(generation), *flash_attention_points(generation),
+            *flash_attention_vjp_points(generation)]  # fmt: skip
 
 
 def data_file(generation: str, op: str) -> dict[str, dict]:
@@ -121,6 +127,15 @@ def gmm_steps(group_sizes: list[int], tiles: Mapping[str, int], k: int, n: int) 
     return n // tiles["tile_n"] * visited * (k // tiles["tile_k"])
 
 
+def gmm_kernel() -> str:
+    """The name of tokamax's forward grouped matmul kernel, whose grid ``loop_trips`` give:
+    ``pallas_tpu_ragged_dot_gmm`` from tokamax 0.0.17 (its ``_KERNEL_NAME_GMM``),
+    ``gmm_megablox`` before."""
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu_kernel
+
+    return getattr(pallas_mosaic_tpu_kernel, "_KERNEL_NAME_GMM", "gmm_megablox")
+
+
 def ragged_dot_points(generation: str) -> list[CalibrationPoint]:
     """tokamax's grouped matmul (forward, no residuals, lhs ``[m, k]`` @ rhs
     ``[groups, k, n]``) at each shape ``generation``'s data times, in the configuration
@@ -146,7 +161,7 @@ def ragged_dot_points(generation: str) -> list[CalibrationPoint]:
         steps = gmm_steps(groups, config, k, rhs.shape[2])
         ref = ProgramRef(f"{module}:tokamax_ragged_dot",
                          (lhs, rhs, ArraySpec((len(groups),), "int32")),
-                         tuple(sorted(kwargs.items())), (("gmm_megablox", (steps,)),))  # fmt: skip
+                         tuple(sorted(kwargs.items())), ((gmm_kernel(), (steps,)),))  # fmt: skip
         name = (f"tokamax ragged_dot {m}x{k} @ {len(groups)}x{rhs.shape[1]}x{rhs.shape[2]}, "
                 f"tiles {config['tile_m']}/{config['tile_k']}/{config['tile_n']}")  # fmt: skip
         found.append(CalibrationPoint(name, ref, seconds, source(generation, op), "device",
@@ -216,4 +231,33 @@ def flash_attention_points(generation: str) -> list[CalibrationPoint]:
         role = _role(generation, key, call)
         found.append(CalibrationPoint(name, ref, seconds, source(generation, FLASH_ATTENTION),
                                       "device", role, kind=ATTENTION))  # fmt: skip
+    return found
+
+
+def flash_attention_vjp_program(call: Mapping[str, Any], config: Mapping[str, Any],
+                                causal: bool) -> ProgramRef:  # fmt: skip
+    """tokamax's flash attention backward on a VJP key's residuals, output, cotangent, q, k
+    and v at ``config`` (`calibration_programs.tokamax_flash_attention_vjp`)."""
+    kwargs = {"config": json.dumps(config, sort_keys=True), "causal": causal}
+    arrays = (*call["residuals"], call["out"], call["dout"], call["q"], call["k"], call["v"])
+    return ProgramRef(f"{calibration_programs.__name__}:tokamax_flash_attention_vjp",
+                      tuple(array(a) for a in arrays), tuple(sorted(kwargs.items())))  # fmt: skip
+
+
+def flash_attention_vjp_points(generation: str) -> list[CalibrationPoint]:
+    """tokamax's Mosaic TPU flash attention backward at each plain shape (`causal_of`)
+    ``generation``'s VJP data times, in the configuration timed."""
+    found = []
+    for key, call, config, seconds in timed(generation, FLASH_ATTENTION_VJP):
+        causal = causal_of(call)
+        if causal is None or any(array(r) is None for r in call["residuals"]):
+            continue
+        ref = flash_attention_vjp_program(call, config, causal)
+        blocks = "/".join(str(config.get(k)) for k in
+                          ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute"))  # fmt: skip
+        name = (f"tokamax flash attention backward q {call['q']} kv {call['k']}, "
+                f"{'causal' if causal else 'full'}, blocks {blocks}")  # fmt: skip
+        found.append(CalibrationPoint(name, ref, seconds, source(generation, FLASH_ATTENTION_VJP),
+                                      "device", _role(generation, key, call),
+                                      kind=ATTENTION_BACKWARD))  # fmt: skip
     return found

@@ -304,7 +304,8 @@ def calibrated_latency(row: dict, workload: Workload, target: Target) -> dict | 
 
     Every row is attention: unless its memory time outlasts its compute (decoding) it takes
     the band of timed attention kernels (``attention forward``; the backward's too, as no
-    generation we calibrate on times a backward kernel), not the band of matmuls."""
+    generation whose coefficients are fitted times a backward kernel: only v7x does, and it
+    is validated only), not the band of matmuls."""
     figures = row["figures"]
     compute = figures["compute_seconds"]
     if compute["source"] != "static":

@@ -18,6 +18,8 @@ KIND_MEANINGS = {
     "(an upper bound)",
     "attention forward": "flash attention forward kernels, causal or not, with or without "
     "residuals (tokamax's timed keys)",
+    "attention backward": "flash attention backward kernels from the forward's residuals, causal "
+    "or not (tokamax's timed VJP keys)",
     "train step": "a whole training step over a slice (collectives by the ICI model)",
     "serving run": "a serving run over a slice: its prefill, insert and decode programs",
 }
@@ -70,12 +72,16 @@ def section(found: Mapping[str, Any], heading: str = "##") -> list[str]:
     """The calibration section: coefficients, bands per kind, the points."""
     c = found["coefficients"]
     versions = found["versions"]
+    donor = found.get("coefficients_from")
+    how = (f"taken from {donor}'s calibration, none fitted on {found['generation']} (every "
+           "point is held out: the table shows how the model carries to a generation it "
+           "never saw)" if donor else "fitted (non-negative least squares on the relative "
+           "error) on the points marked *fit* and only held against the others")  # fmt: skip
     intro = (
         f"The static estimate held against every published TPU {found['generation']} "
         f"measurement whose program this installation compiles (jax {versions.get('jax')}, "
         f"libtpu {versions.get('libtpu')}, analysis {found['analysis']}). The calibration "
-        "charges what the schedule misses, fitted (non-negative least squares on the relative "
-        "error) on the points marked *fit* and only held against the others: "
+        f"charges what the schedule misses, {how}: "
         f"device time = {c['static_factor']:.4f} x static + {c['step_seconds'] * 1e6:.3f} µs "
         f"per Pallas grid step + {c['fill_factor']:.3f} x the first block's copies; a program "
         f"timed from the host adds {c['host_call_seconds'] * 1e6:.1f} µs per call. A kind's "
