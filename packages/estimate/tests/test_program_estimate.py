@@ -201,3 +201,11 @@ def test_a_worker_compiles_pallas_flash_kernels_as_mosaic(tmp_path) -> None:
     assert env["PALLAS_FLASH_INTERPRET"] == "0"
     assert env["LIBTPU_INIT_ARGS"].startswith("--x --xla_jf_dump_to=")
     assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
+    assert "PALLAS_FLASH_TPU" not in env
+
+
+def test_a_worker_sizes_pallas_flash_kernels_for_the_target_s_generation(tmp_path) -> None:
+    """estimate_program on v7x compiles Pallas-Flash's kernels at v7x's block sizes (its
+    64 MiB of VMEM), not at v5e's, which the kernels assume off a TPU."""
+    env = worker.dump_env(tmp_path, {"PALLAS_FLASH_TPU": "v5e"}, generation="v7x")
+    assert env["PALLAS_FLASH_TPU"] == "v7x"

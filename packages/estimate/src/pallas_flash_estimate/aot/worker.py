@@ -30,16 +30,21 @@ RESULT_PREFIX = "PALLAS_FLASH_ESTIMATE_RESULT "
 workers prints its lines the same way."""
 
 
-def dump_env(dump_dir: pathlib.Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+def dump_env(
+    dump_dir: pathlib.Path, env: Mapping[str, str] | None = None, generation: str | None = None
+) -> dict[str, str]:
     """``env`` (default: this process's) for a worker whose libtpu writes its LLO dump to
     ``dump_dir`` (the passes the estimate reads: `read.dump_files.dump_flags`); several such
     workers may run at once (libtpu's lock file would refuse all but one). Pallas-Flash's
     kernels are emitted as Mosaic (``PALLAS_FLASH_INTERPRET=0``): on a host without a TPU
-    they would otherwise trace as the interpreter's XLA ops, not the kernel the TPU runs."""
+    they would otherwise trace as the interpreter's XLA ops, not the kernel the TPU runs;
+    with ``generation``, they are sized for it (``PALLAS_FLASH_TPU``), not for v5e, the
+    generation they assume off a TPU."""
     env = dict(os.environ if env is None else env)
     flags = f"{env.get('LIBTPU_INIT_ARGS', '')} {dump_files.dump_flags(dump_dir)}".strip()
-    return env | {"LIBTPU_INIT_ARGS": flags, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-                  "PALLAS_FLASH_INTERPRET": "0"}  # fmt: skip
+    sized = {} if generation is None else {"PALLAS_FLASH_TPU": generation}
+    return env | sized | {"LIBTPU_INIT_ARGS": flags, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+                          "PALLAS_FLASH_INTERPRET": "0"}  # fmt: skip
 
 
 def run(ref: ProgramRef, target: Target) -> dict:
@@ -48,7 +53,7 @@ def run(ref: ProgramRef, target: Target) -> dict:
     with tempfile.TemporaryDirectory(prefix="pallas-flash-estimate-") as scratch:
         job, dump = pathlib.Path(scratch) / "job.json", pathlib.Path(scratch) / "dump"
         job.write_text(json.dumps({"program": ref.to_json(), "target": target.to_json()}))
-        env = dump_env(dump)
+        env = dump_env(dump, generation=target.generation)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         args = [sys.executable, "-m", "pallas_flash_estimate.aot.worker", str(job), str(dump)]
         done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
