@@ -3,6 +3,8 @@ sequence lengths, and the VMEM-fit check."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from pallas_flash_pallas import BlockSizes, PallasBackend, flash_backward, flash
 from pallas_flash_pallas.blocks.block_sizes import (
     backward_vmem_bytes,
     balanced,
+    default_block_sizes,
     forward_vmem_bytes,
     full_block_tiles,
     vmem_limit_bytes,
@@ -156,6 +159,19 @@ def test_generations_with_less_vmem_get_shorter_blocks() -> None:
     assert BlockSizes().for_call(FULL, 8192, 8192, v5p).block_q < 4096
     small = BlockSizes().for_call(CAUSAL, 8192, 8192, v4)
     assert max(small.block_q, small.block_kv, small.backward_block_q) < 2048
+
+
+def test_wide_mxus_take_unmasked_tiles_of_at_least_1024_rows() -> None:
+    """v7x (64 MiB like v5p, 256-wide MXUs like v6e): its unmasked and causal tiles are half
+    its 2048-row blocks, where v5p's 128-wide MXUs keep a quarter; a window keeps its 512."""
+    v5p, v7x = tpu.GENERATIONS["v5p"], tpu.GENERATIONS["v7x"]
+    assert (v5p.mxu_width, v7x.mxu_width, tpu.GENERATIONS["v6e"].mxu_width) == (128, 256, 256)
+    assert v7x.vmem_bytes == v5p.vmem_bytes
+    for spec in (FULL, CAUSAL):
+        assert default_block_sizes(spec, v5p).full_block_compute == 512
+        assert default_block_sizes(spec, v7x).full_block_compute == 1024
+    window = dataclasses.replace(CAUSAL, window=(1024, 0))
+    assert default_block_sizes(window, v7x).full_block_compute == 512
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ class TpuGeneration:
         parallel grid axes between its cores). A v7x chip's two TensorCores are two devices
         without megacore: 1.
       hbm_bytes: HBM of one device (a v7x device holds half its chip's).
+      mxu_width: rows and columns of one MXU (jax's ``tpu_info``: 256 from v6e on).
     """
 
     name: str
@@ -47,6 +48,7 @@ class TpuGeneration:
     vmem_bytes: int
     tensorcores: int
     hbm_bytes: int
+    mxu_width: int = 128
 
 
 GENERATIONS = {
@@ -55,8 +57,8 @@ GENERATIONS = {
         TpuGeneration("v4", ("TPU v4",), 16 * MiB, 2, 32 * GiB),
         TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MiB, 1, 16 * GiB),
         TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 64 * MiB, 2, 95 * GiB),
-        TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 1, 32 * GiB),
-        TpuGeneration("v7x", ("TPU7x", "TPU v7x"), 64 * MiB, 1, 96 * GiB),
+        TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MiB, 1, 32 * GiB, 256),
+        TpuGeneration("v7x", ("TPU7x", "TPU v7x"), 64 * MiB, 1, 96 * GiB, 256),
     )
 }
 """The generations the kernels are sized for, by name."""

@@ -259,9 +259,14 @@ def default_block_sizes(
     - In float32 (32-bit inputs), forward query blocks of at most `FLOAT32_BLOCK_Q` rows.
 
     Every block fits the largest supported call (head_dim 256, float32, segment ids) in the
-    generation's VMEM: at most 8192 rows on v5e and v6e (128 MiB), 2048 on v5p (64 MiB),
-    512 on v4 (16 MiB); tiles of unmasked blocks at most a quarter of that (2048 on v5e and
-    v6e, 512 on v5p, 128 on v4).
+    generation's VMEM: at most 8192 rows on v5e and v6e (128 MiB), 2048 on v5p and v7x (64
+    MiB), 512 on v4 (16 MiB); tiles of unmasked blocks at most a quarter of that (2048 on v5e
+    and v6e, 512 on v5p, 128 on v4), but at least `WIDE_MXU_TILE` rows where the block
+    allows on 256-wide MXUs (v7x: 1024, half its block; the tile's weights serve twice the
+    rows per push). Static v7x against the quarter's 512: 1.2 to 9 % faster at every shape
+    tried (forward N=16384, 16 heads of 128: 6.03 -> 5.43 ms; causal 3.09 -> 2.86 ms; 32
+    heads of 64 at N=8192: 6.15 -> 5.58 ms; 8 heads of 256: 2.93 -> 2.88 ms; N=1024 batch 16
+    equal); on v5p's 128-wide MXUs within 1.3 % either way, so v5p keeps its quarter.
     """
     compute, tile = 256, 1024
     if spec.window is not None:
@@ -276,6 +281,9 @@ def default_block_sizes(
         block_q = min(block_q, FLOAT32_BLOCK_Q)
     longest = _longest_block(generation)
     backward = min(1024, longest)
+    widest_tile = longest // 4
+    if generation.mxu_width >= 256:
+        widest_tile = max(widest_tile, min(WIDE_MXU_TILE, longest // 2))
     return BlockSizes(
         min(block_q, longest),
         min(block_kv, longest),
@@ -283,8 +291,13 @@ def default_block_sizes(
         backward,
         backward,
         256,
-        full_block_compute=min(tile, longest // 4),
+        full_block_compute=min(tile, widest_tile),
     )
+
+
+WIDE_MXU_TILE = 1024
+"""The least tile of an unmasked block on 256-wide MXUs where the block holds two
+(`default_block_sizes`)."""
 
 
 BIAS_BLOCK_Q = 2048
