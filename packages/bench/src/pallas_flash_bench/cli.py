@@ -86,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--against-tokamax",
         action="store_true",
-        help="only our pallas forward beside tokamax's kernel at every shape tokamax timed on "
-        "the target's generation (comparison.json, .md; tokamax needed)",
+        help="only our pallas kernels beside tokamax's at every shape tokamax timed on the "
+        "target's generation, forward and, where timed, backward (comparison.json, .md; "
+        "tokamax needed)",
     )
     bench.add_argument(
         "--all-layouts",
@@ -204,7 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     readme.add_argument(
         "--against-tokamax", type=pathlib.Path, action="append",
         help="a `pallas-flash bench --against-tokamax` run's comparison.json (once per "
-        "generation): rewrite the docs' tokamax page (tokamax.md under --docs) from them",
+        "generation): rewrite the docs' tokamax page (tokamax.md under --docs) and the "
+        "README's summary of it from them",
     )  # fmt: skip
     readme.add_argument(
         "--page", type=pathlib.Path, default=pathlib.Path("docs/calibration.md"),
@@ -446,7 +448,11 @@ def _readme(args: argparse.Namespace) -> int:
         page = args.docs / "tokamax.md"
         readme.update_page_block(page, readme.render_tokamax_block(runs), readme.TOKAMAX_BEGIN,
                                  readme.TOKAMAX_END)  # fmt: skip
-        print(f"{page}: rewritten from {' and '.join(map(str, args.against_tokamax))}")
+        readme.update_page_block(args.readme, readme.render_tokamax_summary(runs),
+                                 readme.TOKAMAX_SUMMARY_BEGIN,
+                                 readme.TOKAMAX_SUMMARY_END)  # fmt: skip
+        print(f"{page} and {args.readme}: rewritten from "
+              f"{' and '.join(map(str, args.against_tokamax))}")  # fmt: skip
         return 0
     results = None if args.only_models else json.loads(args.results.read_text())
     models = None if args.models is None else json.loads(args.models.read_text())

@@ -189,6 +189,17 @@ def render_tokamax_block(comparisons: Sequence[Mapping[str, Any]]) -> str:
     return _block(TOKAMAX_BEGIN, TOKAMAX_END, lines)
 
 
+TOKAMAX_SUMMARY_BEGIN = "<!-- pallas-flash against tokamax summary: begin -->"
+TOKAMAX_SUMMARY_END = "<!-- pallas-flash against tokamax summary: end -->"
+
+
+def render_tokamax_summary(comparisons: Sequence[Mapping[str, Any]]) -> str:
+    """The README's block (markers included): each generation's comparison with tokamax
+    counted by pass and verdict (`tokamax_comparison.summary`)."""
+    return _block(TOKAMAX_SUMMARY_BEGIN, TOKAMAX_SUMMARY_END,
+                  [*tokamax_comparison.summary(comparisons), ""])  # fmt: skip
+
+
 def _block(begin: str, end: str, lines: Sequence[str]) -> str:
     """A generated block of a docs page: its markers around ``lines``."""
     return "\n".join([begin, "", *lines, end]) + "\n"
