@@ -93,6 +93,7 @@ def test_bands_are_the_largest_error_of_each_kind_and_none_without_a_point() -> 
     bands = calibration.bands(table)
     assert bands["MXU-bound"]["band"] == pytest.approx(0.05)
     assert bands["MXU-bound"]["held_out"] == pytest.approx(0.05)
+    assert bands["MXU-bound"]["fit"] == pytest.approx(0.02)
     assert bands["MXU-bound"]["points"] == 2
     assert bands["memory-bound"]["band"] is None
     found = {"bands": bands}

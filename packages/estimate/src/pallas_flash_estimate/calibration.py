@@ -194,16 +194,19 @@ def calibrate_points(
 
 def bands(table: Sequence[Mapping]) -> dict[str, dict[str, float | int | None]]:
     """Per kind (`KINDS`): ``band``, the largest relative error of the calibrated time over
-    its points; ``held_out``, the same over its validation points only; ``points``, how
-    many; ``static_ratio``, the least and most static/measured (the raw estimate's error)."""
+    its points; ``fit`` and ``held_out``, the same over its fitted and its validation points
+    only; ``points``, how many; ``static_ratio``, the least and most static/measured (the
+    raw estimate's error)."""
     out: dict[str, dict[str, float | int | None]] = {}
     for name in KINDS:
         mine = [p for p in table if p["kind"] == name]
         errors = [abs(p["calibrated_ratio"] - 1) for p in mine]
+        fit = [abs(p["calibrated_ratio"] - 1) for p in mine if p["role"] == "fit"]
         held = [abs(p["calibrated_ratio"] - 1) for p in mine if p["role"] == "validate"]
         ratios = [p["static_ratio"] for p in mine]
-        out[name] = {"band": max(errors, default=None), "held_out": max(held, default=None),
-                     "points": len(mine), "static_ratio_min": min(ratios, default=None),
+        out[name] = {"band": max(errors, default=None), "fit": max(fit, default=None),
+                     "held_out": max(held, default=None), "points": len(mine),
+                     "static_ratio_min": min(ratios, default=None),
                      "static_ratio_max": max(ratios, default=None)}  # fmt: skip
     return out
 

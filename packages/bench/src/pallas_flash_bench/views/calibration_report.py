@@ -38,17 +38,20 @@ def _ratio(low: float | None, high: float | None) -> str:
     return "—" if low is None else f"{low:.3f} to {high:.3f}"
 
 
-def _bands_table(found: Mapping[str, Any]) -> list[str]:
-    """Each kind's band; a kind whose band another generation's points give (`calibration.load`:
-    v5e's attention, from v5p's) says so."""
+def _bands_table(found: Mapping[str, Any], by_role: bool = False) -> list[str]:
+    """Each kind's band, and its held-out points' (with ``by_role`` its fitted points' too); a
+    kind whose band another generation's points give (`calibration.load`: v5e's attention,
+    from v5p's) says so."""
     bands = []
     for name, b in found["bands"].items():
         meaning = KIND_MEANINGS[name]
         if "generation" in b:
             meaning += f" (**{b['generation']}'s** points and band: same MXUs)"
-        bands.append([name, meaning, b["points"], _band(b["band"]), _band(b["held_out"]),
+        fit = [_band(b["fit"])] if by_role else []
+        bands.append([name, meaning, b["points"], _band(b["band"]), *fit, _band(b["held_out"]),
                       _ratio(b["static_ratio_min"], b["static_ratio_max"])])  # fmt: skip
-    return markdown_table(("Kind", "What it is", "Points", "Band", "Band, held-out points",
+    fit = ["Band, fit points"] if by_role else []
+    return markdown_table(("Kind", "What it is", "Points", "Band", *fit, "Band, held-out points",
                            "Static / measured"), bands)  # fmt: skip
 
 
@@ -96,7 +99,7 @@ def section(found: Mapping[str, Any], heading: str = "##") -> list[str]:
     ]  # fmt: skip
     sources = sorted({p["source"] for p in found["points"]})
     lines = [f"{heading} {found['generation']}: against published measurements", "", intro, ""]
-    lines += _bands_table(found)
+    lines += _bands_table(found, by_role=True)
     lines += ["", *markdown_table(("Program", "Role", "Timed", "Kind", "Measured", "Static",
                                    "Static / measured", "Calibrated", "Calibrated / measured"),
                                   points)]  # fmt: skip
