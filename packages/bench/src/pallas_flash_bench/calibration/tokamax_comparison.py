@@ -40,6 +40,8 @@ from pallas_flash_estimate.targets import Target
 PASSES = {calibration.ATTENTION: "forward", calibration.ATTENTION_BACKWARD: "backward"}
 """The pass of a point's kind."""
 
+VERDICTS = ("ahead", "level", "behind", "unknown")
+
 
 def _ours_layout(a: ArraySpec) -> ArraySpec:
     """tokamax's ``[batch, seq, heads, dim]`` as ours, ``[batch, heads, seq, dim]``."""
@@ -125,8 +127,7 @@ def _time(figures: Mapping[str, Any] | None, name: str) -> str:
 
 def section(found: Mapping[str, Any], heading: str = "###") -> list[str]:
     """A generation's comparison as Markdown: one row per shape, and the verdicts' count."""
-    counts = {v: sum(s["verdict"].startswith(v) for s in found["shapes"])
-              for v in ("ahead", "level", "behind", "unknown")}  # fmt: skip
+    counts = {v: sum(s["verdict"].startswith(v) for s in found["shapes"]) for v in VERDICTS}
     summary = ", ".join(f"{v} on {n}" for v, n in counts.items() if n)
     versions = found["versions"]
     passes = sorted({s["pass"] for s in found["shapes"]}, key=list(PASSES.values()).index)
@@ -148,9 +149,6 @@ def section(found: Mapping[str, Any], heading: str = "###") -> list[str]:
     header = ("pass", "q (tokamax's layout)", "k", "mask", "tokamax measured",
               "tokamax calibrated", "ours calibrated", "speed-up", "verdict")  # fmt: skip
     return [*lines, *markdown_table(header, rows), ""]
-
-
-VERDICTS = ("ahead", "level", "behind", "unknown")
 
 
 def summary_rows(found: Mapping[str, Any]) -> list[list[str]]:
