@@ -113,12 +113,9 @@ def from_analysis(result: Mapping, ref: ProgramRef, target: Target) -> ProgramEs
     e = result["estimate"]
     if e.get("kernels_of_unknown_grid"):
         raise UnknownGridError(ref.label, e["kernels_of_unknown_grid"])
-    refused = list(e.get("implausible_ops", ()))
-    floor = (result.get("flops") or 0.0) / target.peak_flops
-    if e["step_seconds_scheduled"] < sanity.FLOOR_SHARE * floor:
-        refused.append(f"the program: estimated {e['step_seconds_scheduled'] * 1e3:.4g} ms, under "
-                       f"{sanity.FLOOR_SHARE:g} of its {result['flops']:.4g} flops at peak "
-                       f"({floor * 1e3:.4g} ms)")  # fmt: skip
+    whole = sanity.implausible("the program", e["step_seconds_scheduled"], None,
+                               result.get("flops"), target.peak_flops)  # fmt: skip
+    refused = [*e.get("implausible_ops", ()), *([whole] if whole else [])]
     if refused:
         raise ImplausibleEstimateError(ref.label, refused)
     notes = list(result["notes"])

@@ -40,8 +40,9 @@ def implausible(
     peak_flops: float,
 ) -> str | None:
     """Why one run of op ``name`` cannot take ``static_seconds`` (its busiest MXU busy
-    ``mxu_seconds``) when it does ``flops`` (None or 0: not declared, nothing to hold it
-    to); None when it can."""
+    ``mxu_seconds``) when it does ``flops`` (a kernel's ``cost_estimate``, or for a whole
+    program XLA's count, which takes its kernels' from theirs; None or 0: not declared,
+    nothing to hold it to); None when it can."""
     if not flops:
         return None
     floor = flops / peak_flops
